@@ -1,0 +1,117 @@
+"""Command line: parse arguments, build frozen configs, call one entry point per command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from shardline.config import WEIGHTS, ExportConfig, RunConfig, SamplingConfig
+from shardline.errors import ShardlineError
+
+DEFAULT_STAGES = 2
+DEFAULT_WEIGHTS = "gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SHARDLINE_CACHE", Path.home() / ".cache" / "shardline"))
+
+
+def default_shards(progress: bool = True) -> Path:
+    """The embedded default model's shards, exported on first use and cached."""
+    from shardline.export.exporter import export
+
+    folder = cache_dir() / f"smollm2-135m-{DEFAULT_WEIGHTS}-{DEFAULT_STAGES}stages"
+    if not (folder / "manifest.json").is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        print(f"preparing the default model's shards in {folder} (first run only)", file=sys.stderr)
+        export(ExportConfig(out=folder, stages=DEFAULT_STAGES, weights=DEFAULT_WEIGHTS, progress=progress))
+    return folder
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardline", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("export", help="split a model into per-stage OpenVINO shards")
+    e.add_argument("--model", type=Path, help="GGUF file or Hugging Face folder (default: SmolLM2-135M)")
+    split = e.add_mutually_exclusive_group(required=True)
+    split.add_argument("--stages", type=int, help="number of stages, split evenly")
+    split.add_argument("--layers", help="explicit layer ranges, e.g. 0-9,10-19,20-29")
+    e.add_argument("--weights", choices=WEIGHTS, default="int8")
+    e.add_argument("--group-size", type=int, default=64, help="int4 group size (must divide hidden size)")
+    e.add_argument("--no-isolate", action="store_true", help="export all stages in this process")
+    e.add_argument("--out", type=Path, required=True)
+
+    i = sub.add_parser("inspect", help="print a shard folder's manifest and verify every checksum")
+    i.add_argument("folder", type=Path)
+
+    g = sub.add_parser("generate", help="generate an answer with all stages in this process")
+    g.add_argument("prompt")
+    g.add_argument("--shards", type=Path, help="export folder (default: the embedded model, cached)")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--raw", action="store_true", help="no chat template: continue the text as given")
+    g.add_argument("--device", default="CPU", help="OpenVINO device name (CPU, GPU, NPU, ...)")
+    g.add_argument("--exact", action="store_true", help="f32 compute and KV cache")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "export":
+            return _export(args)
+        if args.command == "inspect":
+            from shardline.export.inspect import inspect
+
+            print(inspect(args.folder))
+            return 0
+        return _generate(args)
+    except ShardlineError as e:
+        print(f"shardline: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _export(args: argparse.Namespace) -> int:
+    from shardline.export.exporter import export
+
+    cfg = ExportConfig(
+        out=args.out, model=args.model, stages=args.stages, layers=args.layers, weights=args.weights,
+        group_size=args.group_size, isolate=not args.no_isolate,
+    )
+    out = export(cfg)
+    print(out)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from shardline.decoding.generate import generate
+    from shardline.model.tokenizer import ChatTokenizer, StreamDecoder
+    from shardline.pipeline.local import LocalPipeline
+
+    sampling = SamplingConfig(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed,
+    )
+    run = RunConfig(device=args.device, precision="exact" if args.exact else "fast")
+    folder = args.shards or default_shards()
+    tok = ChatTokenizer(folder)
+    pipe = LocalPipeline(folder, run)
+    prompt = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])
+    out = StreamDecoder(tok)
+    for token in generate(pipe, prompt, sampling, tok.stop_ids, pipe.manifest.arch.max_context):
+        sys.stdout.write(out.push(token))
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Frozen, validated configuration. Built in one place: the CLI (tests build them directly)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardline.errors import ShardlineError
+
+WEIGHTS = ("fp32", "fp16", "int8", "int4", "gguf")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    out: Path
+    model: Path | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
+    stages: int | None = None
+    layers: str | None = None  # explicit split "0-9,10-19,20-29"
+    weights: str = "int8"
+    group_size: int = 64  # int4 only; must divide the hidden size
+    isolate: bool = True  # export each stage in its own process (memory per stage, measured)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.stages is None) == (self.layers is None):
+            raise ShardlineError("give exactly one of --stages N or --layers A-B,C-D,...")
+        if self.weights not in WEIGHTS:
+            raise ShardlineError(f"--weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.group_size < 1:
+            raise ShardlineError("--group-size must be positive")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    device: str = "CPU"
+    # "exact" forces f32 compute and an f32 KV cache (bit-comparable with a reference);
+    # "fast" keeps the plugin's defaults (bf16 compute where supported, u8 KV cache on CPU).
+    precision: str = "fast"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("exact", "fast"):
+            raise ShardlineError(f"precision must be 'exact' or 'fast', got {self.precision!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ShardlineError("--threads must be positive")
+
+    def ov_properties(self) -> dict[str, str]:
+        props: dict[str, str] = {}
+        if self.precision == "exact":
+            props |= {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+        if self.threads:
+            props["INFERENCE_NUM_THREADS"] = str(self.threads)
+        return props
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ShardlineError("max tokens must be at least 1")
+        if self.temperature < 0:
+            raise ShardlineError("temperature must be >= 0")
+        if self.top_k < 0:
+            raise ShardlineError("top-k must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ShardlineError("top-p must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,129 @@
+"""`shardline export`: model -> per-stage stateful OpenVINO IRs + tokenizer + manifest.
+
+Each stage is built from only its own tensors, optionally in its own process so that its peak
+memory is the stage's, not the model's (and is measured). The folder is written under a
+temporary name and renamed only once complete, so a folder named like the target is never
+a partial export.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import shutil
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import openvino as ov
+
+import shardline
+from shardline.config import ExportConfig
+from shardline.errors import ShardlineError
+from shardline.export.compress import check_group_size, compress
+from shardline.export.graph import build_stage
+from shardline.export.manifest import MANIFEST, Manifest, PortSpec, StageEntry, hash_files
+from shardline.export.plan import StagePlan, even_split, parse_layers
+from shardline.export.stateful import make_stateful
+from shardline.export.weights import Weights
+from shardline.model.source import open_source, source_sha256
+
+
+def plan_for(cfg: ExportConfig, n_layers: int) -> list[StagePlan]:
+    if cfg.layers is not None:
+        return parse_layers(cfg.layers, n_layers)
+    assert cfg.stages is not None
+    return even_split(n_layers, cfg.stages)
+
+
+def export(cfg: ExportConfig) -> Path:
+    source = open_source(cfg.model)
+    arch = source.arch
+    plans = plan_for(cfg, arch.n_layers)
+    if cfg.weights == "int4":
+        check_group_size(arch.hidden, arch.intermediate, cfg.group_size)
+    out = cfg.out.resolve()
+    if out.exists():
+        raise ShardlineError(f"output folder already exists: {out} (remove it or choose another --out)")
+    tmp = _make_temp(out)
+    try:
+        entries = _export_stages(cfg, source.path, plans, tmp)
+        source.tokenizer_files(tmp)
+        manifest = Manifest(
+            source={"path": str(source.path), "format": source.format, "sha256": source_sha256(source.path)},
+            arch=arch,
+            weights=cfg.weights,
+            group_size=cfg.group_size if cfg.weights == "int4" else None,
+            stages=entries,
+            files=hash_files(tmp),
+            versions={"shardline": shardline.__version__, "openvino": ov.get_version(),
+                      "python": sys.version.split()[0]},
+        )
+        (tmp / MANIFEST).write_text(manifest.to_json())
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _make_temp(out: Path) -> Path:
+    if not out.parent.exists():
+        raise ShardlineError(f"parent folder of --out does not exist: {out.parent}")
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise ShardlineError(f"cannot write to {out.parent}: {e.strerror}") from None
+    return tmp
+
+
+def _export_stages(cfg: ExportConfig, model: Path, plans: list[StagePlan], tmp: Path) -> list[StageEntry]:
+    from tqdm import tqdm
+
+    jobs = [(model, plan, cfg.weights, cfg.group_size, tmp) for plan in plans]
+    bar = tqdm(total=len(plans), desc="export", unit="stage", disable=not cfg.progress, file=sys.stderr)
+    entries = []
+    if cfg.isolate:
+        # One fresh process per stage: its peak RSS is this stage's alone.
+        ctx = get_context("spawn")
+        with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
+            for entry in pool.map(_export_one_star, jobs):
+                entries.append(entry)
+                bar.update()
+    else:
+        for job in jobs:
+            entries.append(_export_one(*job))
+            bar.update()
+    bar.close()
+    return entries
+
+
+def _export_one_star(job: tuple[Path, StagePlan, str, int, Path]) -> StageEntry:
+    return _export_one(*job)
+
+
+def _export_one(model: Path, plan: StagePlan, weights: str, group_size: int, tmp: Path) -> StageEntry:
+    source = open_source(model)
+    graph = make_stateful(build_stage(source.arch, plan, Weights(source, weights)))
+    graph = compress(graph, weights, group_size)
+    xml = tmp / f"{plan.name}.xml"
+    ov.save_model(graph, xml, compress_to_fp16=False)
+    entry = StageEntry(
+        index=plan.index, first_layer=plan.first, last_layer=plan.last,
+        has_embedding=plan.has_embedding, has_head=plan.has_head,
+        xml=xml.name, bin=xml.with_suffix(".bin").name,
+        inputs=[_port(p) for p in graph.inputs], outputs=[_port(p) for p in graph.outputs],
+        state=sorted(s.get_variable_id() for s in graph.get_sinks()),
+        export_peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    )
+    del graph, source
+    gc.collect()
+    return entry
+
+
+def _port(p: ov.Output) -> PortSpec:
+    shape = [d.get_length() if d.is_static else None for d in p.get_partial_shape()]
+    return PortSpec(p.get_any_name(), p.get_element_type().get_type_name(), shape)

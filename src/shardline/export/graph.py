@@ -1,0 +1,175 @@
+"""Build one stage's stateless OpenVINO graph: past KV in, present KV out.
+
+The graph knows nothing about distribution: a stage is the model restricted to a layer range,
+plus the embedding (stage 0) or the final norm and lm_head (last stage). `stateful.py` turns
+the past/present pairs into in-graph state afterwards.
+
+Inputs (B = batch, T = new tokens, S = physical cache length after this step):
+- input_ids [B, T] i64 (stage 0) or hidden_states [B, T, hidden] f32;
+- attention_mask [B, S] i64 over the *physical* cache plus the new tokens: 1 = attend,
+  0 = never attend (a masked slot, e.g. a rejected draft, stays 0 for ever);
+- position_ids [B, T] i64: the *logical* positions that drive RoPE (they step back after a
+  rewind while the physical cache only grows);
+- past.{l}.key / past.{l}.value [B, kv_heads, S - T, head_dim] f32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+import openvino.opset15 as ops
+
+from shardline.export.plan import StagePlan
+from shardline.export.weights import Weights
+from shardline.model.arch import Arch
+from shardline.model.source import layer_names
+
+_NEG = float(np.finfo(np.float32).min)
+
+
+def _i64(*values: int) -> ov.Node:
+    return ops.constant(np.array(values, dtype=np.int64))
+
+
+def inv_freq(arch: Arch) -> np.ndarray:
+    """RoPE inverse frequencies, with Llama 3 frequency scaling when the model uses it."""
+    d = arch.head_dim
+    freq = 1.0 / (arch.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    s = arch.rope_llama3
+    if s:
+        low_wl = s["original_max_position_embeddings"] / s["low_freq_factor"]
+        high_wl = s["original_max_position_embeddings"] / s["high_freq_factor"]
+        wl = 2 * np.pi / freq
+        smooth = (s["original_max_position_embeddings"] / wl - s["low_freq_factor"]) / (
+            s["high_freq_factor"] - s["low_freq_factor"]
+        )
+        mid = (1 - smooth) * freq / s["factor"] + smooth * freq
+        freq = np.where(wl > low_wl, freq / s["factor"], np.where(wl < high_wl, freq, mid))
+    return freq.astype(np.float32)
+
+
+class _Builder:
+    def __init__(self, arch: Arch, plan: StagePlan, w: Weights) -> None:
+        self.a, self.plan, self.w = arch, plan, w
+        self.params: list[ov.Node] = []
+        self.results: list[ov.Node] = []
+
+    def param(self, name: str, dtype: ov.Type, shape: list[int]) -> ov.Node:
+        p = ops.parameter(ov.PartialShape(shape), dtype, name=name)
+        p.output(0).set_names({name})
+        self.params.append(p)
+        return p
+
+    def result(self, value: ov.Output, name: str) -> None:
+        r = ops.result(value, name=name)
+        r.output(0).set_names({name})
+        self.results.append(r)
+
+    def linear(self, x: ov.Output, name: str) -> ov.Output:
+        y = ops.matmul(x, self.w.matrix(name + ".weight"), False, True)
+        if self.a.qkv_bias and name.split(".")[-1] in ("q_proj", "k_proj", "v_proj"):
+            y = ops.add(y, self.w.vector(name + ".bias"))
+        return y.output(0)
+
+    def rms(self, x: ov.Output, name: str) -> ov.Output:
+        var = ops.reduce_mean(ops.multiply(x, x), _i64(-1), True)
+        inv = ops.divide(np.float32(1.0), ops.sqrt(ops.add(var, np.float32(self.a.rms_eps))))
+        return ops.multiply(ops.multiply(x, inv), self.w.vector(name)).output(0)
+
+    def rope_tables(self, position_ids: ov.Output) -> tuple[ov.Output, ov.Output]:
+        pos = ops.unsqueeze(ops.convert(position_ids, ov.Type.f32), _i64(-1))
+        freqs = ops.multiply(pos, ops.constant(inv_freq(self.a)))  # [B, T, D/2]
+        emb = ops.concat([freqs, freqs], -1)
+        return (ops.unsqueeze(ops.cos(emb), _i64(1)).output(0), ops.unsqueeze(ops.sin(emb), _i64(1)).output(0))
+
+    def rope(self, x: ov.Output, cos: ov.Output, sin: ov.Output) -> ov.Output:
+        half = self.a.head_dim // 2
+        x1, x2 = ops.variadic_split(x, _i64(-1), _i64(half, half)).outputs()
+        rotated = ops.concat([ops.negative(x2), x1], -1)
+        return ops.add(ops.multiply(x, cos), ops.multiply(rotated, sin)).output(0)
+
+    def heads(self, x: ov.Output, n: int) -> ov.Output:
+        """[B, T, n*D] -> [B, n, T, D]."""
+        y = ops.reshape(x, _i64(0, 0, n, self.a.head_dim), True)
+        return ops.transpose(y, _i64(0, 2, 1, 3)).output(0)
+
+    def expand_kv(self, kv: ov.Output) -> ov.Output:
+        """Grouped-query attention: repeat each KV head for its query heads."""
+        g = self.a.group
+        if g == 1:
+            return kv
+        x = ops.unsqueeze(kv, _i64(2))
+        x = ops.broadcast(x, _i64(1, 1, g, 1, 1), broadcast_spec="BIDIRECTIONAL")
+        return ops.reshape(x, _i64(0, self.a.n_heads, -1, self.a.head_dim), True).output(0)
+
+    def mask(self, attention_mask: ov.Output, position_ids: ov.Output) -> ov.Output:
+        """Additive [B, 1, T, S] mask: causal in *physical* slots, and never a slot masked to 0."""
+        one = ops.constant(np.int64(1))
+        s = ops.gather(ops.shape_of(attention_mask), one, np.int64(0))  # scalar
+        t = ops.gather(ops.shape_of(position_ids), one, np.int64(0))
+        keys = ops.range(np.int64(0), s, one, ov.Type.i64)  # [S]
+        queries = ops.range(ops.subtract(s, t), s, one, ov.Type.i64)  # [T]: physical slots of new tokens
+        causal = ops.less_equal(ops.unsqueeze(keys, _i64(0)), ops.unsqueeze(queries, _i64(1)))  # [T, S]
+        keep = ops.not_equal(attention_mask, _i64(0))  # [B, S]
+        allowed = ops.logical_and(ops.unsqueeze(causal, _i64(0, 1)), ops.unsqueeze(keep, _i64(1, 2)))
+        return ops.select(allowed, np.float32(0.0), np.float32(_NEG)).output(0)
+
+    def layer(self, x: ov.Output, i: int, mask: ov.Output, cos: ov.Output, sin: ov.Output) -> ov.Output:
+        a, p = self.a, f"model.layers.{i}."
+        kv_shape = [-1, a.n_kv_heads, -1, a.head_dim]
+        past_k = self.param(f"past.{i}.key", ov.Type.f32, kv_shape)
+        past_v = self.param(f"past.{i}.value", ov.Type.f32, kv_shape)
+        h = self.rms(x, p + "input_layernorm.weight")
+        q = self.rope(self.heads(self.linear(h, p + "self_attn.q_proj"), a.n_heads), cos, sin)
+        k = self.rope(self.heads(self.linear(h, p + "self_attn.k_proj"), a.n_kv_heads), cos, sin)
+        v = self.heads(self.linear(h, p + "self_attn.v_proj"), a.n_kv_heads)
+        k_all = ops.concat([past_k, k], 2).output(0)
+        v_all = ops.concat([past_v, v], 2).output(0)
+        self.result(k_all, f"present.{i}.key")
+        self.result(v_all, f"present.{i}.value")
+        attn = ops.scaled_dot_product_attention(q, self.expand_kv(k_all), self.expand_kv(v_all), mask)
+        attn = ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, a.n_heads * a.head_dim), True)
+        x = ops.add(x, self.linear(attn.output(0), p + "self_attn.o_proj")).output(0)
+        h = self.rms(x, p + "post_attention_layernorm.weight")
+        gate = ops.swish(self.linear(h, p + "mlp.gate_proj"))
+        up = self.linear(h, p + "mlp.up_proj")
+        return ops.add(x, self.linear(ops.multiply(gate, up).output(0), p + "mlp.down_proj")).output(0)
+
+    def build(self) -> ov.Model:
+        a, plan = self.a, self.plan
+        if plan.has_embedding:
+            ids = self.param("input_ids", ov.Type.i64, [-1, -1])
+            x = ops.gather(self.w.matrix("model.embed_tokens.weight"), ids, _i64(0)).output(0)
+        else:
+            x = self.param("hidden_states", ov.Type.f32, [-1, -1, a.hidden]).output(0)
+        attention_mask = self.param("attention_mask", ov.Type.i64, [-1, -1]).output(0)
+        position_ids = self.param("position_ids", ov.Type.i64, [-1, -1]).output(0)
+        mask = self.mask(attention_mask, position_ids)
+        cos, sin = self.rope_tables(position_ids)
+        for i in plan.layers:
+            x = self.layer(x, i, mask, cos, sin)
+        if plan.has_head:
+            head = "model.embed_tokens.weight" if a.tied_embeddings else "lm_head.weight"
+            x = ops.matmul(self.rms(x, "model.norm.weight"), self.w.matrix(head), False, True).output(0)
+            self.result(x, "logits")
+        else:
+            self.result(x, "out_hidden")
+        # Outputs first (logits / hidden), then the present KV pairs in layer order.
+        self.results.insert(0, self.results.pop())
+        return ov.Model(self.results, self.params, plan.name)
+
+
+def build_stage(arch: Arch, plan: StagePlan, weights: Weights) -> ov.Model:
+    return _Builder(arch, plan, weights).build()
+
+
+def stage_tensor_names(arch: Arch, plan: StagePlan) -> list[str]:
+    """Every source tensor a stage reads (for per-stage loading and the manifest)."""
+    names = [n for i in plan.layers for n in layer_names(arch, i)]
+    if plan.has_embedding or (plan.has_head and arch.tied_embeddings):
+        names.append("model.embed_tokens.weight")
+    if plan.has_head:
+        names.append("model.norm.weight")
+        if not arch.tied_embeddings:
+            names.append("lm_head.weight")
+    return names

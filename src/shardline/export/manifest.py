@@ -1,0 +1,116 @@
+"""What a shard folder is: ranges, names, shapes, precision, checksums, versions.
+
+The manifest is the contract between export and run time: a runner trusts nothing in the
+folder that the manifest does not name and hash.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardline.errors import ShardlineError
+from shardline.model.arch import Arch
+from shardline.model.source import file_sha256
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PortSpec:
+    name: str
+    dtype: str
+    shape: list[int | None]  # None = dynamic
+
+
+@dataclass(frozen=True)
+class StageEntry:
+    index: int
+    first_layer: int
+    last_layer: int
+    has_embedding: bool
+    has_head: bool
+    xml: str
+    bin: str
+    inputs: list[PortSpec]
+    outputs: list[PortSpec]
+    state: list[str]
+    export_peak_rss_mb: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"stage{self.index}"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    source: dict[str, str]  # path, format, sha256
+    arch: Arch
+    weights: str
+    group_size: int | None
+    stages: list[StageEntry]
+    files: dict[str, str]  # relative path -> sha256 (every file but the manifest itself)
+    versions: dict[str, str]
+    format_version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_hash(self) -> str:
+        return self.source["sha256"]
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["arch"] = self.arch.to_dict()
+        return json.dumps(d, indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        if d.get("format_version") != FORMAT_VERSION:
+            raise ShardlineError(f"manifest format {d.get('format_version')} is not {FORMAT_VERSION}")
+        stages = []
+        for s in d["stages"]:
+            ins = [PortSpec(**p) for p in s.pop("inputs")]
+            outs = [PortSpec(**p) for p in s.pop("outputs")]
+            stages.append(StageEntry(inputs=ins, outputs=outs, **s))
+        return cls(
+            source=d["source"], arch=Arch.from_dict(d["arch"]), weights=d["weights"],
+            group_size=d.get("group_size"), stages=stages, files=d["files"], versions=d["versions"],
+            format_version=d["format_version"], extra=d.get("extra", {}),
+        )
+
+
+def load_manifest(folder: Path) -> Manifest:
+    path = folder / MANIFEST
+    if not folder.is_dir():
+        raise ShardlineError(f"shard folder does not exist: {folder}")
+    if not path.is_file():
+        raise ShardlineError(f"{folder} is not a shardline export: {MANIFEST} is missing")
+    try:
+        return Manifest.from_dict(json.loads(path.read_text()))
+    except ShardlineError:
+        raise
+    except (ValueError, KeyError, TypeError) as e:
+        raise ShardlineError(f"corrupt manifest {path}: {type(e).__name__}: {e}") from None
+
+
+def hash_files(folder: Path) -> dict[str, str]:
+    return {
+        p.relative_to(folder).as_posix(): file_sha256(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def verify(folder: Path, manifest: Manifest, only: list[str] | None = None) -> None:
+    """Raise on the first missing or altered file (restricted to `only` when given)."""
+    for rel, digest in manifest.files.items():
+        if only is not None and rel not in only:
+            continue
+        p = folder / rel
+        if not p.is_file():
+            raise ShardlineError(f"{folder}: file {rel} named in the manifest is missing")
+        if file_sha256(p) != digest:
+            raise ShardlineError(f"{folder}: checksum mismatch for {rel} (corrupt or modified)")

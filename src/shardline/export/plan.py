@@ -1,0 +1,79 @@
+"""Pure planning: which contiguous layer range each stage owns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardline.errors import ShardlineError
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Stage `index` of `n_stages` owns decoder layers [first, last] (inclusive).
+
+    Ownership invariant: stage 0 also owns the token embedding and the last stage owns the final
+    norm and the lm_head; every other stage is decoder layers only.
+    """
+
+    index: int
+    n_stages: int
+    first: int
+    last: int
+
+    @property
+    def layers(self) -> range:
+        return range(self.first, self.last + 1)
+
+    @property
+    def has_embedding(self) -> bool:
+        return self.index == 0
+
+    @property
+    def has_head(self) -> bool:
+        return self.index == self.n_stages - 1
+
+    @property
+    def name(self) -> str:
+        return f"stage{self.index}"
+
+
+def even_split(n_layers: int, n_stages: int) -> list[StagePlan]:
+    """Split evenly; the remainder goes one layer each to the first stages (as the paper does)."""
+    if n_stages < 1:
+        raise ShardlineError(f"--stages must be at least 1, got {n_stages}")
+    if n_stages > n_layers:
+        raise ShardlineError(f"cannot split {n_layers} layers into {n_stages} stages (more stages than layers)")
+    base, extra = divmod(n_layers, n_stages)
+    ranges, start = [], 0
+    for i in range(n_stages):
+        size = base + (1 if i < extra else 0)
+        ranges.append((start, start + size - 1))
+        start += size
+    return _plans(ranges)
+
+
+def parse_layers(spec: str, n_layers: int) -> list[StagePlan]:
+    """Parse an explicit split such as "0-9,10-19,20-29": contiguous, complete, non-empty."""
+    ranges = []
+    for part in spec.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi if sep else lo)
+        except ValueError:
+            raise ShardlineError(f"bad layer range {part!r} in --layers {spec!r} (expected A-B)") from None
+        if last < first:
+            raise ShardlineError(f"empty layer range {part!r} in --layers {spec!r}")
+        ranges.append((first, last))
+    expect = 0
+    for first, last in ranges:
+        if first != expect:
+            raise ShardlineError(f"--layers {spec!r} is not contiguous: expected a range starting at {expect}")
+        expect = last + 1
+    if expect != n_layers:
+        raise ShardlineError(f"--layers {spec!r} covers layers 0-{expect - 1} but the model has {n_layers}")
+    return _plans(ranges)
+
+
+def _plans(ranges: list[tuple[int, int]]) -> list[StagePlan]:
+    return [StagePlan(i, len(ranges), a, b) for i, (a, b) in enumerate(ranges)]

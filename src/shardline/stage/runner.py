@@ -1,0 +1,53 @@
+"""One compiled shard; one InferRequest (and so one in-graph KV state) per stream."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+
+from shardline.config import RunConfig
+from shardline.errors import ShardlineError
+from shardline.export.manifest import StageEntry
+from shardline.stage.cache import StepInputs
+
+_BEAM = np.zeros(1, dtype=np.int32)  # one sequence per request: the Gather is an identity
+
+
+class StageRunner:
+    def __init__(self, folder: Path, entry: StageEntry, run: RunConfig, core: ov.Core | None = None) -> None:
+        self.entry = entry
+        core = core or ov.Core()
+        try:
+            model = core.read_model(folder / entry.xml)
+            self.compiled = core.compile_model(model, run.device, run.ov_properties())
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ShardlineError(f"cannot load {entry.name} from {folder} on {run.device}: {first}") from None
+        self._input = "input_ids" if entry.has_embedding else "hidden_states"
+        self._out = self.compiled.output(0)
+        self._streams: dict[int, ov.InferRequest] = {}
+
+    def open(self, stream: int) -> None:
+        if stream in self._streams:
+            raise ShardlineError(f"stream {stream} is already open on {self.entry.name}")
+        self._streams[stream] = self.compiled.create_infer_request()
+
+    def close(self, stream: int) -> None:
+        """Drop the stream's request and with it its KV state."""
+        self._streams.pop(stream, None)
+
+    def reset(self, stream: int) -> None:
+        self._streams[stream].reset_state()
+
+    def run(self, stream: int, inputs: StepInputs, hidden: np.ndarray | None = None) -> np.ndarray:
+        """Run one step; returns hidden states [1, T, H] or, on the last stage, logits [1, T, V]."""
+        request = self._streams[stream]
+        x = inputs.input_ids if hidden is None else hidden
+        request.infer(
+            {self._input: x, "attention_mask": inputs.attention_mask,
+             "position_ids": inputs.position_ids, "beam_idx": _BEAM},
+            share_inputs=True,
+        )
+        return request.get_tensor(self._out).data
