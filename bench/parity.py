@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -219,6 +220,37 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
+def print_table(samples: dict[str, list[Sample]], tps: dict[str, float], ttft: dict[str, float],
+                errors: dict[str, str], n: int) -> None:
+    ref = samples["shardline-1stage"][0].tokens if "shardline-1stage" in samples else []
+    print(f"{'system':<22}{'decode tok/s':>14}{'TTFT ms':>10}{'same as 1stage':>16}")
+    for k in samples:
+        same = f"{agree(ref, samples[k][0].tokens)}/{n}" if ref else "-"
+        print(f"{k:<22}{tps[k]:>14.1f}{ttft[k]:>10.1f}{same:>16}")
+    for k, e in errors.items():
+        print(f"{k:<22}  FAILED: {e}")
+
+
+def print_breakdown(samples: dict[str, list[Sample]], n: int) -> dict[str, dict[str, float]]:
+    """Per decode token: time in each stage.run (graph) and everything else (host), medians over reps."""
+    out: dict[str, dict[str, float]] = {}
+    print("\nshardline decode, ms per token: graph (stage.run, per stage) + host (all the rest)")
+    for key, runs in samples.items():
+        if not key.startswith("shardline-"):
+            continue
+        ms = 1e3 / (n - 1)
+        total = statistics.median(x.decode_s for x in runs) * ms
+        graph = [statistics.median(g) * ms for g in zip(*(x.graph_s for x in runs), strict=True)]
+        host = total - sum(graph)
+        parts = {"total": total, "graph": sum(graph), "host": host}
+        parts |= {f"stage{k}": g for k, g in enumerate(graph)}
+        out[key] = {f"{k}_ms": round(v, 3) for k, v in parts.items()}
+        stages = " + ".join(f"{g:.2f}" for g in graph)
+        print(f"{key:<22}total {total:6.2f} = graph {sum(graph):6.2f} ({stages}) + host {host:5.2f}"
+              f" ({100 * host / total:.1f}%)")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", default="int8", choices=("int8", "gguf", "int4", "fp16", "fp32"))
@@ -235,6 +267,10 @@ def main() -> int:
     if n < 2:
         p.error("--tokens must be at least 2")
     args.work.mkdir(parents=True, exist_ok=True)
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cores - args.threads + 0.5:
+        print(f"warning: load average {load:.1f} on {cores} cores: other work will skew the figures "
+              "(llama.cpp's spinning threads suffer most)", file=sys.stderr)
     gguf = default_model_path()
     folders = {s: shard_folder(args.work, args.weights, s) for s in (1, 2, 3)}
     prompt = ChatTokenizer(folders[1]).encode_chat([{"role": "user", "content": PROMPT}])
@@ -269,40 +305,20 @@ def main() -> int:
 
     tps = {k: statistics.median((n - 1) / s.decode_s for s in v) for k, v in samples.items()}
     ttft = {k: statistics.median(s.ttft_s * 1e3 for s in v) for k, v in samples.items()}
-    ref = samples.get("shardline-1stage", [Sample(0, 0, [])])[0].tokens
     print(f"\n{n} new tokens, prompt {len(prompt)} tokens, {args.threads} threads, "
-          f"weights {args.weights}, median of {reps}")
-    print(f"{'system':<22}{'decode tok/s':>14}{'TTFT ms':>10}{'same as 1stage':>16}")
-    for k in samples:
-        print(f"{k:<22}{tps[k]:>14.1f}{ttft[k]:>10.1f}{agree(ref, samples[k][0].tokens):>12}/{n}")
-    for k, e in errors.items():
-        print(f"{k:<22}  FAILED: {e}")
-
-    breakdown: dict[str, dict[str, float]] = {}
-    print("\nshardline decode, ms per token: graph (stage.run, per stage) vs host (all the rest)")
-    for s in folders:
-        key = f"shardline-{s}stage"
-        if key not in samples:
-            continue
-        per_tok = [(x.decode_s / (n - 1), [g / (n - 1) for g in x.graph_s]) for x in samples[key]]
-        total = statistics.median(t for t, _ in per_tok) * 1e3
-        graph = [statistics.median(g[k] for _, g in per_tok) * 1e3 for k in range(s)]
-        host = total - sum(graph)
-        parts = {"total": total, "graph": sum(graph), "host": host}
-        parts |= {f"stage{k}": g for k, g in enumerate(graph)}
-        breakdown[key] = {f"{k}_ms": round(v, 3) for k, v in parts.items()}
-        stages = " + ".join(f"{g:.2f}" for g in graph)
-        print(f"{key:<22}total {total:6.2f} = graph {sum(graph):6.2f} ({stages}) + host {host:5.2f}"
-              f" ({100 * host / total:.1f}%)")
-
+          f"weights {args.weights}, median of {reps}, load average {load:.1f} at start")
+    print_table(samples, tps, ttft, errors, n)
+    breakdown = print_breakdown(samples, n)
     figures = {
         "ratio_1stage_vs_genai_ir": ratio(tps.get("shardline-1stage"), tps.get(ir)),
         "ratio_3stage_vs_1stage": ratio(tps.get("shardline-3stage"), tps.get("shardline-1stage")),
-        "ratio_2stage_vs_1stage": ratio(tps.get("shardline-2stage"), tps.get("shardline-1stage")),
         "ratio_1stage_vs_llamacpp": ratio(tps.get("shardline-1stage"), tps.get("llama.cpp-gguf")),
         "ratio_genai_gguf_vs_llamacpp": ratio(tps.get("genai-gguf"), tps.get("llama.cpp-gguf")),
+        "ratio_2stage_vs_1stage": ratio(tps.get("shardline-2stage"), tps.get("shardline-1stage")),
+        "ratio_genai_ir_vs_llamacpp": ratio(tps.get(ir), tps.get("llama.cpp-gguf")),
         "weights": args.weights, "threads": args.threads, "tokens": n, "reps": reps,
-        "prompt_tokens": len(prompt),
+        "prompt_tokens": len(prompt), "load_avg_1m_at_start": round(load, 2),
+        "llama_extra_bufts": args.llama_extra_bufts,
         "decode_tok_s": {k: round(v, 2) for k, v in tps.items()},
         "ttft_ms": {k: round(v, 2) for k, v in ttft.items()},
         "shardline_breakdown_ms_per_token": breakdown,

@@ -1,0 +1,80 @@
+"""`--weights gguf` keeps the file's own quantized blocks; our dequantization matches the
+gguf package's and transformers' own GGUF loader (which also checks the Q/K un-permutation)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import pytest
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from shardline.config import RunConfig
+from shardline.model.source import default_model_path, open_source
+from shardline.pipeline.local import LocalPipeline
+from tests.conftest import CHAT_PROMPTS
+from tests.helpers import greedy_ours
+
+
+def _raw(name: str) -> tuple[np.ndarray, str]:
+    t = next(t for t in GGUFReader(str(default_model_path())).tensors if t.name == name)
+    return np.asarray(t.data), t.tensor_type.name
+
+
+@pytest.mark.parametrize("hf,gguf_name", [
+    ("model.layers.3.mlp.down_proj.weight", "blk.3.ffn_down.weight"),
+    ("model.layers.3.self_attn.v_proj.weight", "blk.3.attn_v.weight"),
+    ("model.embed_tokens.weight", "token_embd.weight"),
+])
+def test_blocks_dequantize_exactly_like_gguf(hf: str, gguf_name: str) -> None:
+    source = open_source(None)
+    blocks = source.blocks(hf)
+    assert blocks is not None
+    data, kind = _raw(gguf_name)
+    assert blocks.kind == kind
+    expect = dequantize(data, getattr(__import__("gguf").GGMLQuantizationType, kind))
+    np.testing.assert_array_equal(blocks.dequantize(), expect.reshape(blocks.dequantize().shape))
+
+
+def test_exported_codes_and_scales_are_the_files_own(shards: Callable[..., Path]) -> None:
+    folder = shards("gguf", stages=2)
+    model = ov.Core().read_model(folder / "stage0.xml")
+    consts = {op.get_friendly_name(): op for op in model.get_ops() if op.get_type_name() == "Constant"}
+    blocks = open_source(None).blocks("model.layers.3.mlp.down_proj.weight")
+    assert blocks is not None
+    codes = consts["model.layers.3.mlp.down_proj.weight.codes"]
+    assert codes.get_element_type() == ov.Type.u4
+    packed = codes.get_data().view(np.uint8)  # two codes per byte, low nibble first
+    unpacked = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(blocks.q.shape)
+    np.testing.assert_array_equal(unpacked, blocks.q)
+    scale = consts["model.layers.3.mlp.down_proj.weight.scale"]
+    np.testing.assert_array_equal(scale.get_data().reshape(blocks.scale.shape).view(np.uint16),
+                                  blocks.scale.view(np.uint16))
+    emb = consts["model.embed_tokens.weight.codes"]
+    assert emb.get_element_type() == ov.Type.i8  # Q8_0 stays 8-bit
+
+
+def test_q_and_k_unpermuted_like_transformers() -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    ours = open_source(None)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
+                 "model.layers.7.mlp.up_proj.weight", "model.norm.weight"):
+        np.testing.assert_allclose(ours.tensor(name), hf.state_dict()[name].numpy(), atol=1e-6, rtol=0)
+
+
+def test_gguf_weights_n_stages_equal_one_stage(shards: Callable[..., Path]) -> None:
+    one = LocalPipeline(shards("gguf", stages=1), RunConfig(precision="exact"))
+    three = LocalPipeline(shards("gguf", stages=3), RunConfig(precision="exact"))
+    from shardline.model.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer(shards("gguf", stages=1))
+    for text in CHAT_PROMPTS[:3]:
+        prompt = tok.encode_chat([{"role": "user", "content": text}])
+        assert greedy_ours(one, prompt, 32)[0] == greedy_ours(three, prompt, 32)[0]

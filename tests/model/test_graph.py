@@ -1,0 +1,94 @@
+"""The stage graphs: inputs/outputs, stateful KV, and the fused attention-with-KV-cache node."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import pytest
+
+from shardline.config import RunConfig
+from shardline.export.graph import build_stage
+from shardline.export.plan import even_split
+from shardline.export.stateful import make_stateful
+from shardline.export.weights import Weights
+from shardline.model.source import open_source
+from shardline.pipeline.local import LocalPipeline
+from shardline.stage.cache import Decode, Prefill
+
+
+def _attention_nodes(beam_gather: bool) -> list[ov.Node]:
+    source = open_source(None)
+    plan = even_split(source.arch.n_layers, 10)[0]  # 3 layers is enough and quick
+    model = make_stateful(build_stage(source.arch, plan, Weights(source, "fp32")), beam_gather)
+    runtime = ov.Core().compile_model(model, "CPU").get_runtime_model()
+    return [op for op in runtime.get_ops() if op.get_rt_info()["layerType"].astype(str) == "ScaledDotProductAttention"]
+
+
+def test_beam_gather_gives_fused_attention_with_kv_cache() -> None:
+    nodes = _attention_nodes(beam_gather=True)
+    # One fused node per layer; fused with the cache it also outputs the updated K and V.
+    assert len(nodes) == 3
+    assert all(n.get_output_size() == 3 for n in nodes)
+    assert all("kv_cache_precision" in n.get_rt_info() for n in nodes)
+
+
+def test_without_beam_gather_attention_is_not_fused_with_the_cache() -> None:
+    nodes = _attention_nodes(beam_gather=False)
+    assert all(n.get_output_size() == 1 for n in nodes)
+    assert not any("kv_cache_precision" in n.get_rt_info() for n in nodes)
+
+
+def test_manifest_describes_the_stages(shards: Callable[..., Path]) -> None:
+    folder = shards("fp32", stages=3)
+    m = json.loads((folder / "manifest.json").read_text())
+    assert [(s["first_layer"], s["last_layer"]) for s in m["stages"]] == [(0, 9), (10, 19), (20, 29)]
+    first, middle, last = m["stages"]
+    assert [p["name"] for p in first["inputs"]] == ["input_ids", "attention_mask", "position_ids", "beam_idx"]
+    assert [p["name"] for p in middle["inputs"]][0] == "hidden_states"
+    assert middle["inputs"][0]["shape"] == [None, None, 576]
+    assert [p["name"] for p in middle["outputs"]] == ["out_hidden"]
+    assert last["outputs"] == [{"name": "logits", "dtype": "f32", "shape": [None, None, 49152]}]
+    assert len(first["state"]) == 20 and "past.0.key" in first["state"]
+    assert (first["has_embedding"], first["has_head"], last["has_embedding"], last["has_head"]) == (
+        True, False, False, True)
+    assert set(m["files"]) == {"stage0.xml", "stage0.bin", "stage1.xml", "stage1.bin", "stage2.xml",
+                               "stage2.bin", "tokenizer.json", "tokenizer_config.json"}
+    assert m["source"]["format"] == "gguf" and len(m["source"]["sha256"]) == 64
+    assert m["versions"]["openvino"] == ov.get_version()
+
+
+def test_masked_slots_and_logical_positions_keep_the_cache_coherent(shards: Callable[..., Path]) -> None:
+    """A rejected draft: its slot is masked out and the position steps back; the next tokens must
+    come out exactly as if the draft had never been fed."""
+    pipe = LocalPipeline(shards("fp32", stages=2), RunConfig(precision="exact"))
+    prompt = [1, 4093, 198, 19556, 28, 905, 17]
+    clean, dirty = pipe.open(), pipe.open()
+    expect = [pipe.step(clean, Prefill(prompt))[-1]]
+    pipe.step(dirty, Prefill(prompt))
+    pipe.step(dirty, Decode(1234))  # a "draft" that gets rejected
+    pipe.book(dirty).mask_last(1)
+    assert pipe.book(dirty).slots == len(prompt) + 1 and pipe.book(dirty).position == len(prompt)
+    got = [pipe.step(dirty, Decode(int(np.argmax(expect[0]))))[-1]]
+    expect.append(pipe.step(clean, Decode(int(np.argmax(expect[0]))))[-1])
+    np.testing.assert_allclose(got[0], expect[1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("weights", ["fp16", "int8", "int4", "gguf"])
+def test_compressed_precisions_answer_paris(weights: str, shards: Callable[..., Path]) -> None:
+    from shardline.config import SamplingConfig
+    from shardline.decoding.generate import generate
+    from shardline.model.tokenizer import ChatTokenizer
+
+    folder = shards(weights, stages=2)
+    tok = ChatTokenizer(folder)
+    pipe = LocalPipeline(folder)
+    prompt = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    answer = tok.decode(list(generate(pipe, prompt, SamplingConfig(max_tokens=16), tok.stop_ids, 8192)))
+    assert "Paris" in answer
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["weights"] == weights
+    assert manifest["group_size"] == (64 if weights == "int4" else None)

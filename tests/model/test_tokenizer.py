@@ -1,0 +1,56 @@
+"""The rebuilt GGUF tokenizer gives the ids llama.cpp gives for the same file.
+
+Expected ids were produced by llama.cpp (llama-cpp-python 0.3.36, `Llama.tokenize(text,
+add_bos=False, special=True)`) on the embedded SmolLM2-135M-Instruct Q4_1 GGUF.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from shardline.model.tokenizer import ChatTokenizer, StreamDecoder
+
+FRANCE_CHAT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
+               19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+LLAMA_CPP = {
+    "x =  42": [104, 446, 256, 36, 34],
+    "Hello, world! 3.14159 and 2026-11-29": [19556, 28, 905, 17, 216, 35, 30, 33, 36, 33, 37, 41, 284, 216, 34,
+                                             32, 34, 38, 29, 33, 33, 29, 34, 41],
+    "  leading spaces\tand tabs\nnewline": [216, 2899, 5600, 197, 397, 29416, 198, 28160],
+    "naïve café 日本語 🙂": [3546, 46494, 37366, 17097, 241, 115, 40993, 179, 120, 248, 47526],
+    "def f(x):\n    return x**2 + 10": [1604, 275, 24, 104, 727, 472, 1003, 1792, 828, 34, 1232, 216, 33, 32],
+}
+
+
+@pytest.fixture(scope="module")
+def tok(shards: Callable[..., Path]) -> ChatTokenizer:
+    return ChatTokenizer(shards("fp32", stages=1))
+
+
+def test_chat_prompt_is_llama_cpps_37_tokens(tok: ChatTokenizer) -> None:
+    assert tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}]) == FRANCE_CHAT
+
+
+@pytest.mark.parametrize("text", list(LLAMA_CPP))
+def test_plain_text_matches_llama_cpp(tok: ChatTokenizer, text: str) -> None:
+    assert tok.encode(text) == LLAMA_CPP[text]
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_stop_ids_and_template_defaults(tok: ChatTokenizer) -> None:
+    assert tok.eos_id == 2  # <|im_end|>
+    assert 2 in tok.stop_ids
+    assert "You are a helpful AI assistant named SmolLM" in tok.chat_prompt([{"role": "user", "content": "hi"}])
+    custom = tok.chat_prompt([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    assert custom == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_stream_decoder_holds_back_partial_utf8(tok: ChatTokenizer) -> None:
+    ids = tok.encode("café 🙂!")
+    out = StreamDecoder(tok)
+    deltas = [out.push(i) for i in ids]
+    assert "".join(deltas) == "café 🙂!"
+    assert all("\ufffd" not in d for d in deltas)
