@@ -102,8 +102,8 @@ def _generate(args: argparse.Namespace) -> int:
     )
     run = RunConfig(device=args.device, precision="exact" if args.exact else "fast")
     folder = args.shards or default_shards()
+    pipe = LocalPipeline(folder, run)  # validates the folder first
     tok = ChatTokenizer(folder)
-    pipe = LocalPipeline(folder, run)
     prompt = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])
     out = StreamDecoder(tok)
     for token in generate(pipe, prompt, sampling, tok.stop_ids, pipe.manifest.arch.max_context):

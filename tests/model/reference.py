@@ -38,12 +38,14 @@ def reference_model(source: ModelSource):  # type: ignore[no-untyped-def]
     arch = source.arch
     cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
            "qwen2": transformers.Qwen2ForCausalLM}[arch.family]
+    if source.format == "hf":  # transformers reads the folder itself: an independent check of ours
+        return cls.from_pretrained(source.path, attn_implementation="eager", dtype=torch.float32).eval()
     model = cls(_config(arch)).eval()
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     names += [n for i in range(arch.n_layers) for n in layer_names(arch, i)]
     if not arch.tied_embeddings:
         names.append("lm_head.weight")
-    state = {n: torch.from_numpy(np.ascontiguousarray(source.tensor(n))) for n in names}
+    state = {n: torch.from_numpy(np.array(source.tensor(n))) for n in names}
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected, unexpected
     assert all(m == "lm_head.weight" for m in missing), missing

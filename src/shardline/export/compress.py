@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 
 import openvino as ov
 
@@ -23,7 +25,11 @@ def compress(model: ov.Model, weights: str, group_size: int) -> ov.Model:
     import nncf
 
     logging.getLogger("nncf").setLevel(logging.ERROR)
-    if weights == "int8":
-        return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
-    # INT4_SYM as the paper; embedding and lm_head stay int8 (NNCF's default backup).
-    return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=group_size, ratio=1.0)
+    # NNCF draws its own progress bar on stdout; stdout belongs to the command's output.
+    with contextlib.redirect_stdout(sys.stderr):
+        if weights == "int8":
+            return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+        # INT4_SYM as the paper; embedding and lm_head stay int8 (NNCF's default backup).
+        return nncf.compress_weights(
+            model, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=group_size, ratio=1.0
+        )

@@ -49,8 +49,8 @@ def export(cfg: ExportConfig) -> Path:
         raise ShardlineError(f"output folder already exists: {out} (remove it or choose another --out)")
     tmp = _make_temp(out)
     try:
+        source.tokenizer_files(tmp)  # first: cheap, and it fails fast on an incomplete model folder
         entries = _export_stages(cfg, source.path, plans, tmp)
-        source.tokenizer_files(tmp)
         manifest = Manifest(
             source={"path": str(source.path), "format": source.format, "sha256": source_sha256(source.path)},
             arch=arch,
@@ -84,20 +84,19 @@ def _export_stages(cfg: ExportConfig, model: Path, plans: list[StagePlan], tmp: 
     from tqdm import tqdm
 
     jobs = [(model, plan, cfg.weights, cfg.group_size, tmp) for plan in plans]
-    bar = tqdm(total=len(plans), desc="export", unit="stage", disable=not cfg.progress, file=sys.stderr)
     entries = []
-    if cfg.isolate:
-        # One fresh process per stage: its peak RSS is this stage's alone.
-        ctx = get_context("spawn")
-        with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
-            for entry in pool.map(_export_one_star, jobs):
-                entries.append(entry)
+    with tqdm(total=len(plans), desc="export", unit="stage", disable=not cfg.progress, file=sys.stderr) as bar:
+        if cfg.isolate:
+            # One fresh process per stage: its peak RSS is this stage's alone.
+            ctx = get_context("spawn")
+            with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
+                for entry in pool.map(_export_one_star, jobs):
+                    entries.append(entry)
+                    bar.update()
+        else:
+            for job in jobs:
+                entries.append(_export_one(*job))
                 bar.update()
-    else:
-        for job in jobs:
-            entries.append(_export_one(*job))
-            bar.update()
-    bar.close()
     return entries
 
 

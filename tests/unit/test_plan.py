@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import pytest
+
+from shardline.errors import ShardlineError
+from shardline.export.plan import even_split, parse_layers
+
+
+def test_even_split_gives_extra_layers_to_first_stages() -> None:
+    assert [(p.first, p.last) for p in even_split(30, 4)] == [(0, 7), (8, 15), (16, 22), (23, 29)]
+    assert [(p.first, p.last) for p in even_split(30, 1)] == [(0, 29)]
+    assert [len(p.layers) for p in even_split(30, 7)] == [5, 5, 4, 4, 4, 4, 4]
+
+
+def test_ownership_of_embedding_and_head() -> None:
+    plans = even_split(30, 3)
+    assert [(p.has_embedding, p.has_head) for p in plans] == [(True, False), (False, False), (False, True)]
+    (only,) = even_split(30, 1)
+    assert only.has_embedding and only.has_head
+
+
+def test_more_stages_than_layers_is_refused() -> None:
+    with pytest.raises(ShardlineError, match="cannot split 30 layers into 31 stages"):
+        even_split(30, 31)
+    with pytest.raises(ShardlineError, match="at least 1"):
+        even_split(30, 0)
+
+
+def test_parse_layers() -> None:
+    assert [(p.first, p.last) for p in parse_layers("0-9,10-19,20-29", 30)] == [(0, 9), (10, 19), (20, 29)]
+    assert [(p.first, p.last) for p in parse_layers("0-28, 29", 30)] == [(0, 28), (29, 29)]
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("0-9,12-29", "not contiguous"),
+    ("0-9,10-20", "covers layers 0-20 but the model has 30"),
+    ("0-9,19-10,20-29", "empty layer range '19-10'"),
+    ("0-9,x-29", "bad layer range"),
+    ("1-29", "expected a range starting at 0"),
+])
+def test_parse_layers_rejects(spec: str, message: str) -> None:
+    with pytest.raises(ShardlineError, match=message):
+        parse_layers(spec, 30)
