@@ -63,20 +63,33 @@ def gguf_constant(b: QuantBlocks, name: str) -> ov.Output:
     codes and scales stay bit-exact.
     """
     rows, groups, block = b.q.shape
-    scale = ops.constant(b.scale.reshape(rows, groups, 1), name=name + ".scale")
     if b.kind == "Q8_0":
         codes = ops.constant((b.q.astype(np.int16) - 128).astype(np.int8), name=name + ".codes")
+        scale = ops.constant(b.scale.reshape(rows, groups, 1), name=name + ".scale")
         deq = ops.multiply(ops.convert(codes, ov.Type.f16), scale)
     else:
-        codes = ops.constant(_u4_tensor(b.q), name=name + ".codes")
         if b.kind == "Q4_0":
-            zp = ops.constant(np.full((1, 1, 1), 8, dtype=np.float16), name=name + ".zp")
+            q, d, z = b.q, b.scale, np.full((1, 1, 1), 8, dtype=np.float32)
         else:
-            z = -b.offset.astype(np.float32) / np.maximum(b.scale.astype(np.float32), 1e-30)
-            zp = ops.constant(z.astype(np.float16).reshape(rows, groups, 1), name=name + ".zp")
+            q, d, z = _q4_1_zero_points(b)
+        codes = ops.constant(_u4_tensor(q), name=name + ".codes")
+        scale = ops.constant(d.reshape(rows, groups, 1), name=name + ".scale")
+        zp = ops.constant(z.astype(np.float16), name=name + ".zp")
         deq = ops.multiply(ops.subtract(ops.convert(codes, ov.Type.f16), zp), scale)
     flat = ops.reshape(deq, ops.constant(np.array([rows, groups * block], dtype=np.int64)), False)
     return ops.convert(flat, ov.Type.f32).output(0)
+
+
+def _q4_1_zero_points(b: QuantBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """w = d*q + m as d*(q - z) with z = -m/d. A block with d == 0 (all values equal m) gets
+    codes 0 and d = |m|/8, so z = -m/d = -+8 exactly and the block still decodes to m."""
+    d = b.scale.copy()
+    q = b.q
+    flat = d == 0
+    if flat.any():
+        q = np.where(flat[..., None], 0, b.q).astype(np.uint8)
+        d[flat] = np.where(b.offset[flat] != 0, np.abs(b.offset[flat]) / 8, 1).astype(np.float16)
+    return q, d, (-b.offset.astype(np.float32) / d.astype(np.float32))[..., None]
 
 
 def _u4_tensor(q: np.ndarray) -> ov.Tensor:
