@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from shardline.cli import main
+
+# The installed console script, beside the interpreter running the tests (the venv need not be on PATH).
+SHARDLINE = str(Path(sys.executable).parent / "shardline")
 
 
 def _fails(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
@@ -135,13 +139,13 @@ def test_not_an_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 
 def test_console_script_generates_only_the_answer(shards: Callable[..., Path]) -> None:
     folder = shards("fp32", stages=2)
-    run = subprocess.run(["shardline", "generate", "--shards", str(folder), "--max-tokens", "16",
+    run = subprocess.run([SHARDLINE, "generate", "--shards", str(folder), "--max-tokens", "16",
                           "What is the capital of France?"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout == "The capital of France is Paris.\n"
 
 
 def test_console_script_error_exit(tmp_path: Path) -> None:
-    run = subprocess.run(["shardline", "inspect", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([SHARDLINE, "inspect", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert run.stderr.strip() == f"shardline: error: {tmp_path} is not a shardline export: manifest.json is missing"
