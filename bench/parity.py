@@ -4,7 +4,7 @@ Every system runs the same chat prompt (same token ids), greedy, with the same t
 and generates exactly N new tokens (stop tokens ignored). Repetitions are interleaved across
 systems so that noise from a shared machine hits them alike; medians are reported.
 
-    python bench/parity.py                 # int8, 128 tokens, 3 reps, 2 threads
+    python bench/parity.py                 # int8, fast precision, 128 tokens, 3 reps, 2 threads
     python bench/parity.py --weights gguf --quick
 
 The last line on stdout is one JSON object with the figures, ratios first.
@@ -61,8 +61,8 @@ def shard_folder(work: Path, weights: str, stages: int) -> Path:
     return folder
 
 
-def shardline_runner(folder: Path, threads: int) -> Runner:
-    pipe = LocalPipeline(folder, RunConfig(precision="fast", threads=threads))
+def shardline_runner(folder: Path, run_cfg: RunConfig) -> Runner:
+    pipe = LocalPipeline(folder, run_cfg)
 
     def run(prompt: list[int], n: int) -> Sample:
         """LocalPipeline.step, unrolled so that each stage.run is timed (graph) apart from the rest (host)."""
@@ -142,12 +142,12 @@ def genai_ir_folder(work: Path, shards: Path) -> Path:
     return folder
 
 
-def genai_runner(model: Path, threads: int) -> Runner:
+def genai_runner(model: Path, props: dict[str, str]) -> Runner:
     import openvino as ov
     import openvino_genai as og
 
     # SDPA: the stateful graph as it is (the backend shardline's stages use as well).
-    pipe = og.LLMPipeline(str(model), "CPU", ATTENTION_BACKEND="SDPA", INFERENCE_NUM_THREADS=threads)
+    pipe = og.LLMPipeline(str(model), "CPU", ATTENTION_BACKEND="SDPA", **props)
 
     def run(prompt: list[int], n: int) -> Sample:
         cfg = og.GenerationConfig()
@@ -255,6 +255,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", default="int8", choices=("int8", "gguf", "int4", "fp16", "fp32"))
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--precision", default="fast", choices=("fast", "exact", "plugin"),
+                   help="shardline's RunConfig precision, also applied to genai on the same IR")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "shardline" / "bench")
@@ -275,12 +277,18 @@ def main() -> int:
     folders = {s: shard_folder(args.work, args.weights, s) for s in (1, 2, 3)}
     prompt = ChatTokenizer(folders[1]).encode_chat([{"role": "user", "content": PROMPT}])
 
+    # shardline and genai-on-the-same-IR run with the same OpenVINO properties (--precision);
+    # genai on the GGUF file keeps its own defaults (bf16 compute on this CPU).
+    run_cfg = RunConfig(precision=args.precision, threads=args.threads)
     makers: dict[str, Callable[[], Runner]] = {
-        f"shardline-{s}stage": (lambda f=f: shardline_runner(f, args.threads)) for s, f in folders.items()
+        f"shardline-{s}stage": (lambda f=f: shardline_runner(f, run_cfg)) for s, f in folders.items()
     }
+    if args.precision != "exact":
+        exact = RunConfig(precision="exact", threads=args.threads)
+        makers["shardline-1stage-exact"] = lambda: shardline_runner(folders[1], exact)
     ir = f"genai-ir-{args.weights}"
-    makers[ir] = lambda: genai_runner(genai_ir_folder(args.work, folders[1]), args.threads)
-    makers["genai-gguf"] = lambda: genai_runner(gguf, args.threads)
+    makers[ir] = lambda: genai_runner(genai_ir_folder(args.work, folders[1]), run_cfg.ov_properties())
+    makers["genai-gguf"] = lambda: genai_runner(gguf, {"INFERENCE_NUM_THREADS": str(args.threads)})
     makers["llama.cpp-gguf"] = lambda: llamacpp_runner(gguf, args.threads, args.llama_extra_bufts)
     if args.systems:
         makers = {k: v for k, v in makers.items() if any(w in k for w in args.systems.split(","))}
@@ -316,7 +324,8 @@ def main() -> int:
         "ratio_genai_gguf_vs_llamacpp": ratio(tps.get("genai-gguf"), tps.get("llama.cpp-gguf")),
         "ratio_2stage_vs_1stage": ratio(tps.get("shardline-2stage"), tps.get("shardline-1stage")),
         "ratio_genai_ir_vs_llamacpp": ratio(tps.get(ir), tps.get("llama.cpp-gguf")),
-        "weights": args.weights, "threads": args.threads, "tokens": n, "reps": reps,
+        "ratio_1stage_exact_vs_1stage": ratio(tps.get("shardline-1stage-exact"), tps.get("shardline-1stage")),
+        "weights": args.weights, "precision": args.precision, "threads": args.threads, "tokens": n, "reps": reps,
         "prompt_tokens": len(prompt), "load_avg_1m_at_start": round(load, 2),
         "llama_extra_bufts": args.llama_extra_bufts,
         "decode_tok_s": {k: round(v, 2) for k, v in tps.items()},

@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--raw", action="store_true", help="no chat template: continue the text as given")
     g.add_argument("--device", default="CPU", help="OpenVINO device name (CPU, GPU, NPU, ...)")
-    g.add_argument("--exact", action="store_true", help="f32 compute and KV cache")
+    g.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact",
+                   help="exact: f32 everywhere (default); fast: int8 activations, u8 KV; plugin: device defaults")
     return p
 
 
@@ -100,7 +101,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed,
     )
-    run = RunConfig(device=args.device, precision="exact" if args.exact else "fast")
+    run = RunConfig(device=args.device, precision=args.precision)
     folder = args.shards or default_shards()
     pipe = LocalPipeline(folder, run)  # validates the folder first
     tok = ChatTokenizer(folder)

@@ -1,4 +1,5 @@
-"""fp32 shards with f32 compute are token-for-token the reference, for 1, 2, 3 and 5 stages."""
+"""Shards computed in f32 are token-for-token the reference on the same dequantized weights:
+fp32 shards for 1, 2, 3 and 5 stages, and shards that keep the GGUF's own quantized blocks."""
 
 from __future__ import annotations
 
@@ -36,9 +37,11 @@ def reference_runs(shards: Callable[..., Path]) -> list[tuple[list[int], list[in
     return runs
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3, 5])
-def test_n_stages_match_reference(stages: int, shards: Callable[..., Path], reference_runs: list) -> None:
-    pipe = LocalPipeline(shards("fp32", stages=stages), EXACT)
+@pytest.mark.parametrize("weights,stages", [("fp32", 1), ("fp32", 2), ("fp32", 3), ("fp32", 5),
+                                            ("gguf", 1), ("gguf", 3)])
+def test_n_stages_match_reference(weights: str, stages: int, shards: Callable[..., Path],
+                                  reference_runs: list) -> None:
+    pipe = LocalPipeline(shards(weights, stages=stages), EXACT)
     assert len(pipe.stages) == stages
     for prompt, ref_tokens, ref_logits in reference_runs:
         tokens, logits = greedy_ours(pipe, prompt, N_NEW)

@@ -12,11 +12,7 @@ import pytest
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from shardline.config import RunConfig
 from shardline.model.source import default_model_path, open_source
-from shardline.pipeline.local import LocalPipeline
-from tests.conftest import CHAT_PROMPTS
-from tests.helpers import greedy_ours
 
 
 def _raw(name: str) -> tuple[np.ndarray, str]:
@@ -67,14 +63,3 @@ def test_q_and_k_unpermuted_like_transformers() -> None:
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
                  "model.layers.7.mlp.up_proj.weight", "model.norm.weight"):
         np.testing.assert_allclose(ours.tensor(name), hf.state_dict()[name].numpy(), atol=1e-6, rtol=0)
-
-
-def test_gguf_weights_n_stages_equal_one_stage(shards: Callable[..., Path]) -> None:
-    one = LocalPipeline(shards("gguf", stages=1), RunConfig(precision="exact"))
-    three = LocalPipeline(shards("gguf", stages=3), RunConfig(precision="exact"))
-    from shardline.model.tokenizer import ChatTokenizer
-
-    tok = ChatTokenizer(shards("gguf", stages=1))
-    for text in CHAT_PROMPTS[:3]:
-        prompt = tok.encode_chat([{"role": "user", "content": text}])
-        assert greedy_ours(one, prompt, 32)[0] == greedy_ours(three, prompt, 32)[0]

@@ -92,3 +92,14 @@ def test_compressed_precisions_answer_paris(weights: str, shards: Callable[..., 
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["weights"] == weights
     assert manifest["group_size"] == (64 if weights == "int4" else None)
+
+
+def test_exact_tokens_do_not_depend_on_the_split(shards: Callable[..., Path]) -> None:
+    """With int8 weights, the plugin's int8 activation quantization would make tokens depend on
+    the split; exact mode turns it off."""
+    from tests.helpers import greedy_ours
+
+    prompt = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+    one = greedy_ours(LocalPipeline(shards("int8", stages=1)), prompt, 32)[0]
+    two = greedy_ours(LocalPipeline(shards("int8", stages=2)), prompt, 32)[0]
+    assert one == two

@@ -41,3 +41,16 @@ def test_parse_layers() -> None:
 def test_parse_layers_rejects(spec: str, message: str) -> None:
     with pytest.raises(ShardlineError, match=message):
         parse_layers(spec, 30)
+
+
+def test_run_config_properties() -> None:
+    from shardline.config import RunConfig
+
+    assert RunConfig().ov_properties() == {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32",
+                                           "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
+    assert RunConfig(precision="fast", threads=2).ov_properties() == {"INFERENCE_PRECISION_HINT": "f32",
+                                                                      "INFERENCE_NUM_THREADS": "2"}
+    assert RunConfig(precision="fast", device="GPU").ov_properties() == {}
+    assert RunConfig(precision="plugin").ov_properties() == {}
+    with pytest.raises(ShardlineError, match="precision must be one of exact, fast, plugin"):
+        RunConfig(precision="bf16")

@@ -34,7 +34,7 @@ class Weights:
     def vector(self, name: str) -> ov.Output:
         """Norm weights and biases: always f32 (tiny, and precision-critical)."""
         if name not in self._made:
-            self._made[name] = ops.constant(self.source.tensor(name).astype(np.float32), name=name).output(0)
+            self._made[name] = ops.constant(np.asarray(self.source.tensor(name), dtype=np.float32), name=name).output(0)
         return self._made[name]
 
     def matrix(self, name: str) -> ov.Output:
@@ -48,7 +48,7 @@ class Weights:
             blocks = self.source.blocks(name)
             if blocks is not None:
                 return gguf_constant(blocks, name)
-        w = self.source.tensor(name).astype(np.float32)
+        w = np.asarray(self.source.tensor(name), dtype=np.float32)  # no copy when already f32
         if self.precision == "fp16":
             c = ops.constant(w.astype(np.float16), name=name)
             return ops.convert(c, ov.Type.f32).output(0)
@@ -56,35 +56,30 @@ class Weights:
 
 
 def gguf_constant(b: QuantBlocks, name: str) -> ov.Output:
-    """codes -> f16 -> (- zero point) -> * scale -> [rows, cols] -> f32.
+    """codes -> f32 -> (- zero point) -> * scale -> [rows, cols].
 
-    Q4_0/Q8_0 are symmetric: their zero point is exactly 8 / the codes are signed. Q4_1's
-    additive min m becomes the zero point -m/d, stored in f16 (the form the kernels take);
-    codes and scales stay bit-exact.
+    Codes (u4 / i8) and scales (f16) are the file's own, bit for bit. Q4_1's additive min m
+    becomes the f32 zero point -m/d, so d*(q - z) equals the file's d*q + m to f32 rounding.
+    The CPU plugin matches this chain and keeps the weights compressed inside its matmuls.
     """
     rows, groups, block = b.q.shape
-    if b.kind == "Q8_0":
-        codes = ops.constant((b.q.astype(np.int16) - 128).astype(np.int8), name=name + ".codes")
-        scale = ops.constant(b.scale.reshape(rows, groups, 1), name=name + ".scale")
-        deq = ops.multiply(ops.convert(codes, ov.Type.f16), scale)
-    else:
-        if b.kind == "Q4_0":
-            q, d, z = b.q, b.scale, np.full((1, 1, 1), 8, dtype=np.float32)
-        else:
-            q, d, z = _q4_1_zero_points(b)
-        codes = ops.constant(_u4_tensor(q), name=name + ".codes")
-        scale = ops.constant(d.reshape(rows, groups, 1), name=name + ".scale")
-        zp = ops.constant(z.astype(np.float16), name=name + ".zp")
-        deq = ops.multiply(ops.subtract(ops.convert(codes, ov.Type.f16), zp), scale)
-    flat = ops.reshape(deq, ops.constant(np.array([rows, groups * block], dtype=np.int64)), False)
-    return ops.convert(flat, ov.Type.f32).output(0)
+    q, d, z = _codes_scales_zero_points(b)
+    x = ops.convert(ops.constant(q if b.bits == 8 else _u4_tensor(q), name=name + ".codes"), ov.Type.f32)
+    if z is not None:
+        x = ops.subtract(x, ops.constant(z, name=name + ".zp"))
+    scale = ops.convert(ops.constant(d.reshape(rows, groups, 1), name=name + ".scale"), ov.Type.f32)
+    deq = ops.multiply(x, scale)
+    return ops.reshape(deq, ops.constant(np.array([rows, groups * block], dtype=np.int64)), False).output(0)
 
 
-def _q4_1_zero_points(b: QuantBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """w = d*q + m as d*(q - z) with z = -m/d. A block with d == 0 (all values equal m) gets
-    codes 0 and d = |m|/8, so z = -m/d = -+8 exactly and the block still decodes to m."""
-    d = b.scale.copy()
-    q = b.q
+def _codes_scales_zero_points(b: QuantBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    if b.kind == "Q8_0":  # signed codes, no zero point
+        return b.q, b.scale, None
+    if b.kind == "Q4_0":
+        return b.q, b.scale, np.full((1, 1, 1), 8, dtype=np.float32)
+    # Q4_1. A block with d == 0 (all values equal m) gets codes 0 and d = |m|/8, so that
+    # z = -m/d = -+8 exactly and the block still decodes to m.
+    d, q = b.scale.copy(), b.q
     flat = d == 0
     if flat.any():
         q = np.where(flat[..., None], 0, b.q).astype(np.uint8)

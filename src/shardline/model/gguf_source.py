@@ -166,8 +166,7 @@ def _split_blocks(kind: str, raw: np.ndarray) -> QuantBlocks:
     blk = raw.reshape(rows, -1, size)
     d = blk[..., 0:2].copy().view(np.float16)[..., 0]
     if kind == "Q8_0":
-        codes = blk[..., 2:].copy().view(np.int8).astype(np.int16) + 128
-        return QuantBlocks(kind, codes.astype(np.uint8), d, (d.astype(np.float32) * -128).astype(np.float16), 8)
+        return QuantBlocks(kind, blk[..., 2:].view(np.int8), d, np.zeros_like(d), 8)
     packed = blk[..., 4:] if kind == "Q4_1" else blk[..., 2:]
     q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # low nibbles are values 0-15
     if kind == "Q4_1":

@@ -21,15 +21,14 @@ from shardline.model.arch import Arch
 class QuantBlocks:
     """A GGUF block-quantized matrix kept as it is: w[r, g*B + i] = scale[r, g] * q[r, g, i] + offset[r, g].
 
-    `q` holds unsigned codes (uint8 per value) with shape (rows, groups, block); Q4_0/Q8_0 are
-    symmetric and are stored with their signed codes shifted by `zero` into unsigned range, so
-    that w = scale * (q - zero) and offset = -scale * zero.
+    `q` holds the file's codes with shape (rows, groups, block): uint8 0..15 for Q4_0/Q4_1,
+    int8 for Q8_0. `offset` is Q4_1's min m, -8*d for Q4_0 (codes centred on 8), 0 for Q8_0.
     """
 
     kind: str  # "Q4_0" | "Q4_1" | "Q8_0"
-    q: np.ndarray  # uint8 (rows, groups, block)
+    q: np.ndarray
     scale: np.ndarray  # float16 (rows, groups)
-    offset: np.ndarray  # float16 (rows, groups); for Q4_1 this is GGUF's "m"
+    offset: np.ndarray  # float16 (rows, groups)
     bits: int
 
     def dequantize(self) -> np.ndarray:

@@ -1,0 +1,185 @@
+"""Agreement of fp32/fp16/int8/int4/gguf shards with the fp32 transformers reference, on the same weights.
+
+For each precision a 1-stage shard folder of the default model (SmolLM2-135M-Instruct) is run with
+RunConfig precision "exact" (f32 compute, f32 KV) and "fast" (the CPU plugin's defaults), and
+compared with the reference (transformers, fp32, the very same dequantized weights):
+  prefix agreement    share of the N greedy tokens identical up to the first divergence (mean over prompts)
+  teacher-forced      the reference's prompt + greedy tokens fed as one Prefill: share of the N positions
+                      whose argmax equals the reference's argmax there
+  perplexity          of a fixed English text (no chat template), from the logits of one Prefill
+Prefix agreement is all-or-nothing at near-ties (a reference top-2 margin of a few hundredths of a
+logit flips on any perturbation); teacher-forced agreement is the steadier figure.
+
+    python bench/quality.py            # 8 prompts, 64 tokens, all precisions
+    python bench/quality.py --quick    # 2 prompts, 32 tokens, fp32 and gguf
+
+The last line on stdout is one JSON object with the figures, agreements and ratios first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from shardline.config import WEIGHTS, ExportConfig, RunConfig
+from shardline.model.source import open_source
+from shardline.model.tokenizer import ChatTokenizer
+from shardline.pipeline.local import LocalPipeline
+from shardline.stage.cache import Prefill
+
+REPO = Path(__file__).resolve().parents[1]  # for tests.helpers and tests.model.reference (torch, transformers)
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the sum of a list of numbers.",
+    "Explain in two sentences why the sky is blue.",
+    "List three fruits that are red.",
+    "Translate 'good morning' into Spanish and German.",
+    "Give me three tips for sleeping better.",
+    "What is the difference between a virus and a bacterium?",
+    "Write a haiku about autumn leaves.",
+]
+
+TEXT = (
+    "The bicycle is one of the most efficient machines ever built for moving a person from one place to "
+    "another. Its basic form has changed surprisingly little since the late nineteenth century, when the "
+    "so-called safety bicycle replaced the tall and dangerous high-wheeler. The safety bicycle had two wheels "
+    "of equal size, a chain that drove the rear wheel, and a frame shaped like a diamond. Soon afterwards, "
+    "air-filled rubber tyres made the ride far more comfortable, and the bicycle quickly became popular "
+    "with workers, students and travellers alike.\n\n"
+    "Part of the appeal was economic. A bicycle cost much less than a horse, needed no food or stable, and "
+    "could be repaired with a few simple tools. In many towns it widened the area in which people could look "
+    "for work, and it gave young people, and women in particular, a new kind of independence. Clubs were "
+    "founded, roads were improved, and maps were printed especially for cyclists. Some of the engineering "
+    "lessons learned in bicycle workshops, such as the use of ball bearings, light steel tubes and careful "
+    "wheel building, were later applied to the first motor cars and aeroplanes.\n\n"
+    "Today the bicycle is used in very different ways around the world. In some countries it is mainly a "
+    "piece of sports equipment, while in others it remains the most common way to get to school, to the "
+    "market or to the office. Cities that want to reduce traffic and air pollution often build separate "
+    "lanes, parking racks and public rental schemes. Electric bicycles, which add a small motor and a "
+    "battery, have made longer distances and steep hills easier for many riders. Even so, the principle is "
+    "the same as it was more than a hundred years ago: a rider turns the pedals, the chain turns the wheel, "
+    "and a simple frame carries the load with very little wasted energy."
+)
+
+
+def shard_folder(work: Path, weights: str) -> Path:
+    """A 1-stage export (named as bench/parity.py names its own, so either script reuses the other's)."""
+    from shardline.export.exporter import export
+
+    folder = work / f"smollm2-135m-{weights}-1stages"
+    if not (folder / "manifest.json").is_file():
+        print(f"exporting {folder} ...", file=sys.stderr)
+        export(ExportConfig(out=folder, stages=1, weights=weights, isolate=False, progress=False))
+    return folder
+
+
+def perplexity(logits: np.ndarray, ids: list[int]) -> float:
+    """exp of the mean next-token negative log-likelihood of ids[1:] under logits[:-1]."""
+    x = logits[:-1].astype(np.float64)
+    logz = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)
+    return float(np.exp(np.mean(logz - x[np.arange(len(ids) - 1), ids[1:]])))
+
+
+def prefill_logits(pipe: LocalPipeline, ids: list[int]) -> np.ndarray:
+    stream = pipe.open()
+    try:
+        logits: np.ndarray = pipe.step(stream, Prefill(ids)).copy()  # a view into the request's buffer
+        return logits
+    finally:
+        pipe.close(stream)
+
+
+def prefix_len(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", default=",".join(WEIGHTS), help="comma-separated precisions (default: all)")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
+    p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "shardline" / "bench")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 32 tokens, fp32 and gguf")
+    args = p.parse_args()
+    weights = ["fp32", "gguf"] if args.quick else args.weights.split(",")
+    if args.tokens < 1:
+        p.error("--tokens must be at least 1")
+    if bad := [w for w in weights if w not in WEIGHTS]:
+        p.error(f"unknown weights {bad}; choose from {', '.join(WEIGHTS)}")
+    prompts, n = (PROMPTS[:2], min(args.tokens, 32)) if args.quick else (PROMPTS, args.tokens)
+    args.work.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0]
+    folders = {w: shard_folder(args.work, w) for w in weights}
+
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from tests.helpers import greedy_ours
+    from tests.model.reference import greedy_reference, reference_model
+
+    t0 = time.perf_counter()
+    tok = ChatTokenizer(folders[weights[0]])
+    chats = [tok.encode_chat([{"role": "user", "content": t}]) for t in prompts]
+    text_ids = tok.encode(TEXT)
+    model = reference_model(open_source(None))
+    ref_tokens = [greedy_reference(model, c, n)[0] for c in chats]
+    forced = [c + r[:-1] for c, r in zip(chats, ref_tokens, strict=True)]  # the last n rows predict r
+    with torch.no_grad():
+        ref_tf = [model(torch.tensor([s])).logits[0, -n:].float().numpy().argmax(-1) for s in forced]
+        ref_text = model(torch.tensor([text_ids])).logits[0].float().numpy()
+    ref_ppl = perplexity(ref_text, text_ids)
+    print(f"reference: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+    rows: dict[str, dict[str, float | str]] = {}
+    for w in weights:
+        for mode in ("exact", "fast"):
+            t0 = time.perf_counter()
+            pipe = LocalPipeline(folders[w], RunConfig(precision=mode))
+            compiled = pipe.stages[0].compiled
+            greedy = [greedy_ours(pipe, c, n)[0] for c in chats]
+            tf = [prefill_logits(pipe, s)[-n:].argmax(-1) for s in forced]
+            text = prefill_logits(pipe, text_ids)
+            rows[f"{w}_{mode}"] = {
+                "prefix": float(np.mean([prefix_len(g, r) / n for g, r in zip(greedy, ref_tokens, strict=True)])),
+                "full": sum(g == r for g, r in zip(greedy, ref_tokens, strict=True)) / len(chats),
+                "tf": float(np.mean(np.concatenate([a == b for a, b in zip(tf, ref_tf, strict=True)]))),
+                "text_top1": float(np.mean(text.argmax(-1) == ref_text.argmax(-1))),
+                "ppl": perplexity(text, text_ids),
+                "compute": compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name(),
+                "kv": compiled.get_property("KV_CACHE_PRECISION").get_type_name(),
+            }
+            print(f"{w} {mode}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            del pipe, compiled
+
+    print(f"\n{len(chats)} chat prompts x {n} greedy tokens, text {len(text_ids)} tokens, "
+          f"load average {load:.1f} at start; reference = transformers fp32 on the same dequantized weights")
+    print(f"{'weights/run':<12} {'compute':>8} {'kv':>4} {'prefix agr':>10} {'identical':>9} {'teacher-forced':>14} "
+          f"{'text top1':>9} {'perplexity':>10} {'ppl/ref':>7}")
+    print(f"{'reference':<12} {'f32':>8} {'f32':>4} {'':>10} {'':>9} {'':>14} {'':>9} {ref_ppl:>10.3f} {1:>7.3f}")
+    for k, r in rows.items():
+        print(f"{k:<12} {r['compute']:>8} {r['kv']:>4} {r['prefix']:>10.1%} {r['full']:>9.0%} {r['tf']:>14.1%} "
+              f"{r['text_top1']:>9.1%} {r['ppl']:>10.3f} {float(r['ppl']) / ref_ppl:>7.3f}")
+
+    figures: dict[str, object] = {}
+    for key, name in (("tf", "teacher_forced_agreement"), ("prefix", "prefix_agreement"),
+                      ("text_top1", "text_top1_agreement"), ("full", "identical_generations")):
+        figures |= {f"{k}_{name}": round(float(r[key]), 4) for k, r in rows.items()}
+    figures |= {f"{k}_perplexity_ratio": round(float(r["ppl"]) / ref_ppl, 4) for k, r in rows.items()}
+    figures |= {f"{k}_perplexity": round(float(r["ppl"]), 4) for k, r in rows.items()}
+    figures |= {
+        "reference_perplexity": round(ref_ppl, 4), "prompts": len(chats), "tokens": n,
+        "text_tokens": len(text_ids), "load_avg_1m_at_start": round(load, 2),
+        "run_precisions": {k: f"{r['compute']}/{r['kv']}" for k, r in rows.items()},
+    }
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
