@@ -1,7 +1,8 @@
 """Agreement of fp32/fp16/int8/int4/gguf shards with the fp32 transformers reference, on the same weights.
 
 For each precision a 1-stage shard folder of the default model (SmolLM2-135M-Instruct) is run with
-RunConfig precision "exact" (f32 compute, f32 KV) and "fast" (the CPU plugin's defaults), and
+each RunConfig precision: "exact" (f32 compute and KV, no int8 activations), "fast" (f32 compute,
+int8 activations for compressed weights, u8 KV) and "plugin" (the CPU plugin's defaults: bf16), and
 compared with the reference (transformers, fp32, the very same dequantized weights):
   prefix agreement    share of the N greedy tokens identical up to the first divergence (mean over prompts)
   teacher-forced      the reference's prompt + greedy tokens fed as one Prefill: share of the N positions
@@ -138,7 +139,7 @@ def main() -> int:
 
     rows: dict[str, dict[str, float | str]] = {}
     for w in weights:
-        for mode in ("exact", "fast"):
+        for mode in ("exact", "fast", "plugin"):
             t0 = time.perf_counter()
             pipe = LocalPipeline(folders[w], RunConfig(precision=mode))
             compiled = pipe.stages[0].compiled

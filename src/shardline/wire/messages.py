@@ -1,0 +1,100 @@
+"""The closed set of messages that travel between coordinator and stage workers.
+
+Every message is a frozen dataclass with a fixed kind number. Array fields carry explicit dtype
+and shape on the wire; everything else is a plain JSON value. Nothing on the wire is code: a
+frame whose kind, fields, dtypes or shapes do not match is refused (see codec.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+PROTOCOL = 1
+
+
+@dataclass(frozen=True)
+class Hello:
+    """First message on a link, both ways: who I am and what I serve (checked by the peer)."""
+
+    KIND: ClassVar[int] = 1
+    protocol: int
+    role: str  # "coordinator" | "worker"
+    model_hash: str
+    first_layer: int  # the layers the sender runs (coordinator: its own stage 0)
+    last_layer: int
+    weights: str
+    activations: str  # "f16" | "f32": dtype of hidden states on this link
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Sent instead of a reply when the peer's request cannot be served; the reason is for people."""
+
+    KIND: ClassVar[int] = 2
+    reason: str
+
+
+@dataclass(frozen=True)
+class OpenStream:
+    KIND: ClassVar[int] = 3
+    stream: int
+
+
+@dataclass(frozen=True)
+class CloseStream:
+    KIND: ClassVar[int] = 4
+    stream: int
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One step of one stream, hidden states in. Prefill and decode differ in `phase`: a prefill
+    carries many positions and only its last row is sampled; a decode carries one."""
+
+    KIND: ClassVar[int] = 5
+    stream: int
+    seq: int  # step number within the stream, echoed in the reply
+    phase: str  # "prefill" | "decode"
+    hidden: np.ndarray  # [1, T, hidden] f16 or f32
+    attention_mask: np.ndarray  # [1, slots + T] i64
+    position_ids: np.ndarray  # [1, T] i64
+    sampling: dict[str, float]  # temperature, top_k, top_p, seed (used by the last stage only)
+    want_logits: bool  # return full logits of the last row (e.g. for logprobs)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """The last stage's answer: the chosen token and its log-probability, not the logits."""
+
+    KIND: ClassVar[int] = 6
+    stream: int
+    seq: int
+    token: int
+    logprob: float
+    logits: np.ndarray | None  # [vocab] f32, only when asked for
+
+
+@dataclass(frozen=True)
+class ShardRequest:
+    """A worker asks the coordinator for one file of its shard."""
+
+    KIND: ClassVar[int] = 7
+    name: str
+
+
+@dataclass(frozen=True)
+class ShardChunk:
+    KIND: ClassVar[int] = 8
+    name: str
+    offset: int
+    total: int
+    sha256: str  # of the whole file, as in the manifest
+    data: np.ndarray  # u8
+
+
+Message = Hello | Refuse | OpenStream | CloseStream | Forward | Sampled | ShardRequest | ShardChunk
+MESSAGES: dict[int, type] = {m.KIND: m for m in (Hello, Refuse, OpenStream, CloseStream, Forward, Sampled,
+                                                 ShardRequest, ShardChunk)}
