@@ -1,0 +1,119 @@
+"""A connection between two shardline processes: framing over a byte stream, and the handshake.
+
+The link only needs `sendall` and `recv_into` from its transport, so a TLS socket (or any
+authenticated, encrypting wrapper with the same two calls) can replace the plain TCP socket
+without changing a single message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+from shardline.wire.codec import HEADER, WireError, decode_payload, encode, parse_header
+from shardline.wire.messages import Hello, Message, Refuse
+
+
+class Transport(Protocol):
+    def sendall(self, data: bytes, /) -> None: ...
+    def recv_into(self, buffer: memoryview, nbytes: int = 0, /) -> int: ...
+    def close(self) -> None: ...
+
+
+class LinkClosed(Exception):
+    """The peer went away (clean close or reset)."""
+
+
+class Refused(Exception):
+    """The peer refused us, or we refused the peer; the message names both sides."""
+
+
+class Link:
+    def __init__(self, transport: Transport, name: str = "peer") -> None:
+        self.transport = transport
+        self.name = name
+        self._send_lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    @classmethod
+    def connect(cls, host: str, port: int, timeout: float = 10.0) -> Link:
+        sock = socket.create_connection((host, port), timeout=timeout)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(sock, f"{host}:{port}")
+
+    def send(self, msg: Message) -> None:
+        frame = encode(msg)
+        with self._send_lock:
+            try:
+                self.transport.sendall(frame)
+            except OSError as e:
+                raise LinkClosed(f"{self.name}: {e}") from None
+        self.bytes_sent += len(frame)
+
+    def recv(self) -> Message:
+        """The next message; WireError for a frame that is not ours, LinkClosed at the end."""
+        kind, length, crc = parse_header(bytes(self._read(HEADER.size)))
+        msg = decode_payload(kind, self._read(length), crc)
+        self.bytes_received += HEADER.size + length
+        return msg
+
+    def _read(self, n: int) -> memoryview:
+        buf = memoryview(bytearray(n))
+        got = 0
+        while got < n:
+            try:
+                k = self.transport.recv_into(buf[got:], n - got)
+            except OSError as e:
+                raise LinkClosed(f"{self.name}: {e}") from None
+            if k == 0:
+                if got:
+                    raise WireError(f"truncated frame from {self.name}: {got} of {n} bytes, then end of stream")
+                raise LinkClosed(f"{self.name} closed the connection")
+            got += k
+        return buf
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.transport.close()
+
+
+def _refuse(link: Link, reason: str) -> Refused:
+    with contextlib.suppress(LinkClosed):
+        link.send(Refuse(reason))
+    return Refused(reason)
+
+
+def _why_not(link: Link, theirs: Message, check: Callable[[Hello], str | None]) -> str | None:
+    if not isinstance(theirs, Hello):
+        return f"expected Hello from {link.name}, got {type(theirs).__name__}"
+    return check(theirs)
+
+
+def client_handshake(link: Link, mine: Hello, check: Callable[[Hello], str | None]) -> Hello:
+    """The connecting side speaks first. `check` says why the peer's Hello is unacceptable (or None).
+
+    A refusal from either side travels to the other, so both fail with the same one-line reason.
+    """
+    link.send(mine)
+    theirs = link.recv()
+    if isinstance(theirs, Refuse):
+        raise Refused(theirs.reason)
+    if reason := _why_not(link, theirs, check):
+        raise _refuse(link, reason)
+    assert isinstance(theirs, Hello)
+    return theirs
+
+
+def server_handshake(link: Link, mine: Hello, check: Callable[[Hello], str | None]) -> Hello:
+    """The accepting side answers the peer's Hello with its own, or with a Refuse."""
+    theirs = link.recv()
+    if reason := _why_not(link, theirs, check):
+        raise _refuse(link, reason)
+    link.send(mine)
+    assert isinstance(theirs, Hello)
+    return theirs
