@@ -57,8 +57,18 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--raw", action="store_true", help="no chat template: continue the text as given")
     g.add_argument("--device", default="CPU", help="OpenVINO device name (CPU, GPU, NPU, ...)")
+    g.add_argument("--workers", help="HOST:PORT,... of the workers hosting stages 1.. in order")
+    g.add_argument("--activations", choices=("f16", "f32"), default="f16", help="hidden-state dtype on the wire")
+    g.add_argument("--topology", choices=("chain", "star"), default="chain")
     g.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact",
                    help="exact: f32 everywhere (default); fast: int8 activations, u8 KV; plugin: device defaults")
+
+    w = sub.add_parser("worker", help="host stage K (or stages K-L) of an export and serve the chain")
+    w.add_argument("--shards", type=Path, required=True)
+    w.add_argument("--stage", required=True, help="K or K-L (stage 0 runs on the coordinator)")
+    w.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any free port)")
+    w.add_argument("--device", default="CPU")
+    w.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact")
     return p
 
 
@@ -67,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export":
             return _export(args)
+        if args.command == "worker":
+            return _worker(args)
         if args.command == "inspect":
             from shardline.export.inspect import inspect
 
@@ -92,8 +104,30 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def tok_context(folder: Path) -> int:
+    from shardline.export.manifest import load_manifest
+
+    return load_manifest(folder).arch.max_context
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import logging
+
+    from shardline.export.manifest import load_manifest
+    from shardline.pipeline.worker import StageWorker, parse_stage_range
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    first, last = parse_stage_range(args.stage, len(load_manifest(args.shards).stages))
+    host, _, port = args.listen.rpartition(":")
+    worker = StageWorker(args.shards, first, last, RunConfig(device=args.device, precision=args.precision))
+    port_no = worker.listen(host or "127.0.0.1", int(port or 0))
+    print(f"listening on {host or '127.0.0.1'}:{port_no}", flush=True)
+    worker.serve_forever()
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
-    from shardline.decoding.generate import generate
+    from shardline.decoding.generate import Pipeline, generate
     from shardline.model.tokenizer import ChatTokenizer, StreamDecoder
     from shardline.pipeline.local import LocalPipeline
 
@@ -103,11 +137,17 @@ def _generate(args: argparse.Namespace) -> int:
     )
     run = RunConfig(device=args.device, precision=args.precision)
     folder = args.shards or default_shards()
-    pipe = LocalPipeline(folder, run)  # validates the folder first
+    pipe: Pipeline
+    if args.workers:
+        from shardline.pipeline.remote import RemotePipeline
+
+        pipe = RemotePipeline(folder, args.workers.split(","), run, args.activations, args.topology)
+    else:
+        pipe = LocalPipeline(folder, run)  # validates the folder first
     tok = ChatTokenizer(folder)
     prompt = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])
     out = StreamDecoder(tok)
-    for token in generate(pipe, prompt, sampling, tok.stop_ids, pipe.manifest.arch.max_context):
+    for token in generate(pipe, prompt, sampling, tok.stop_ids, tok_context(folder)):
         sys.stdout.write(out.push(token))
         sys.stdout.flush()
     sys.stdout.write("\n")

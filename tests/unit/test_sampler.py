@@ -53,3 +53,9 @@ def test_sampled_frequencies_follow_the_distribution() -> None:
 def test_invalid_config(kw: dict, msg: str) -> None:
     with pytest.raises(ShardlineError, match=msg):
         SamplingConfig(**kw)
+
+
+def test_choice_carries_the_log_probability_under_the_raw_distribution() -> None:
+    choice = Sampler(SamplingConfig(temperature=0)).choose(LOGITS)
+    expect = LOGITS[1] - np.log(np.exp(LOGITS.astype(np.float64)).sum())
+    assert choice.token == 1 and choice.logprob == pytest.approx(expect, abs=1e-9)

@@ -19,6 +19,7 @@ from shardline.wire.messages import (
     Message,
     OpenStream,
     Refuse,
+    Route,
     Sampled,
     ShardChunk,
     ShardRequest,
@@ -38,6 +39,7 @@ SAMPLES: list[Message] = [
     Sampled(7, 4, 42, -0.25, None),
     Sampled(7, 4, 42, -0.25, rng.standard_normal(49152).astype(np.float32)),
     ShardRequest("stage1.bin"),
+    Route("127.0.0.1:7001"),
     ShardChunk("stage1.bin", 1024, 4096, "cd" * 32, np.arange(256, dtype=np.uint8)),
 ]
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
-import numpy as np
-
 from shardline.config import SamplingConfig
-from shardline.decoding.sampler import Sampler
+from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
 from shardline.stage.cache import Decode, Prefill, Step
 
 
 class Pipeline(Protocol):
-    def open(self) -> int: ...
+    """Anything that runs every stage for a stream and samples at the end of the chain."""
+
+    def open(self, sampling: SamplingConfig | None = None) -> int: ...
     def close(self, stream: int) -> None: ...
-    def step(self, stream: int, step: Step) -> np.ndarray: ...
+    def advance(self, stream: int, step: Step) -> Choice: ...
 
 
 def generate(
@@ -29,12 +29,11 @@ def generate(
         raise ShardlineError(
             f"prompt of {len(prompt)} tokens plus {cfg.max_tokens} new tokens exceeds the context of {max_context}"
         )
-    sample = Sampler(cfg)
-    stream = pipe.open()
+    stream = pipe.open(cfg)
     try:
         step: Step = Prefill(prompt)
         for _ in range(cfg.max_tokens):
-            token = sample(pipe.step(stream, step)[-1])
+            token = pipe.advance(stream, step).token
             if token in stop_ids:
                 return
             yield token

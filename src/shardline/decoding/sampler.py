@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from shardline.config import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the end of a pipeline sends back for one step: a token and its log-probability under
+    the model's own distribution (raw logits, temperature 1), never the logits themselves."""
+
+    token: int
+    logprob: float
+
+
+def log_softmax_at(logits: np.ndarray, token: int) -> float:
+    x = logits.astype(np.float64)
+    m = x.max()
+    return float(x[token] - m - np.log(np.exp(x - m).sum()))
 
 
 class Sampler:
     def __init__(self, cfg: SamplingConfig) -> None:
         self.cfg = cfg
         self._rng = np.random.default_rng(cfg.seed)
+
+    def choose(self, logits: np.ndarray) -> Choice:
+        token = self(logits)
+        return Choice(token, log_softmax_at(logits, token))
 
     def __call__(self, logits: np.ndarray) -> int:
         if self.cfg.greedy:

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from shardline.config import RunConfig
+from shardline.config import RunConfig, SamplingConfig
+from shardline.decoding.sampler import Choice, Sampler
 from shardline.errors import ShardlineError
 from shardline.export.manifest import Manifest, load_manifest, verify
 from shardline.stage.cache import KVBook, Step
@@ -25,19 +26,22 @@ class LocalPipeline:
         core = ov.Core()
         self.stages = [StageRunner(folder, e, run, core) for e in self.manifest.stages]
         self._books: dict[int, KVBook] = {}
+        self._samplers: dict[int, Sampler] = {}
         self._ids = count()
 
-    def open(self) -> int:
+    def open(self, sampling: SamplingConfig | None = None) -> int:
         stream = next(self._ids)
         for s in self.stages:
             s.open(stream)
         self._books[stream] = KVBook()
+        self._samplers[stream] = Sampler(sampling or SamplingConfig())
         return stream
 
     def close(self, stream: int) -> None:
         for s in self.stages:
             s.close(stream)
         self._books.pop(stream, None)
+        self._samplers.pop(stream, None)
 
     def book(self, stream: int) -> KVBook:
         return self._books[stream]
@@ -54,3 +58,7 @@ class LocalPipeline:
         book.commit(inputs)
         assert hidden is not None
         return hidden[0]
+
+    def advance(self, stream: int, step: Step) -> Choice:
+        """One step, sampled with the stream's own (seeded) sampler."""
+        return self._samplers[stream].choose(self.step(stream, step)[-1])

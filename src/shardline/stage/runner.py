@@ -34,6 +34,9 @@ class StageRunner:
             raise ShardlineError(f"stream {stream} is already open on {self.entry.name}")
         self._streams[stream] = self.compiled.create_infer_request()
 
+    def has(self, stream: int) -> bool:
+        return stream in self._streams
+
     def close(self, stream: int) -> None:
         """Drop the stream's request and with it its KV state."""
         self._streams.pop(stream, None)

@@ -77,6 +77,18 @@ class Link:
             got += k
         return buf
 
+    def alive(self) -> bool:
+        """False once the peer has closed or reset the connection (checked without blocking)."""
+        peek = getattr(self.transport, "recv", None)
+        if peek is None:
+            return True
+        try:
+            return bool(peek(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            return True  # nothing to read: still connected
+        except OSError:
+            return False
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.transport.close()

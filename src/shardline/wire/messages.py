@@ -8,7 +8,7 @@ frame whose kind, fields, dtypes or shapes do not match is refused (see codec.py
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -61,7 +61,7 @@ class Forward:
     hidden: np.ndarray  # [1, T, hidden] f16 or f32
     attention_mask: np.ndarray  # [1, slots + T] i64
     position_ids: np.ndarray  # [1, T] i64
-    sampling: dict[str, float]  # temperature, top_k, top_p, seed (used by the last stage only)
+    sampling: dict[str, Any]  # temperature, top_k, top_p, seed (used by the last stage only)
     want_logits: bool  # return full logits of the last row (e.g. for logprobs)
 
 
@@ -95,6 +95,16 @@ class ShardChunk:
     data: np.ndarray  # u8
 
 
-Message = Hello | Refuse | OpenStream | CloseStream | Forward | Sampled | ShardRequest | ShardChunk
+@dataclass(frozen=True)
+class Route:
+    """Coordinator -> worker: where this worker's output goes. `next` is the next worker's
+    HOST:PORT (a daisy chain); empty means back to the coordinator on this link (the end of the
+    chain, or every worker in a star)."""
+
+    KIND: ClassVar[int] = 9
+    next: str
+
+
+Message = Hello | Refuse | OpenStream | CloseStream | Forward | Sampled | ShardRequest | ShardChunk | Route
 MESSAGES: dict[int, type] = {m.KIND: m for m in (Hello, Refuse, OpenStream, CloseStream, Forward, Sampled,
-                                                 ShardRequest, ShardChunk)}
+                                                 ShardRequest, ShardChunk, Route)}

@@ -1,0 +1,157 @@
+"""The coordinator as a node: tokenizer-side loop and stage 0 here, later stages on workers.
+
+Daisy chain (default): hidden states go worker to worker; only the last worker talks back, with
+the sampled token and its log-probability. Star (for comparison, as the paper's measured code):
+every worker returns its hidden states to the coordinator, which sends them to the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from itertools import count
+from pathlib import Path
+
+import numpy as np
+
+from shardline.config import RunConfig, SamplingConfig
+from shardline.decoding.sampler import Choice
+from shardline.errors import ShardlineError
+from shardline.export.manifest import load_manifest, verify
+from shardline.stage.cache import KVBook, Prefill, Step
+from shardline.stage.runner import StageRunner
+from shardline.wire.link import Link, LinkClosed, Refused, client_handshake
+from shardline.wire.messages import PROTOCOL, CloseStream, Forward, Hello, OpenStream, Refuse, Route, Sampled
+
+ACTIVATIONS = {"f16": np.float16, "f32": np.float32}
+
+
+class RemotePipeline:
+    def __init__(self, folder: Path, workers: list[str], run: RunConfig | None = None,
+                 activations: str = "f16", topology: str = "chain") -> None:
+        if activations not in ACTIVATIONS or topology not in ("chain", "star"):
+            raise ShardlineError(f"bad activations {activations!r} or topology {topology!r}")
+        self.manifest = load_manifest(folder)
+        entry = self.manifest.stages[0]
+        verify(folder, self.manifest, only=[entry.xml, entry.bin])
+        self.stage0 = StageRunner(folder, entry, run or RunConfig())
+        self.dtype = ACTIVATIONS[activations]
+        self.topology = topology
+        self.workers = workers
+        self.links: list[Link] = []
+        self._books: dict[int, KVBook] = {}
+        self._sampling: dict[int, SamplingConfig] = {}
+        self._ids = count()
+        self._seq = count()
+        self.connect()
+
+    def connect(self) -> None:
+        """(Re)open every worker link, check the chain, and tell each worker where to send."""
+        for link in self.links:
+            link.close()
+        self.links = []
+        last = self.manifest.stages[0].last_layer
+        for addr in self.workers:
+            link, hello = self._connect_one(addr, last)
+            self.links.append(link)
+            last = hello.last_layer
+        if last != self.manifest.arch.n_layers - 1:
+            raise ShardlineError(f"the workers end at layer {last}; the model has {self.manifest.arch.n_layers} layers")
+        for i, link in enumerate(self.links):
+            chained = self.topology == "chain" and i + 1 < len(self.links)
+            link.send(Route(self.workers[i + 1] if chained else ""))
+        # Streams opened before a reconnect have lost their worker-side caches: their next step
+        # is refused by the worker ("unknown stream") and fails; new streams are unaffected.
+
+    def _connect_one(self, addr: str, prev_last: int) -> tuple[Link, Hello]:
+        host, _, port = addr.rpartition(":")
+        try:
+            link = Link.connect(host, int(port))
+        except (OSError, ValueError) as e:
+            raise ShardlineError(f"cannot reach worker {addr}: {e}") from None
+        m = self.manifest
+        # On each link the coordinator speaks for the chain up to the layer before that worker.
+        mine = Hello(PROTOCOL, "coordinator", m.model_hash, 0, prev_last, m.weights, str(np.dtype(self.dtype)))
+
+        def check(peer: Hello) -> str | None:
+            if peer.model_hash != m.model_hash:
+                return (f"model hash mismatch: coordinator has {m.model_hash[:12]}, "
+                        f"worker {addr} has {peer.model_hash[:12]}")
+            if peer.first_layer != prev_last + 1:
+                return (f"worker {addr} serves layers {peer.first_layer}-{peer.last_layer}, "
+                        f"but the chain needs layer {prev_last + 1} next")
+            if peer.weights != m.weights:
+                return f"precision mismatch: coordinator has {m.weights} weights, worker {addr} has {peer.weights}"
+            return None
+
+        try:
+            return link, client_handshake(link, mine, check)
+        except (Refused, LinkClosed) as e:
+            link.close()
+            raise ShardlineError(f"worker {addr}: {e}") from None
+
+    # --- streams ---------------------------------------------------------------------------
+
+    def open(self, sampling: SamplingConfig | None = None) -> int:
+        """A new stream. A worker that went away since the last request (say, restarted) is
+        reconnected here, so a coordinator outlives its workers."""
+        if not all(link.alive() for link in self.links):
+            self._reconnect()
+        stream = next(self._ids)
+        self.stage0.open(stream)
+        for link in self.links:
+            link.send(OpenStream(stream))
+        self._books[stream] = KVBook()
+        self._sampling[stream] = sampling or SamplingConfig()
+        return stream
+
+    def _reconnect(self, attempts: int = 50, wait_s: float = 0.2) -> None:
+        for attempt in range(attempts):
+            try:
+                self.connect()
+                return
+            except ShardlineError:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(wait_s)
+
+    def close(self, stream: int) -> None:
+        self.stage0.close(stream)
+        for link in self.links:
+            with contextlib.suppress(LinkClosed):  # a dead worker holds no cache to free
+                link.send(CloseStream(stream))
+        self._books.pop(stream, None)
+        self._sampling.pop(stream, None)
+
+    def advance(self, stream: int, step: Step) -> Choice:
+        book = self._books[stream]
+        inputs = book.plan(step)
+        hidden = self.stage0.run(stream, inputs).astype(self.dtype)
+        s = self._sampling[stream]
+        sampling = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed}
+        fwd = Forward(stream, next(self._seq), "prefill" if isinstance(step, Prefill) else "decode",
+                      hidden, inputs.attention_mask, inputs.position_ids, sampling, False)
+        reply = self._through_workers(fwd)
+        book.commit(inputs)
+        return Choice(reply.token, reply.logprob)
+
+    def _through_workers(self, fwd: Forward) -> Sampled:
+        hops = self.links if self.topology == "star" else self.links[:1]
+        msg: Forward | Sampled = fwd
+        for i, link in enumerate(hops):
+            assert isinstance(msg, Forward)
+            link.send(msg)
+            answer_from = link if self.topology == "star" or len(self.links) == 1 else self.links[-1]
+            reply = answer_from.recv()
+            if isinstance(reply, Refuse):
+                raise ShardlineError(f"worker {self.workers[i]} refused: {reply.reason}")
+            if not isinstance(reply, Forward | Sampled) or reply.seq != fwd.seq:
+                raise ShardlineError(f"unexpected {type(reply).__name__} from the chain")
+            msg = reply
+        if not isinstance(msg, Sampled):
+            raise ShardlineError("the last worker did not return a token")
+        return msg
+
+    def shutdown(self) -> None:
+        for link in self.links:
+            link.close()
