@@ -69,7 +69,35 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any free port)")
     w.add_argument("--device", default="CPU")
     w.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact")
+
+    r = sub.add_parser("relay", help="user-space WAN emulation: delay (and cap) a TCP connection")
+    r.add_argument("--listen", required=True, help="HOST:PORT to accept on")
+    r.add_argument("--to", required=True, help="HOST:PORT to forward to")
+    r.add_argument("--delay-ms", type=float, required=True, help="one-way delay added to every byte")
+    r.add_argument("--rate-mbit", type=float, help="bandwidth cap per direction")
     return p
+
+
+def _hostport(spec: str, flag: str) -> tuple[str, int]:
+    host, _, port = spec.rpartition(":")
+    if not host or not port.isdigit():
+        raise ShardlineError(f"{flag} must be HOST:PORT, got {spec!r}")
+    return host, int(port)
+
+
+def _relay(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from shardline.cluster.relay import RelayConfig, serve
+
+    try:
+        cfg = RelayConfig(*_hostport(args.listen, "--listen"), *_hostport(args.to, "--to"), args.delay_ms,
+                          args.rate_mbit)
+    except ValueError as e:
+        raise ShardlineError(str(e)) from None
+    print(f"relaying {args.listen} -> {args.to} with {args.delay_ms:g} ms", flush=True)
+    asyncio.run(serve(cfg))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export":
             return _export(args)
+        if args.command == "relay":
+            return _relay(args)
         if args.command == "worker":
             return _worker(args)
         if args.command == "inspect":
