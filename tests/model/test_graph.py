@@ -103,3 +103,20 @@ def test_exact_tokens_do_not_depend_on_the_split(shards: Callable[..., Path]) ->
     one = greedy_ours(LocalPipeline(shards("int8", stages=1)), prompt, 32)[0]
     two = greedy_ours(LocalPipeline(shards("int8", stages=2)), prompt, 32)[0]
     assert one == two
+
+
+def test_streams_opened_and_closed_many_times_stay_independent(shards: Callable[..., Path]) -> None:
+    """Each round opens a stream, runs it with fresh arrays, and closes it: a new stream starts
+    from an empty cache (same first token) and nothing of a closed request is touched again.
+    (A standalone script corrupted the heap when requests fed shared-memory inputs were
+    destroyed; the runner now copies its inputs.)"""
+    pipe = LocalPipeline(shards("int8", stages=1), RunConfig(precision="fast", threads=2))
+    firsts = []
+    for _ in range(3):
+        stream = pipe.open()
+        logits = pipe.step(stream, Prefill(list(range(100, 146))))
+        firsts.append(int(np.argmax(logits[-1])))
+        for _ in range(64):
+            pipe.step(stream, Decode(5))
+        pipe.close(stream)
+    assert len(set(firsts)) == 1

@@ -48,9 +48,12 @@ class StageRunner:
         """Run one step; returns hidden states [1, T, H] or, on the last stage, logits [1, T, V]."""
         request = self._streams[stream]
         x = inputs.input_ids if hidden is None else hidden
+        # Inputs are copied (share_inputs=False): a request keeps its last input tensors set, and
+        # with shared memory it would point into numpy buffers freed after this call. Seen here:
+        # heap corruption when such a request was later destroyed. The copy is a few KB per step.
         request.infer(
             {self._input: x, "attention_mask": inputs.attention_mask,
              "position_ids": inputs.position_ids, "beam_idx": _BEAM},
-            share_inputs=True,
+            share_inputs=False,
         )
         return request.get_tensor(self._out).data
