@@ -241,7 +241,7 @@ def print_breakdown(samples: dict[str, list[Sample]], n: int) -> dict[str, dict[
         ms = 1e3 / (n - 1)
         total = statistics.median(x.decode_s for x in runs) * ms
         graph = [statistics.median(g) * ms for g in zip(*(x.graph_s for x in runs), strict=True)]
-        host = total - sum(graph)
+        host = statistics.median(x.decode_s - sum(x.graph_s) for x in runs) * ms  # per rep, then median
         parts = {"total": total, "graph": sum(graph), "host": host}
         parts |= {f"stage{k}": g for k, g in enumerate(graph)}
         out[key] = {f"{k}_ms": round(v, 3) for k, v in parts.items()}
