@@ -1,0 +1,41 @@
+"""Running shards (coordinator, workers, tokenizer) needs only openvino, numpy, tokenizers and
+jinja2: torch, transformers, nncf, gguf and tqdm are export- or test-time only."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+SCRIPT = r"""
+import sys
+BLOCKED = {"torch", "transformers", "nncf", "gguf", "tqdm", "accelerate", "safetensors"}
+
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"run time imported {name}")
+        return None
+
+sys.meta_path.insert(0, Block())
+from pathlib import Path
+from shardline.config import RunConfig, SamplingConfig
+from shardline.decoding.generate import generate
+from shardline.model.tokenizer import ChatTokenizer
+from shardline.pipeline.local import LocalPipeline
+import shardline.pipeline.remote, shardline.pipeline.worker, shardline.cluster.relay, shardline.cli
+
+folder = Path(sys.argv[1])
+tok = ChatTokenizer(folder)
+prompt = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+pipe = LocalPipeline(folder, RunConfig())
+print(tok.decode(list(generate(pipe, prompt, SamplingConfig(max_tokens=8), tok.stop_ids, 8192))))
+"""
+
+
+def test_run_time_path_imports_no_export_dependencies(shards: Callable[..., Path]) -> None:
+    run = subprocess.run([sys.executable, "-c", SCRIPT, str(shards("fp32", stages=2))],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "Paris" in run.stdout
