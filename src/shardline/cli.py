@@ -95,8 +95,14 @@ def _relay(args: argparse.Namespace) -> int:
                           args.rate_mbit)
     except ValueError as e:
         raise ShardlineError(str(e)) from None
-    print(f"relaying {args.listen} -> {args.to} with {args.delay_ms:g} ms", flush=True)
-    asyncio.run(serve(cfg))
+    async def run() -> None:
+        ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        server = asyncio.create_task(serve(cfg, ready))
+        port = await ready  # bound: only now may a client connect
+        print(f"relaying {cfg.listen_host}:{port} -> {args.to} with {args.delay_ms:g} ms", flush=True)
+        await server
+
+    asyncio.run(run())
     return 0
 
 
@@ -134,12 +140,6 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def tok_context(folder: Path) -> int:
-    from shardline.export.manifest import load_manifest
-
-    return load_manifest(folder).arch.max_context
-
-
 def _worker(args: argparse.Namespace) -> int:
     import logging
 
@@ -158,6 +158,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from shardline.decoding.generate import Pipeline, generate
+    from shardline.export.manifest import load_manifest
     from shardline.model.tokenizer import ChatTokenizer, StreamDecoder
     from shardline.pipeline.local import LocalPipeline
 
@@ -177,7 +178,8 @@ def _generate(args: argparse.Namespace) -> int:
     tok = ChatTokenizer(folder)
     prompt = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])
     out = StreamDecoder(tok)
-    for token in generate(pipe, prompt, sampling, tok.stop_ids, tok_context(folder)):
+    max_context = load_manifest(folder).arch.max_context
+    for token in generate(pipe, prompt, sampling, tok.stop_ids, max_context):
         sys.stdout.write(out.push(token))
         sys.stdout.flush()
     sys.stdout.write("\n")

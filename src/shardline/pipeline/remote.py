@@ -8,6 +8,7 @@ every worker returns its hidden states to the coordinator, which sends them to t
 from __future__ import annotations
 
 import contextlib
+import secrets
 import time
 from itertools import count
 from pathlib import Path
@@ -41,7 +42,9 @@ class RemotePipeline:
         self.links: list[Link] = []
         self._books: dict[int, KVBook] = {}
         self._sampling: dict[int, SamplingConfig] = {}
-        self._ids = count()
+        # Stream ids are global on a worker (its caches are keyed by them, whichever link a step
+        # arrives on), so each coordinator starts at a random 48-bit offset.
+        self._ids = count(secrets.randbits(48) << 8)
         self._seq = count()
         self.connect()
 
@@ -129,28 +132,35 @@ class RemotePipeline:
         hidden = self.stage0.run(stream, inputs).astype(self.dtype)
         s = self._sampling[stream]
         sampling = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed}
+        # The mask travels as u8 (it holds 0/1): 1 byte per context slot per hop instead of 8.
         fwd = Forward(stream, next(self._seq), "prefill" if isinstance(step, Prefill) else "decode",
-                      hidden, inputs.attention_mask, inputs.position_ids, sampling, False)
+                      hidden, inputs.attention_mask.astype(np.uint8), inputs.position_ids, sampling, False)
         reply = self._through_workers(fwd)
         book.commit(inputs)
         return Choice(reply.token, reply.logprob)
 
     def _through_workers(self, fwd: Forward) -> Sampled:
-        hops = self.links if self.topology == "star" else self.links[:1]
-        msg: Forward | Sampled = fwd
-        for i, link in enumerate(hops):
-            assert isinstance(msg, Forward)
-            link.send(msg)
-            answer_from = link if self.topology == "star" or len(self.links) == 1 else self.links[-1]
-            reply = answer_from.recv()
-            if isinstance(reply, Refuse):
-                raise ShardlineError(f"worker {self.workers[i]} refused: {reply.reason}")
-            if not isinstance(reply, Forward | Sampled) or reply.seq != fwd.seq:
-                raise ShardlineError(f"unexpected {type(reply).__name__} from the chain")
-            msg = reply
-        if not isinstance(msg, Sampled):
-            raise ShardlineError("the last worker did not return a token")
-        return msg
+        """Chain: in at the first worker, out at the last. Star: through each worker in turn."""
+        last = len(self.links) - 1
+        if self.topology == "chain":
+            self.links[0].send(fwd)
+            reply = self._expect(last, fwd.seq)
+        else:
+            reply = fwd
+            for i, link in enumerate(self.links):
+                link.send(reply)
+                reply = self._expect(i, fwd.seq)
+        if not isinstance(reply, Sampled):
+            raise ShardlineError(f"worker {self.workers[last]} returned hidden states, not a token")
+        return reply
+
+    def _expect(self, i: int, seq: int) -> Forward | Sampled:
+        reply = self.links[i].recv()
+        if isinstance(reply, Refuse):
+            raise ShardlineError(f"worker {self.workers[i]} refused: {reply.reason}")
+        if not isinstance(reply, Forward | Sampled) or reply.seq != seq:
+            raise ShardlineError(f"unexpected {type(reply).__name__} from worker {self.workers[i]}")
+        return reply
 
     def shutdown(self) -> None:
         for link in self.links:

@@ -123,9 +123,8 @@ class StageWorker:
     def handle(self, link: Link, msg: Message) -> None:
         if isinstance(msg, OpenStream):
             for s in self.stages:
-                s.close(msg.stream)  # a reopened id starts from an empty cache
-                s.open(msg.stream)
-            self._samplers.pop(msg.stream, None)
+                if not s.has(msg.stream):  # its first prefill may have opened it already
+                    s.open(msg.stream)
         elif isinstance(msg, CloseStream):
             for s in self.stages:
                 s.close(msg.stream)
@@ -155,10 +154,16 @@ class StageWorker:
 
     def _forward(self, msg: Forward) -> None:
         if not self.stages[0].has(msg.stream):
-            self._send_back(Refuse(f"unknown stream {msg.stream} on the worker for layers "
-                                   f"{self.hello.first_layer}-{self.hello.last_layer} (restarted?)"))
-            return
-        inputs = StepInputs(_NO_IDS, msg.attention_mask, msg.position_ids)
+            # A stream's first prefill may overtake its OpenStream (they come on different links
+            # in a chain): a step that starts from an empty cache opens the stream itself.
+            if msg.attention_mask.shape[1] != msg.position_ids.shape[1]:
+                self._send_back(Refuse(f"unknown stream {msg.stream} on the worker for layers "
+                                       f"{self.hello.first_layer}-{self.hello.last_layer} (restarted?)"))
+                return
+            for s in self.stages:
+                s.open(msg.stream)
+        mask = msg.attention_mask.astype(np.int64)  # travels as u8
+        inputs = StepInputs(_NO_IDS, mask, msg.position_ids)
         out = msg.hidden.astype(np.float32, copy=False)
         for s in self.stages:
             out = s.run(msg.stream, inputs, out)
@@ -167,7 +172,7 @@ class StageWorker:
             return
         hidden = out.astype(msg.hidden.dtype, copy=False)  # activations keep the link's dtype
         fwd = Forward(msg.stream, msg.seq, msg.phase, hidden, msg.attention_mask, msg.position_ids,
-                      msg.sampling, msg.want_logits)
+                      msg.sampling, msg.want_logits)  # the mask goes on as it came (u8)
         if self._next is not None:
             self._next.send(fwd)
         else:

@@ -59,7 +59,7 @@ class Forward:
     seq: int  # step number within the stream, echoed in the reply
     phase: str  # "prefill" | "decode"
     hidden: np.ndarray  # [1, T, hidden] f16 or f32
-    attention_mask: np.ndarray  # [1, slots + T] i64
+    attention_mask: np.ndarray  # [1, slots + T] u8 on the wire (0/1), i64 in the graph
     position_ids: np.ndarray  # [1, T] i64
     sampling: dict[str, Any]  # temperature, top_k, top_p, seed (used by the last stage only)
     want_logits: bool  # return full logits of the last row (e.g. for logprobs)

@@ -1,0 +1,310 @@
+"""Distributed decode: in-process stages vs the same exports through worker processes on loopback.
+
+Stage 0 always runs in the coordinator; 2-stage exports use 1 worker, 3-stage exports 2 workers.
+Compared, in one run and interleaved across systems: decode tok/s (in-process, worker chain, star,
+f16 vs f32 activations), per-hop transport overhead (worker advance() minus in-process advance(),
+paired by decode step, divided by the hops a token makes), bytes per token on the wire, and a
+latency sweep through `shardline relay` on every hop. Greedy, exact precision, N new tokens,
+stop tokens ignored; medians over reps.
+
+    python bench/pipeline.py --quick      # 16 tokens, 1 rep, delays 0 and 20 ms
+    python bench/pipeline.py              # 64 tokens, 3 reps, delays 0 5 20 50 100 ms
+
+The last line on stdout is one JSON object with the figures, ratios first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from shardline.config import ExportConfig, RunConfig, SamplingConfig
+from shardline.export.manifest import load_manifest
+from shardline.model.tokenizer import ChatTokenizer
+from shardline.pipeline.local import LocalPipeline
+from shardline.pipeline.remote import RemotePipeline
+from shardline.stage.cache import Decode, Prefill, Step
+from shardline.wire.codec import encode
+from shardline.wire.messages import Sampled
+
+SHARDLINE = str(Path(sys.executable).parent / "shardline")
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+Pipe = LocalPipeline | RemotePipeline
+
+
+# --- subprocesses ------------------------------------------------------------------------------
+
+
+class Proc:
+    """A `shardline worker` or `shardline relay` on 127.0.0.1, ready once it printed `prefix`."""
+
+    def __init__(self, args: list[str], prefix: str, timeout_s: float = 180.0) -> None:
+        self.proc = subprocess.Popen([SHARDLINE, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True)
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        self.line = ""
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if ready:
+                self.line = self.proc.stdout.readline()
+                if self.line.startswith(prefix):
+                    return
+        self.stop()
+        raise RuntimeError(f"{' '.join(args[:3])}: not ready in {timeout_s:g} s ({self.line.strip()!r})")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def relay(to: str, delay_ms: float, timeout_s: float = 20.0) -> tuple[Proc, str]:
+    port = free_port()
+    proc = Proc(["relay", "--listen", f"127.0.0.1:{port}", "--to", to, "--delay-ms", str(delay_ms)], "relaying")
+    deadline = time.monotonic() + timeout_s  # it prints before it binds: wait until it accepts
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return proc, f"127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.05)
+    proc.stop()
+    raise RuntimeError(f"relay to {to} never accepted on port {port}")
+
+
+@contextmanager
+def started(procs: list[Proc]) -> Iterator[list[Proc]]:
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+# --- runs --------------------------------------------------------------------------------------
+
+
+def shard_folder(work: Path, stages: int) -> Path:
+    from shardline.export.exporter import export
+
+    folder = work / f"smollm2-135m-gguf-{stages}stages"
+    if not (folder / "manifest.json").is_file():
+        print(f"exporting {folder} ...", file=sys.stderr)
+        export(ExportConfig(out=folder, stages=stages, weights="gguf", isolate=False, progress=False))
+    return folder
+
+
+@dataclass
+class Sample:
+    decode_s: float
+    tokens: list[int]
+    step_s: list[float]  # advance() of each decode step
+    sent: list[int] = field(default_factory=list)  # coordinator bytes out per decode step (all links)
+    received: list[int] = field(default_factory=list)  # coordinator bytes in per decode step
+
+
+def generate(pipe: Pipe, prompt: list[int], n: int) -> Sample:
+    """Exactly n greedy tokens: one prefill, n-1 decode steps, each advance() timed."""
+    if isinstance(pipe, RemotePipeline):
+        pipe.connect()  # the workers are shared between pipelines: re-route them to this one
+    s = Sample(0.0, [], [])
+    stream = pipe.open(SamplingConfig(max_tokens=n))
+    links = pipe.links if isinstance(pipe, RemotePipeline) else []
+    try:
+        s.tokens.append(pipe.advance(stream, Prefill(prompt)).token)
+        for _ in range(n - 1):
+            step: Step = Decode(s.tokens[-1])
+            out0, in0 = sum(k.bytes_sent for k in links), sum(k.bytes_received for k in links)
+            t = time.perf_counter()
+            s.tokens.append(pipe.advance(stream, step).token)
+            s.step_s.append(time.perf_counter() - t)
+            s.sent.append(sum(k.bytes_sent for k in links) - out0)
+            s.received.append(sum(k.bytes_received for k in links) - in0)
+    finally:
+        pipe.close(stream)
+    s.decode_s = sum(s.step_s)
+    return s
+
+
+def tok_s(runs: list[Sample]) -> float:
+    return statistics.median(len(r.step_s) / r.decode_s for r in runs)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def hops(name: str) -> int:
+    workers = int(name.split("-")[1])
+    return 2 * workers if "star" in name else workers + 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--delays", default="0,5,20,50,100", help="relay one-way delay per hop, ms (comma-separated)")
+    p.add_argument("--sweep-tokens", type=int, default=16, help="tokens per run for delays >= 20 ms")
+    p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "shardline" / "bench" / "pipeline")
+    p.add_argument("--quick", action="store_true", help="smoke run: 16 tokens, 1 rep, delays 0 and 20 ms")
+    p.add_argument("--max-minutes", type=float, default=20.0, help="skip remaining reps/delays after this")
+    args = p.parse_args()
+    n, reps = (16, 1) if args.quick else (args.tokens, args.reps)
+    delays = [0.0, 20.0] if args.quick else [float(d) for d in args.delays.split(",")]
+    if n < 3:
+        p.error("--tokens must be at least 3")
+    deadline = time.monotonic() + args.max_minutes * 60
+    args.work.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0]
+    f2, f3 = shard_folder(args.work, 2), shard_folder(args.work, 3)
+    vocab = load_manifest(f3).arch.vocab
+    prompt = ChatTokenizer(f3).encode_chat([{"role": "user", "content": PROMPT}])
+    run = RunConfig()  # precision "exact"
+
+    def worker(folder: Path, stage: str) -> Proc:
+        return Proc(["worker", "--shards", str(folder), "--stage", stage, "--listen", "127.0.0.1:0"], "listening on ")
+
+    procs: list[Proc] = []
+    with started(procs):
+        procs += [worker(f2, "1"), worker(f3, "1"), worker(f3, "2")]
+        w2, w3 = [procs[0].line.split()[-1]], [q.line.split()[-1] for q in procs[1:]]
+        pipes: dict[str, Pipe] = {
+            "inproc-2stage": LocalPipeline(f2, run),
+            "workers-1-chain-f16": RemotePipeline(f2, w2, run, "f16", "chain"),
+            "inproc-3stage": LocalPipeline(f3, run),
+            "workers-2-chain-f16": RemotePipeline(f3, w3, run, "f16", "chain"),
+            "workers-2-star-f16": RemotePipeline(f3, w3, run, "f16", "star"),
+            "workers-2-chain-f32": RemotePipeline(f3, w3, run, "f32", "chain"),
+        }
+        for pipe in pipes.values():
+            generate(pipe, prompt, 4)  # warm-up
+        samples: dict[str, list[Sample]] = {k: [] for k in pipes}
+        for r in range(reps):
+            if r and time.monotonic() > deadline:
+                print(f"time box: stopping after {r} reps", file=sys.stderr)
+                break
+            for name, pipe in pipes.items():
+                samples[name].append(s := generate(pipe, prompt, n))
+                print(f"rep {r + 1}/{reps} {name}: {len(s.step_s) / s.decode_s:.1f} tok/s", file=sys.stderr)
+        for pipe in pipes.values():
+            if isinstance(pipe, RemotePipeline):
+                pipe.shutdown()
+
+        sweep: dict[str, dict[str, float]] = {}
+        sweep_samples: dict[str, list[list[int]]] = {}
+        for delay in delays:
+            if time.monotonic() > deadline:
+                print(f"time box: sweep stopped before {delay:g} ms", file=sys.stderr)
+                break
+            m = n if delay < 20 else min(n, args.sweep_tokens)
+            relays: list[Proc] = []
+            via: list[str] = []  # coordinator -> r0 -> w1; w1 -> r1 -> w2 (Route); w2 -> r1 -> coordinator
+            with started(relays):
+                for to in w3:
+                    proc, addr = relay(to, delay)
+                    relays.append(proc)
+                    via.append(addr)
+                sweep[f"{delay:g}ms"] = {}
+                for topo in ("chain", "star"):
+                    remote = RemotePipeline(f3, via, run, "f16", topo)
+                    try:
+                        runs = [generate(remote, prompt, m) for _ in range(reps)]
+                    finally:
+                        remote.shutdown()
+                    sweep[f"{delay:g}ms"][topo] = round(tok_s(runs), 2)
+                    sweep_samples[f"{delay:g}ms-{topo}"] = [x.tokens for x in runs]
+                    print(f"delay {delay:g} ms {topo}: {tok_s(runs):.2f} tok/s ({m} tokens)", file=sys.stderr)
+
+    # --- report --------------------------------------------------------------------------------
+    tps = {k: tok_s(v) for k, v in samples.items() if v}
+    ref = {k: ("inproc-2stage" if "-1-" in k or k == "inproc-2stage" else "inproc-3stage") for k in tps}
+    print(f"\n{n} new tokens, prompt {len(prompt)} tokens, gguf weights, exact precision, median of "
+          f"{len(samples['inproc-2stage'])}, load average {load:.1f} at start")
+    print(f"{'system':<22}{'decode tok/s':>14}{'ms/token':>10}{'vs in-process':>15}{'same tokens':>13}")
+    for k, v in tps.items():
+        same = "yes" if samples[k][0].tokens == samples[ref[k]][0].tokens else "NO"
+        print(f"{k:<22}{v:>14.1f}{1e3 / v:>10.2f}{ratio(v, tps[ref[k]]) or 0:>15.3f}{same:>13}")
+
+    overhead: dict[str, dict[str, float]] = {}
+    print("\nper-hop transport overhead, us: (worker advance() - in-process advance()) / hops, paired by step")
+    for k in tps:
+        if not k.startswith("workers-"):
+            continue
+        diffs = [(a - b) * 1e6 / hops(k) for ra, rb in zip(samples[k], samples[ref[k]], strict=False)
+                 for a, b in zip(ra.step_s, rb.step_s, strict=True)]
+        overhead[k] = {"hops": hops(k), "median_us": round(float(np.median(diffs)), 1),
+                       "p99_us": round(float(np.percentile(diffs, 99)), 1)}
+        print(f"{k:<22}{hops(k)} hops  median {overhead[k]['median_us']:>8.1f}  p99 {overhead[k]['p99_us']:>8.1f}")
+
+    # Full logits: the Sampled frame the last worker would send with want_logits, encoded here
+    # (computed, not measured: the coordinator has no flag to ask for it yet).
+    full = len(encode(Sampled(0, 10**6, vocab - 1, -1.0, np.zeros(vocab, np.float32))))
+    top1 = len(encode(Sampled(0, 10**6, vocab - 1, -1.0, None)))
+    wire: dict[str, dict[str, float]] = {}
+    print("\nbytes per decode token on the wire (coordinator's links measured; chain worker->worker "
+          "hops inferred as one more Forward frame each)")
+    print(f"{'system':<22}{'Forward':>9}{'coord out':>11}{'coord in':>10}{'all hops top-1':>16}"
+          f"{'all hops logits*':>18}")
+    for k in tps:
+        if not k.startswith("workers-"):
+            continue
+        sent = statistics.median(x for r in samples[k] for x in r.sent)
+        back = statistics.median(x for r in samples[k] for x in r.received)
+        n_w = int(k.split("-")[1])
+        star = "star" in k
+        fwd = sent / n_w if star else sent  # star: one Forward to every worker; chain: one to the first
+        total = sent + back + (0 if star else fwd * (n_w - 1))
+        logits_total = total - top1 + full
+        wire[k] = {"forward_frame": fwd, "coordinator_sent": sent, "coordinator_received": back,
+                   "all_hops_top1": total, "all_hops_full_logits_computed": logits_total}
+        print(f"{k:<22}{fwd:>9.0f}{sent:>11.0f}{back:>10.0f}{total:>16.0f}{logits_total:>18.0f}")
+    print(f"* computed, not measured: top-1 Sampled frame ~{top1} B replaced by the Sampled frame with "
+          f"f32 logits for vocab {vocab}: {full} B")
+
+    if sweep:
+        print("\nlatency sweep, 2 workers, f16, relay on every hop (chain 3 delays per token, star 4): tok/s")
+        print(f"{'delay/hop':<12}{'chain':>10}{'star':>10}{'chain/star':>12}")
+        for d, v in sweep.items():
+            print(f"{d:<12}{v['chain']:>10.2f}{v['star']:>10.2f}{ratio(v['chain'], v['star']) or 0:>12.3f}")
+    sweep_same = all(t == samples["inproc-3stage"][0].tokens[: len(t)] for ts in sweep_samples.values() for t in ts)
+
+    figures = {
+        "ratio_worker_chain_2stage_vs_inproc_2stage": ratio(tps.get("workers-1-chain-f16"), tps.get("inproc-2stage")),
+        "ratio_worker_chain_3stage_vs_inproc_3stage": ratio(tps.get("workers-2-chain-f16"), tps.get("inproc-3stage")),
+        "ratio_chain_vs_star_3stage": ratio(tps.get("workers-2-chain-f16"), tps.get("workers-2-star-f16")),
+        "ratio_f16_vs_f32_chain_3stage": ratio(tps.get("workers-2-chain-f16"), tps.get("workers-2-chain-f32")),
+        "target_2stage_ratio": 0.9,
+        "tokens": n, "reps": len(samples["inproc-2stage"]), "prompt_tokens": len(prompt), "precision": "exact",
+        "weights": "gguf", "load_avg_1m_at_start": round(load, 2),
+        "decode_tok_s": {k: round(v, 2) for k, v in tps.items()},
+        "hop_overhead_us": overhead, "bytes_per_token": wire,
+        "sampled_frame_bytes_computed": {"top1": top1, "full_logits": full},
+        "latency_sweep_tok_s": sweep, "sweep_tokens_match_inproc": sweep_same,
+    }
+    print("\nratios (decode tok/s): " + ", ".join(f"{k[6:]} {v}" for k, v in figures.items()
+                                                  if k.startswith("ratio_")))
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
