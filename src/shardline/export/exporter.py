@@ -90,7 +90,7 @@ def _export_stages(cfg: ExportConfig, model: Path, plans: list[StagePlan], tmp: 
             # One fresh process per stage: its peak RSS is this stage's alone.
             ctx = get_context("spawn")
             with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
-                for entry in pool.map(_export_one_star, jobs):
+                for entry in pool.map(_export_one, *zip(*jobs, strict=True)):
                     entries.append(entry)
                     bar.update()
         else:
@@ -98,10 +98,6 @@ def _export_stages(cfg: ExportConfig, model: Path, plans: list[StagePlan], tmp: 
                 entries.append(_export_one(*job))
                 bar.update()
     return entries
-
-
-def _export_one_star(job: tuple[Path, StagePlan, str, int, Path]) -> StageEntry:
-    return _export_one(*job)
 
 
 def _export_one(model: Path, plan: StagePlan, weights: str, group_size: int, tmp: Path) -> StageEntry:

@@ -12,6 +12,7 @@ import secrets
 import time
 from itertools import count
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -41,7 +42,7 @@ class RemotePipeline:
         self.workers = workers
         self.links: list[Link] = []
         self._books: dict[int, KVBook] = {}
-        self._sampling: dict[int, SamplingConfig] = {}
+        self._sampling: dict[int, dict[str, Any]] = {}  # per stream, as it travels in Forward
         # Stream ids are global on a worker (its caches are keyed by them, whichever link a step
         # arrives on), so each coordinator starts at a random 48-bit offset.
         self._ids = count(secrets.randbits(48) << 8)
@@ -105,7 +106,8 @@ class RemotePipeline:
         for link in self.links:
             link.send(OpenStream(stream))
         self._books[stream] = KVBook()
-        self._sampling[stream] = sampling or SamplingConfig()
+        s = sampling or SamplingConfig()
+        self._sampling[stream] = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed}
         return stream
 
     def _reconnect(self, attempts: int = 50, wait_s: float = 0.2) -> None:
@@ -129,12 +131,11 @@ class RemotePipeline:
     def advance(self, stream: int, step: Step) -> Choice:
         book = self._books[stream]
         inputs = book.plan(step)
-        hidden = self.stage0.run(stream, inputs).astype(self.dtype)
-        s = self._sampling[stream]
-        sampling = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed}
+        hidden = self.stage0.run(stream, inputs).astype(self.dtype, copy=False)
         # The mask travels as u8 (it holds 0/1): 1 byte per context slot per hop instead of 8.
         fwd = Forward(stream, next(self._seq), "prefill" if isinstance(step, Prefill) else "decode",
-                      hidden, inputs.attention_mask.astype(np.uint8), inputs.position_ids, sampling, False)
+                      hidden, inputs.attention_mask.astype(np.uint8), inputs.position_ids,
+                      self._sampling[stream], False)
         reply = self._through_workers(fwd)
         book.commit(inputs)
         return Choice(reply.token, reply.logprob)
