@@ -1,7 +1,16 @@
-"""All stages of an export chained in one process (the reference for every distributed path)."""
+"""All stages of an export chained in one process (the reference for every distributed path).
+
+Two ways to drive it:
+- `step` / `advance`: one stream's step through every stage, in the caller's thread.
+- `submit` / `outcomes`: several streams in flight. Stage 0 runs in the caller's thread and each
+  later stage on a thread of its own, so while stage 1 works on stream A, stage 0 can work on
+  stream B (OpenVINO releases the GIL inside infer). Each stream has one step in flight at most.
+"""
 
 from __future__ import annotations
 
+import queue
+import threading
 from itertools import count
 from pathlib import Path
 
@@ -12,8 +21,11 @@ from shardline.config import RunConfig, SamplingConfig
 from shardline.decoding.sampler import Choice, Sampler
 from shardline.errors import ShardlineError
 from shardline.export.manifest import Manifest, load_manifest, verify
-from shardline.stage.cache import KVBook, Step
+from shardline.pipeline.inflight import Outbox, Outcome
+from shardline.stage.cache import KVBook, Step, StepInputs
 from shardline.stage.runner import StageRunner
+
+_Work = tuple[int, StepInputs, np.ndarray]  # stream, its step's inputs, the previous stage's output
 
 
 class LocalPipeline:
@@ -28,6 +40,8 @@ class LocalPipeline:
         self._books: dict[int, KVBook] = {}
         self._samplers: dict[int, Sampler] = {}
         self._ids = count()
+        self.outbox = Outbox()
+        self._inboxes: list[queue.Queue[_Work]] = []  # one per stage after the first
 
     def open(self, sampling: SamplingConfig | None = None) -> int:
         stream = next(self._ids)
@@ -38,6 +52,7 @@ class LocalPipeline:
         return stream
 
     def close(self, stream: int) -> None:
+        """Free the stream's KV on every stage (never while one of its steps is in flight)."""
         for s in self.stages:
             s.close(stream)
         self._books.pop(stream, None)
@@ -46,19 +61,65 @@ class LocalPipeline:
     def book(self, stream: int) -> KVBook:
         return self._books[stream]
 
-    def step(self, stream: int, step: Step) -> np.ndarray:
-        """Run one prefill or decode step through every stage; returns logits [T, vocab]."""
+    def _plan(self, stream: int, step: Step) -> StepInputs:
         if stream not in self._books:
             raise ShardlineError(f"unknown stream {stream}")
-        book = self._books[stream]
-        inputs = book.plan(step)
+        return self._books[stream].plan(step)
+
+    def step(self, stream: int, step: Step) -> np.ndarray:
+        """Run one prefill or decode step through every stage; returns logits [T, vocab]."""
+        inputs = self._plan(stream, step)
         hidden = None
         for stage in self.stages:
             hidden = stage.run(stream, inputs, hidden)
-        book.commit(inputs)
+        self._books[stream].commit(inputs)
         assert hidden is not None
         return hidden[0]
 
     def advance(self, stream: int, step: Step) -> Choice:
         """One step, sampled with the stream's own (seeded) sampler."""
         return self._samplers[stream].choose(self.step(stream, step)[-1])
+
+    # --- several streams in flight ----------------------------------------------------------
+
+    def submit(self, stream: int, step: Step) -> None:
+        """Start one step of `stream`; its token comes out of `outcomes`."""
+        inputs = self._plan(stream, step)
+        # Committed now: the stream's next step is planned only after this one's outcome.
+        self._books[stream].commit(inputs)
+        out = self.stages[0].run(stream, inputs)
+        if len(self.stages) == 1:
+            self.outbox.put(self._sampled(stream, out))
+            return
+        self._start_threads()
+        # `out` is a view of stage 0's output for this stream's request; stage 0 runs this
+        # stream again only after its outcome, so the view stays valid until stage 1 copies it.
+        self._inboxes[0].put((stream, inputs, out))
+
+    def outcomes(self, timeout: float | None = None) -> list[Outcome]:
+        return self.outbox.take(timeout)
+
+    def _sampled(self, stream: int, logits: np.ndarray) -> Outcome:
+        return Outcome(stream, self._samplers[stream].choose(logits[0, -1]))
+
+    def _start_threads(self) -> None:
+        if self._inboxes:
+            return
+        self._inboxes = [queue.Queue() for _ in self.stages[1:]]
+        for k in range(1, len(self.stages)):
+            threading.Thread(target=self._stage_loop, args=(k,), daemon=True, name=f"stage-{k}").start()
+
+    def _stage_loop(self, k: int) -> None:
+        inbox, stage = self._inboxes[k - 1], self.stages[k]
+        last = k == len(self.stages) - 1
+        while True:
+            stream, inputs, hidden = inbox.get()
+            try:
+                out = stage.run(stream, inputs, hidden)
+            except Exception as e:  # the stream fails; the stage keeps serving the others
+                self.outbox.put(Outcome(stream, None, f"stage {k}: {e}"))
+                continue
+            if last:
+                self.outbox.put(self._sampled(stream, out))
+            else:
+                self._inboxes[k].put((stream, inputs, out))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import threading
 import time
 from itertools import count
 from pathlib import Path
@@ -20,6 +21,7 @@ from shardline.config import RunConfig, SamplingConfig
 from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
 from shardline.export.manifest import load_manifest, verify
+from shardline.pipeline.inflight import Outbox, Outcome
 from shardline.stage.cache import KVBook, Prefill, Step
 from shardline.stage.runner import StageRunner
 from shardline.wire.link import Link, LinkClosed, Refused, client_handshake
@@ -47,6 +49,8 @@ class RemotePipeline:
         # arrives on), so each coordinator starts at a random 48-bit offset.
         self._ids = count(secrets.randbits(48) << 8)
         self._seq = count()
+        self.outbox = Outbox()
+        self._inflight: set[int] = set()  # streams with a step between submit and outcome
         self.connect()
 
     def connect(self) -> None:
@@ -64,6 +68,9 @@ class RemotePipeline:
         for i, link in enumerate(self.links):
             chained = self.topology == "chain" and i + 1 < len(self.links)
             link.send(Route(self.workers[i + 1] if chained else ""))
+        if self.topology == "chain":  # tokens come back on the last link, refusals on any
+            for link in self.links:
+                threading.Thread(target=self._receive, args=(link,), daemon=True, name="receive").start()
         # Streams opened before a reconnect have lost their worker-side caches: their next step
         # is refused by the worker ("unknown stream") and fails; new streams are unaffected.
 
@@ -129,31 +136,65 @@ class RemotePipeline:
         self._sampling.pop(stream, None)
 
     def advance(self, stream: int, step: Step) -> Choice:
+        self.submit(stream, step)
+        got = self.outbox.wait_for(stream)
+        if got.choice is None:
+            raise ShardlineError(got.error)
+        return got.choice
+
+    def submit(self, stream: int, step: Step) -> None:
+        """Run stage 0 here and send the step down the chain; its token comes out of `outcomes`.
+        Stage 0 is then free for another stream while the workers run this one."""
         book = self._books[stream]
         inputs = book.plan(step)
+        book.commit(inputs)  # the stream's next step is planned only after this one's outcome
         hidden = self.stage0.run(stream, inputs).astype(self.dtype, copy=False)
         # The mask travels as u8 (it holds 0/1): 1 byte per context slot per hop instead of 8.
         fwd = Forward(stream, next(self._seq), "prefill" if isinstance(step, Prefill) else "decode",
                       hidden, inputs.attention_mask.astype(np.uint8), inputs.position_ids,
                       self._sampling[stream], False)
-        reply = self._through_workers(fwd)
-        book.commit(inputs)
-        return Choice(reply.token, reply.logprob)
-
-    def _through_workers(self, fwd: Forward) -> Sampled:
-        """Chain: in at the first worker, out at the last. Star: through each worker in turn."""
-        last = len(self.links) - 1
+        self._inflight.add(stream)
         if self.topology == "chain":
             self.links[0].send(fwd)
-            reply = self._expect(last, fwd.seq)
         else:
-            reply = fwd
+            self.outbox.put(self._through_star(fwd))
+
+    def outcomes(self, timeout: float | None = None) -> list[Outcome]:
+        got = self.outbox.take(timeout)
+        self._inflight.difference_update(o.stream for o in got)
+        return got
+
+    def _receive(self, link: Link) -> None:
+        """Chain: tokens come back on the last worker's link. A refusal or a lost link fails the
+        steps in flight (the workers' caches for them are gone or unusable)."""
+        while True:
+            try:
+                msg = link.recv()
+            except Exception as e:  # noqa: BLE001 - any end of the link ends this reader
+                reason = f"lost worker {link.name}: {e}"
+                break
+            if isinstance(msg, Sampled):
+                self.outbox.put(Outcome(msg.stream, Choice(msg.token, msg.logprob)))
+            else:
+                reason = f"worker {link.name}: " + (msg.reason if isinstance(msg, Refuse) else
+                                                     f"unexpected {type(msg).__name__}")
+                break
+        if link in self.links:  # else a reconnect replaced this link on purpose: nothing failed
+            for stream in list(self._inflight):
+                self.outbox.put(Outcome(stream, None, reason))
+
+    def _through_star(self, fwd: Forward) -> Outcome:
+        """Star (for comparison): every worker's output comes back here and goes on to the next."""
+        reply: Forward | Sampled = fwd
+        try:
             for i, link in enumerate(self.links):
                 link.send(reply)
                 reply = self._expect(i, fwd.seq)
+        except (ShardlineError, LinkClosed) as e:
+            return Outcome(fwd.stream, None, str(e))
         if not isinstance(reply, Sampled):
-            raise ShardlineError(f"worker {self.workers[last]} returned hidden states, not a token")
-        return reply
+            return Outcome(fwd.stream, None, f"worker {self.workers[-1]} returned hidden states, not a token")
+        return Outcome(fwd.stream, Choice(reply.token, reply.logprob))
 
     def _expect(self, i: int, seq: int) -> Forward | Sampled:
         reply = self.links[i].recv()
