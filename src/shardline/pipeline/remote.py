@@ -155,7 +155,11 @@ class RemotePipeline:
                       self._sampling[stream], False)
         self._inflight.add(stream)
         if self.topology == "chain":
-            self.links[0].send(fwd)
+            try:
+                self.links[0].send(fwd)
+            except LinkClosed as e:
+                self._inflight.discard(stream)
+                raise ShardlineError(f"worker {self.workers[0]}: {e}") from None
         else:
             self.outbox.put(self._through_star(fwd))
 

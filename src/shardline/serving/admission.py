@@ -1,0 +1,45 @@
+"""Pure decisions over the engine's state: how many streams fit, and whom to admit next."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardline.errors import ShardlineError
+
+
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int = 4) -> int:
+    """Keys and values of one token over the given layers (f32 under the `exact` precision)."""
+    return 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
+
+
+def max_streams_for_memory(budget_bytes: int, per_stream_bytes: int, cap: int) -> int:
+    """How many streams fit a memory budget when each may grow to `per_stream_bytes`.
+    `per_stream_bytes` is a stream's measured fixed cost plus its KV at the longest context."""
+    if per_stream_bytes <= 0 or cap < 1:
+        raise ShardlineError("per-stream memory and the stream cap must be positive")
+    fits = budget_bytes // per_stream_bytes
+    if fits < 1:
+        raise ShardlineError(f"one stream needs {per_stream_bytes / 2**20:.0f} MiB; "
+                             f"the budget is {budget_bytes / 2**20:.0f} MiB")
+    return int(min(fits, cap))
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_streams: int  # streams with KV state at once
+    max_queue: int  # requests waiting for a stream; beyond this, new requests are turned away
+
+    def __post_init__(self) -> None:
+        if self.max_streams < 1 or self.max_queue < 0:
+            raise ShardlineError("--max-streams must be >= 1 and --max-queue >= 0")
+
+
+def to_admit(waiting: int, active: int, limits: Limits) -> int:
+    """Requests to start now, oldest first: every free stream slot is filled at once, so a
+    request that arrives while others run joins without waiting for them to finish."""
+    return max(0, min(waiting, limits.max_streams - active))
+
+
+def accepts(waiting: int, active: int, limits: Limits) -> bool:
+    """Whether a new request may enter (start now or wait in the bounded queue)."""
+    return waiting + 1 <= limits.max_queue + max(0, limits.max_streams - active)

@@ -1,0 +1,42 @@
+"""Admission and capacity decisions: pure functions over the engine's counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardline.errors import ShardlineError
+from shardline.serving.admission import Limits, accepts, kv_bytes_per_token, max_streams_for_memory, to_admit
+
+
+def test_kv_bytes_per_token_smollm2() -> None:
+    # 30 layers, 3 KV heads of 64, keys and values, f32: 46 080 bytes per token.
+    assert kv_bytes_per_token(30, 3, 64) == 46_080
+    assert kv_bytes_per_token(15, 3, 64, dtype_bytes=1) == 5_760
+
+
+def test_max_streams_for_memory() -> None:
+    assert max_streams_for_memory(10 * 2**30, 2**30, cap=64) == 10
+    assert max_streams_for_memory(10 * 2**30, 2**30, cap=4) == 4
+    with pytest.raises(ShardlineError, match="one stream needs 2048 MiB; the budget is 1024 MiB"):
+        max_streams_for_memory(2**30, 2 * 2**30, cap=4)
+
+
+def test_to_admit_fills_free_slots_oldest_first() -> None:
+    lim = Limits(max_streams=4, max_queue=8)
+    assert to_admit(waiting=0, active=0, limits=lim) == 0
+    assert to_admit(waiting=3, active=0, limits=lim) == 3
+    assert to_admit(waiting=3, active=2, limits=lim) == 2
+    assert to_admit(waiting=3, active=4, limits=lim) == 0
+
+
+def test_accepts_bounded_queue() -> None:
+    lim = Limits(max_streams=2, max_queue=1)
+    assert accepts(waiting=0, active=2, limits=lim)
+    assert not accepts(waiting=1, active=2, limits=lim)
+    assert accepts(waiting=2, active=0, limits=lim)  # two of them are about to start
+    assert not accepts(waiting=3, active=0, limits=lim)
+
+
+def test_limits_validated() -> None:
+    with pytest.raises(ShardlineError, match="--max-streams must be >= 1"):
+        Limits(max_streams=0, max_queue=1)
