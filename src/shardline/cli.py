@@ -70,6 +70,19 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--device", default="CPU")
     w.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact")
 
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded model, 2 local stages)")
+    s.add_argument("--shards", type=Path, help="export folder (default: the embedded model, cached)")
+    s.add_argument("--workers", help="HOST:PORT,... of the workers hosting stages 1.. in order")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-streams", type=int, help="concurrent streams (default: what memory holds, <= 64)")
+    s.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a stream")
+    s.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
+    s.add_argument("--model-id", help="the model name clients use (default: the source file's name)")
+    s.add_argument("--threads", type=int, help="OpenVINO threads per stage")
+    s.add_argument("--device", default="CPU")
+    s.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact")
+
     r = sub.add_parser("relay", help="user-space WAN emulation: delay (and cap) a TCP connection")
     r.add_argument("--listen", required=True, help="HOST:PORT to accept on")
     r.add_argument("--to", required=True, help="HOST:PORT to forward to")
@@ -115,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             return _relay(args)
         if args.command == "worker":
             return _worker(args)
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "inspect":
             from shardline.export.inspect import inspect
 
@@ -153,6 +168,17 @@ def _worker(args: argparse.Namespace) -> int:
     port_no = worker.listen(host or "127.0.0.1", int(port or 0))
     print(f"listening on {host or '127.0.0.1'}:{port_no}", flush=True)
     worker.serve_forever()
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from shardline.config import ServeConfig
+    from shardline.serving.server import serve
+
+    cfg = ServeConfig(host=args.host, port=args.port, max_streams=args.max_streams, max_queue=args.max_queue,
+                      default_max_tokens=args.max_tokens, model_id=args.model_id)
+    run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
+    serve(args.shards or default_shards(), run, cfg, args.workers.split(",") if args.workers else None)
     return 0
 
 

@@ -72,10 +72,15 @@ class SamplingConfig:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     seed: int | None = None
+    # Top log-probabilities wanted per token; > 0 makes the last stage return the whole logits
+    # row (~200 KB per token on the wire instead of ~100 B), so only on explicit request.
+    logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ShardlineError("max tokens must be at least 1")
+        if self.logprobs < 0:
+            raise ShardlineError("logprobs must be >= 0")
         if self.temperature < 0:
             raise ShardlineError("temperature must be >= 0")
         if self.top_k < 0:
@@ -86,3 +91,26 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_streams: int | None = None  # None: as many as the memory budget allows (capped)
+    max_queue: int = 64
+    default_max_tokens: int = 256
+    memory_fraction: float = 0.5  # of available memory that stream KV may take
+    model_id: str | None = None  # None: the source model's file or folder name
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ShardlineError(f"--port must be in 0-65535, got {self.port}")
+        if self.max_streams is not None and self.max_streams < 1:
+            raise ShardlineError("--max-streams must be >= 1")
+        if self.max_queue < 0:
+            raise ShardlineError("--max-queue must be >= 0")
+        if self.default_max_tokens < 1:
+            raise ShardlineError("--max-tokens must be >= 1")
+        if not 0 < self.memory_fraction <= 1:
+            raise ShardlineError("--memory-fraction must be in (0, 1]")

@@ -1,0 +1,45 @@
+"""Prometheus metrics of the HTTP server: latencies as the client sees them, and the engine's
+queue and streams read at scrape time. Pipeline-level figures (per-stage graph time, wire time)
+register on the default registry in pipeline code; /metrics serves both."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.registry import REGISTRY
+
+from shardline.serving.engine import Engine
+
+_LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
+
+
+class ServerMetrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("shardline_time_to_first_token_seconds", "request arrival to first token",
+                              buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("shardline_time_per_output_token_seconds", "mean gap between output tokens",
+                              buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("shardline_e2e_request_latency_seconds", "request arrival to last token",
+                             buckets=_LATENCY, registry=r)
+        self.requests = Counter("shardline_requests", "finished requests", ["endpoint", "finish_reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("shardline_prompt_tokens", "prompt tokens admitted", registry=r)
+        self.completion_tokens = Counter("shardline_completion_tokens", "tokens generated", registry=r)
+        Gauge("shardline_queue_depth", "requests waiting for a stream", registry=r).set_function(
+            lambda: engine.waiting)
+        Gauge("shardline_active_streams", "streams holding KV state", registry=r).set_function(
+            lambda: engine.active)
+        Gauge("shardline_max_streams", "stream slots (bounded by memory per stream)", registry=r).set(
+            engine.limits.max_streams)
+
+    def observe(self, endpoint: str, finish: str, start: float, first: float | None, end: float, tokens: int) -> None:
+        self.requests.labels(endpoint, finish).inc()
+        self.completion_tokens.inc(tokens)
+        self.e2e.observe(end - start)
+        if first is not None:
+            self.ttft.observe(first - start)
+            if tokens > 1:
+                self.tpot.observe((end - first) / (tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry) + generate_latest(REGISTRY)

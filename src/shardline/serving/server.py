@@ -1,0 +1,70 @@
+"""`shardline serve`: a pipeline (local stages or workers), the engine, the HTTP app, uvicorn."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+from shardline.config import RunConfig, ServeConfig
+from shardline.export.manifest import Manifest, load_manifest
+from shardline.serving.admission import Limits, kv_bytes_per_token, max_streams_for_memory
+from shardline.serving.engine import Engine, Pipeline
+
+STREAM_CAP = 64
+# Measured fixed cost of one open stream on top of its KV (InferRequest buffers), per stage.
+STREAM_OVERHEAD_BYTES = 8 * 2**20
+
+
+def available_memory() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 4 * 2**30
+
+
+def stream_limits(manifest: Manifest, cfg: ServeConfig, local_layers: int) -> Limits:
+    """As many streams as this node's memory holds at the longest context (KV in f32)."""
+    a = manifest.arch
+    per_stream = (kv_bytes_per_token(local_layers, a.n_kv_heads, a.head_dim) * a.max_context
+                  + STREAM_OVERHEAD_BYTES * len(manifest.stages))
+    fits = max_streams_for_memory(int(available_memory() * cfg.memory_fraction), per_stream, STREAM_CAP)
+    return Limits(min(fits, cfg.max_streams or fits), cfg.max_queue)
+
+
+def model_id(manifest: Manifest, cfg: ServeConfig) -> str:
+    return cfg.model_id or Path(manifest.source["path"]).name.removesuffix(".gguf")
+
+
+def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None) -> tuple[Pipeline, int]:
+    """The pipeline, and how many layers of it run in this process (for the memory bound)."""
+    manifest = load_manifest(folder)
+    if workers:
+        from shardline.pipeline.remote import RemotePipeline
+
+        return RemotePipeline(folder, workers, run), manifest.stages[0].last_layer + 1
+    from shardline.pipeline.local import LocalPipeline
+
+    return LocalPipeline(folder, run), manifest.arch.n_layers
+
+
+def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None) -> None:
+    import uvicorn
+
+    from shardline.api.app import Served, build_app
+    from shardline.model.tokenizer import ChatTokenizer
+
+    manifest = load_manifest(folder)
+    pipe, local_layers = open_pipeline(folder, run, workers)
+    limits = stream_limits(manifest, cfg, local_layers)
+    engine = Engine(pipe, limits, manifest.arch.max_context)
+    served = Served(engine, ChatTokenizer(folder), model_id(manifest, cfg), cfg.default_max_tokens)
+    sock = socket.create_server((cfg.host, cfg.port))  # bound here, so port 0 reports its real port
+    host, port = sock.getsockname()[:2]
+    print(f"serving {served.model_id} ({len(manifest.stages)} stages, up to {limits.max_streams} streams) "
+          f"on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(build_app(served), log_level="warning"))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.stop()
