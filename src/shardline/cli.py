@@ -69,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any free port)")
     w.add_argument("--device", default="CPU")
     w.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact")
+    w.add_argument("--threads", type=int, help="OpenVINO threads per stage")
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded model, 2 local stages)")
     s.add_argument("--shards", type=Path, help="export folder (default: the embedded model, cached)")
@@ -164,7 +165,8 @@ def _worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     first, last = parse_stage_range(args.stage, len(load_manifest(args.shards).stages))
     host, _, port = args.listen.rpartition(":")
-    worker = StageWorker(args.shards, first, last, RunConfig(device=args.device, precision=args.precision))
+    run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
+    worker = StageWorker(args.shards, first, last, run)
     port_no = worker.listen(host or "127.0.0.1", int(port or 0))
     print(f"listening on {host or '127.0.0.1'}:{port_no}", flush=True)
     worker.serve_forever()
