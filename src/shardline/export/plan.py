@@ -52,8 +52,10 @@ def even_split(n_layers: int, n_stages: int) -> list[StagePlan]:
     return _plans(ranges)
 
 
-def parse_layers(spec: str, n_layers: int) -> list[StagePlan]:
-    """Parse an explicit split such as "0-9,10-19,20-29": contiguous, complete, non-empty."""
+def parse_layers(spec: str, n_layers: int, flag: str = "--layers") -> list[StagePlan]:
+    """Parse an explicit split such as "0-9,10-19,20-29": contiguous, complete, non-empty.
+
+    `flag` names the option in error messages (`--plan` takes the same syntax)."""
     ranges = []
     for part in spec.split(","):
         part = part.strip()
@@ -61,17 +63,17 @@ def parse_layers(spec: str, n_layers: int) -> list[StagePlan]:
         try:
             first, last = int(lo), int(hi if sep else lo)
         except ValueError:
-            raise ShardlineError(f"bad layer range {part!r} in --layers {spec!r} (expected A-B)") from None
+            raise ShardlineError(f"bad layer range {part!r} in {flag} {spec!r} (expected A-B)") from None
         if last < first:
-            raise ShardlineError(f"empty layer range {part!r} in --layers {spec!r}")
+            raise ShardlineError(f"empty layer range {part!r} in {flag} {spec!r}")
         ranges.append((first, last))
     expect = 0
     for first, last in ranges:
         if first != expect:
-            raise ShardlineError(f"--layers {spec!r} is not contiguous: expected a range starting at {expect}")
+            raise ShardlineError(f"{flag} {spec!r} is not contiguous: expected a range starting at {expect}")
         expect = last + 1
     if expect != n_layers:
-        raise ShardlineError(f"--layers {spec!r} covers layers 0-{expect - 1} but the model has {n_layers}")
+        raise ShardlineError(f"{flag} {spec!r} covers layers 0-{expect - 1} but the model has {n_layers}")
     return _plans(ranges)
 
 
