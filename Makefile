@@ -2,7 +2,6 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c constraints.txt
-PROMPT ?= What is the capital of France?
 
 .PHONY: run test lint bench-deps
 
@@ -21,8 +20,9 @@ $(VENV)/.test: $(VENV)/.run
 	$(PIP) -e '.[test]'
 	touch $@
 
+# The main job: prepare the default model's shards if missing, then serve the OpenAI API.
 run: $(VENV)/.run
-	$(VENV)/bin/shardline generate "$(PROMPT)"
+	$(VENV)/bin/shardline serve
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check src tests bench

@@ -47,7 +47,7 @@ class Generation:
                                  top_p=self.body.top_p, seed=self.body.seed)
         except ShardlineError as e:
             raise ApiError(400, str(e)) from None
-        return Request(self.prompt, cfg, frozenset(self.tok.stop_ids))
+        return Request(self.prompt, cfg, frozenset() if self.body.ignore_eos else frozenset(self.tok.stop_ids))
 
     def start_engine(self) -> None:
         """Submit to the engine now, so that a refusal becomes an HTTP error before any byte

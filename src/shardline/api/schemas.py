@@ -37,6 +37,7 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1, le=1)
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
 
     @field_validator("stop")
     @classmethod
