@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -27,6 +28,7 @@ from shardline.pipeline.inflight import Outbox, Outcome
 from shardline.serving.admission import Limits, accepts, to_admit
 from shardline.stage.cache import Decode, Prefill, Step
 
+log = logging.getLogger("shardline.engine")
 WAKE = -1  # an Outcome for this stream id only wakes the engine loop
 
 
@@ -194,8 +196,9 @@ class Engine:
             self.pipe.submit(live.stream, step)
         except ShardlineError as e:
             return self._finish(live, "error", str(e))
-        except OSError as e:
-            return self._finish(live, "error", f"pipeline: {e}")
+        except Exception as e:  # a bug or a lost device fails this stream, not the server
+            log.exception("step of stream %d failed", live.stream)
+            return self._finish(live, "error", f"internal error: {type(e).__name__}: {e}")
         live.in_flight = True
 
     def _finish(self, live: _Live, reason: str, error: str = "") -> None:
