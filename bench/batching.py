@@ -348,16 +348,28 @@ def main() -> int:
     ms = {k: median(v) for k, v in times.items()}
     print(f"\nSmolLM2-135M gguf, {args.precision} precision, 1 stage; {args.steps} decode steps per "
           f"stream; row i has ctx - 3i prompt tokens; median of {args.reps}; load average {load:.1f} at start")
+    print("speedup = interleaved ms/token / batched ms/token, per rep (the two ran back to back), median")
     print(f"{'threads':>7} {'ctx':>4} {'B':>2} {'interleave ms/tok':>18} {'batch ms/tok':>13} "
-          f"{'batch ms/call':>14} {'batch/interleave tok/s':>23}  check (batched rows = alone)")
+          f"{'batch ms/call':>14} {'speedup':>8}  check (batched rows = alone)")
     ratios: dict[str, float] = {}
+    fits: dict[str, dict[str, float]] = {}
     for threads in thread_counts:
         for ctx in contexts:
             for b in batches:
                 i, bt = ms[threads, ctx, b, "interleave"], ms[threads, ctx, b, "batch"]
-                ratios[f"batch{b}_vs_interleave{b}_ctx{ctx}_t{threads}"] = round(i / bt, 3)
-                print(f"{threads:>7} {ctx:>4} {b:>2} {i:>18.2f} {bt:>13.2f} {bt * b:>14.2f} {i / bt:>23.2f}  "
+                # Paired per rep: a noisy moment on the shared machine hits both ways of that rep.
+                paired = median([x / y for x, y in zip(times[threads, ctx, b, "interleave"],
+                                                       times[threads, ctx, b, "batch"], strict=True)])
+                ratios[f"batch{b}_vs_interleave{b}_ctx{ctx}_t{threads}"] = round(paired, 3)
+                print(f"{threads:>7} {ctx:>4} {b:>2} {i:>18.2f} {bt:>13.2f} {bt * b:>14.2f} {paired:>8.2f}  "
                       f"{checks[threads, ctx, b]}")
+            # Cost of one batched call as fixed + per row (least squares over B): what a batch shares.
+            xs = np.array(batches, float)
+            per_row, fixed = np.polyfit(xs, np.array([ms[threads, ctx, b, "batch"] * b for b in batches]), 1)
+            fits[f"ctx{ctx}_t{threads}"] = {"fixed_ms": round(float(fixed), 2), "per_row_ms": round(float(per_row), 2)}
+    print("\none batched call, least-squares fit over B: ms = fixed + per_row * B")
+    for key, f in fits.items():
+        print(f"  {key}: fixed {f['fixed_ms']:.1f} ms + {f['per_row_ms']:.2f} ms per row")
     print("\njoin a stream prefilled alone into a batch (set_state), then drop a row (beam_idx); "
           f"ctx {max(contexts)}")
     parts = ("read_new", "read_batch", "build", "set", "total")
@@ -383,6 +395,7 @@ def main() -> int:
         "headline_is": f"ctx {max(contexts)}, threads {thread_counts[0]}",
         "ms_per_token": {f"{w}_B{b}_ctx{c}_t{t}": round(v, 3) for (t, c, b, w), v in ms.items()},
         "checks": {f"B{b}_ctx{c}_t{t}": v for (t, c, b), v in checks.items()},
+        "batched_call_fit": fits,
         "join": join_fig,
         "memory": {str(c): {k: round(v, 2) for k, v in m.items()} for c, m in memory.items()},
         "precision": args.precision, "steps": args.steps, "reps": args.reps, "load_avg_1m_at_start": round(load, 2),
