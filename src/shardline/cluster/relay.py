@@ -68,6 +68,13 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pace
 
 
 async def _handle(cfg: RelayConfig, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+    # On shutdown (Ctrl-C) asyncio cancels every connection's handler, and Python 3.11's stream
+    # callback then logs each cancelled handler's traceback: a handler ends quietly instead.
+    with contextlib.suppress(asyncio.CancelledError):
+        await _connection(cfg, client_r, client_w)
+
+
+async def _connection(cfg: RelayConfig, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
     try:
         server_r, server_w = await asyncio.open_connection(cfg.to_host, cfg.to_port)
     except OSError:
