@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardline.config import WEIGHTS, ExportConfig, RunConfig, SamplingConfig
 from shardline.errors import ShardlineError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 DEFAULT_STAGES = 2
 DEFAULT_WEIGHTS = "gguf"
@@ -62,9 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--topology", choices=("chain", "star"), default="chain")
     g.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact",
                    help="exact: f32 everywhere (default); fast: int8 activations, u8 KV; plugin: device defaults")
+    g.add_argument("--logprobs", type=int, default=0, metavar="N",
+                   help="print each token's top-N log-probabilities to stderr (the full logits travel back)")
 
     w = sub.add_parser("worker", help="host stage K (or stages K-L) of an export and serve the chain")
-    w.add_argument("--shards", type=Path, required=True)
+    w.add_argument("--shards", type=Path, required=True,
+                   help="shard folder; what it lacks (it may be empty) comes from the coordinator, verified, cached")
     w.add_argument("--stage", required=True, help="K or K-L (stage 0 runs on the coordinator)")
     w.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any free port)")
     w.add_argument("--device", default="CPU")
@@ -159,14 +167,13 @@ def _export(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     import logging
 
-    from shardline.export.manifest import load_manifest
-    from shardline.pipeline.worker import StageWorker, parse_stage_range
+    from shardline.pipeline.worker import StageWorker, parse_stage_range, stage_count
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    first, last = parse_stage_range(args.stage, len(load_manifest(args.shards).stages))
+    first, last = parse_stage_range(args.stage, stage_count(args.shards))
     host, _, port = args.listen.rpartition(":")
     run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
-    worker = StageWorker(args.shards, first, last, run)
+    worker = StageWorker(args.shards, first, last, run, fetch=True)
     port_no = worker.listen(host or "127.0.0.1", int(port or 0))
     print(f"listening on {host or '127.0.0.1'}:{port_no}", flush=True)
     worker.serve_forever()
@@ -185,14 +192,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from shardline.decoding.generate import Pipeline, generate
+    from shardline.decoding.generate import Pipeline, generate_choices
     from shardline.export.manifest import load_manifest
     from shardline.model.tokenizer import ChatTokenizer, StreamDecoder
     from shardline.pipeline.local import LocalPipeline
 
     sampling = SamplingConfig(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed,
+        seed=args.seed, logprobs=args.logprobs,
     )
     run = RunConfig(device=args.device, precision=args.precision)
     folder = args.shards or default_shards()
@@ -207,11 +214,23 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])
     out = StreamDecoder(tok)
     max_context = load_manifest(folder).arch.max_context
-    for token in generate(pipe, prompt, sampling, tok.stop_ids, max_context):
-        sys.stdout.write(out.push(token))
+    for choice in generate_choices(pipe, prompt, sampling, tok.stop_ids, max_context):
+        sys.stdout.write(out.push(choice.token))
         sys.stdout.flush()
+        if args.logprobs and choice.logits is not None:
+            print(_logprobs_line(tok.decode, choice.token, choice.logprob, choice.logits, args.logprobs),
+                  file=sys.stderr)
     sys.stdout.write("\n")
     return 0
+
+
+def _logprobs_line(decode: Callable[[list[int]], str], token: int, logprob: float, logits: np.ndarray,
+                   n: int) -> str:
+    """`'text' logprob | top: 'a' -0.1, 'b' -2.3, ...` for one generated token."""
+    from shardline.decoding.sampler import top_logprobs
+
+    top = ", ".join(f"{decode([t])!r} {lp:.4f}" for t, lp in top_logprobs(logits, n))
+    return f"{decode([token])!r} {logprob:.4f} | top: {top}"
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from shardline.wire.messages import (
 )
 
 rng = np.random.default_rng(0)
+HOPS = np.array([[0, 0.0071, 0.0, 0.0002, 0.00002], [1, 0.0069, 0.00005, 0.0001, 0.00003]])
 SAMPLES: list[Message] = [
     Hello(PROTOCOL, "worker", "ab" * 32, 15, 29, "gguf", "f16"),
     Refuse("model hash mismatch: worker has x, coordinator has y"),
@@ -33,11 +34,11 @@ SAMPLES: list[Message] = [
     CloseStream(7),
     Forward(7, 3, "prefill", rng.standard_normal((1, 5, 576)).astype(np.float16),
             np.ones((1, 9), np.int64), np.arange(4, 9, dtype=np.int64)[None], {"temperature": 0.0, "seed": 1},
-            False),
+            False, HOPS[:1]),
     Forward(7, 4, "decode", rng.standard_normal((1, 1, 576)).astype(np.float32),
-            np.array([[1, 1, 0, 1]], np.int64), np.array([[3]], np.int64), {}, True),
-    Sampled(7, 4, 42, -0.25, None),
-    Sampled(7, 4, 42, -0.25, rng.standard_normal(49152).astype(np.float32)),
+            np.array([[1, 1, 0, 1]], np.int64), np.array([[3]], np.int64), {}, True, np.zeros((0, 5))),
+    Sampled(7, 4, 42, -0.25, None, HOPS),
+    Sampled(7, 4, 42, -0.25, rng.standard_normal(49152).astype(np.float32), HOPS),
     ShardRequest("stage1.bin"),
     Route("127.0.0.1:7001"),
     ShardChunk("stage1.bin", 1024, 4096, "cd" * 32, np.arange(256, dtype=np.uint8)),
@@ -110,6 +111,30 @@ def _meta(d: dict) -> bytes:
 def test_malformed_frames_are_refused(frame: bytes, message: str) -> None:
     with pytest.raises(WireError, match=message):
         decode(frame)
+
+
+def test_a_frame_of_the_previous_protocol_is_refused() -> None:
+    frame = bytearray(encode(SAMPLES[6]))
+    frame[2] = 1  # version 1: Forward and Sampled had no hops
+    with pytest.raises(WireError, match=f"protocol version 1, expected {PROTOCOL}"):
+        decode(bytes(frame))
+
+
+@pytest.mark.parametrize("msg", [SAMPLES[4], SAMPLES[6], SAMPLES[7]], ids=lambda m: type(m).__name__)
+def test_stamp_writes_the_encode_time_into_the_senders_own_slot(msg: Message) -> None:
+    got = decode(encode(msg, stamp=True))
+    assert isinstance(got, Forward | Sampled) and isinstance(msg, Forward | Sampled)
+    stamped = got.hops[-1, -1]
+    assert 0 < stamped < 0.05 and stamped != msg.hops[-1, -1]
+    assert np.array_equal(got.hops.ravel()[:-1], msg.hops.ravel()[:-1])  # every other duration as sent
+    assert _equal(got, msg) is False and _equal(decode(encode(msg)), msg)
+
+
+@pytest.mark.parametrize("msg", [SAMPLES[5], OpenStream(1), Sampled(1, 1, 1, 0.0, None, np.ones((1, 5), np.float32))],
+                         ids=["no rows", "no hops", "f32 hops"])
+def test_stamp_needs_an_f64_row(msg: Message) -> None:
+    with pytest.raises(WireError, match="has no f64 hops row to stamp its encode time into"):
+        encode(msg, stamp=True)
 
 
 def test_unsupported_dtype_cannot_be_sent() -> None:

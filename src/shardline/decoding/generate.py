@@ -23,6 +23,14 @@ def generate(
     pipe: Pipeline, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int], max_context: int
 ) -> Iterator[int]:
     """Yield generated token ids (the stop token itself is not yielded)."""
+    for choice in generate_choices(pipe, prompt, cfg, stop_ids, max_context):
+        yield choice.token
+
+
+def generate_choices(
+    pipe: Pipeline, prompt: list[int], cfg: SamplingConfig, stop_ids: set[int], max_context: int
+) -> Iterator[Choice]:
+    """As `generate`, with each token's log-probability (and logits row if cfg.logprobs > 0)."""
     if not prompt:
         raise ShardlineError("the prompt is empty")
     if len(prompt) + cfg.max_tokens > max_context:
@@ -33,10 +41,10 @@ def generate(
     try:
         step: Step = Prefill(prompt)
         for _ in range(cfg.max_tokens):
-            token = pipe.advance(stream, step).token
-            if token in stop_ids:
+            choice = pipe.advance(stream, step)
+            if choice.token in stop_ids:
                 return
-            yield token
-            step = Decode(token)
+            yield choice
+            step = Decode(choice.token)
     finally:
         pipe.close(stream)

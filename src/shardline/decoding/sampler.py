@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -12,10 +12,21 @@ from shardline.config import SamplingConfig
 @dataclass(frozen=True)
 class Choice:
     """What the end of a pipeline sends back for one step: a token and its log-probability under
-    the model's own distribution (raw logits, temperature 1), never the logits themselves."""
+    the model's own distribution (raw logits, temperature 1); the logits row only for a stream
+    that asked for it (SamplingConfig.logprobs > 0): ~200 KB per token instead of ~100 B."""
 
     token: int
     logprob: float
+    logits: np.ndarray | None = field(default=None, compare=False, repr=False)  # [vocab] f32
+
+
+def top_logprobs(logits: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The n most likely tokens and their log-probabilities (temperature 1), most likely first."""
+    x = logits.astype(np.float64)
+    logp = x - x.max() - np.log(np.exp(x - x.max()).sum())
+    top = np.argpartition(-logp, min(n, len(logp)) - 1)[:n]
+    top = top[np.argsort(-logp[top], kind="stable")]
+    return [(int(t), float(logp[t])) for t in top]
 
 
 def log_softmax_at(logits: np.ndarray, token: int) -> float:

@@ -11,6 +11,7 @@ import queue
 from dataclasses import dataclass
 
 from shardline.decoding.sampler import Choice
+from shardline.pipeline.timing import Timing
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class Outcome:
     stream: int
     choice: Choice | None  # None when the step failed
     error: str = ""
+    timing: Timing | None = None  # where the step's time went (pipelines with workers)
 
 
 class Outbox:

@@ -78,7 +78,14 @@ class LocalPipeline:
 
     def advance(self, stream: int, step: Step) -> Choice:
         """One step, sampled with the stream's own (seeded) sampler."""
-        return self._samplers[stream].choose(self.step(stream, step)[-1])
+        return self._choose(stream, self.step(stream, step)[-1])
+
+    def _choose(self, stream: int, row: np.ndarray) -> Choice:
+        sampler = self._samplers[stream]
+        choice = sampler.choose(row)
+        if sampler.cfg.logprobs:  # the row is the request's output buffer: copied before reuse
+            return Choice(choice.token, choice.logprob, row.astype(np.float32, copy=True))
+        return choice
 
     # --- several streams in flight ----------------------------------------------------------
 
@@ -100,7 +107,7 @@ class LocalPipeline:
         return self.outbox.take(timeout)
 
     def _sampled(self, stream: int, logits: np.ndarray) -> Outcome:
-        return Outcome(stream, self._samplers[stream].choose(logits[0, -1]))
+        return Outcome(stream, self._choose(stream, logits[0, -1]))
 
     def _start_threads(self) -> None:
         if self._inboxes:

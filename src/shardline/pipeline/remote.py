@@ -3,6 +3,10 @@
 Daisy chain (default): hidden states go worker to worker; only the last worker talks back, with
 the sampled token and its log-probability. Star (for comparison, as the paper's measured code):
 every worker returns its hidden states to the coordinator, which sends them to the next.
+
+A worker that lacks its shard asks for it during the handshake and the coordinator sends it
+from its own export folder (delivery.py). Every token comes back with the durations each hop
+measured; `Outcome.timing` breaks its round trip down (timing.py) and metrics.py exports it.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import contextlib
 import secrets
 import threading
 import time
+from dataclasses import replace
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -21,11 +26,25 @@ from shardline.config import RunConfig, SamplingConfig
 from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
 from shardline.export.manifest import load_manifest, verify
+from shardline.pipeline import delivery, metrics
 from shardline.pipeline.inflight import Outbox, Outcome
+from shardline.pipeline.timing import breakdown, no_hops, with_rows
 from shardline.stage.cache import KVBook, Prefill, Step
 from shardline.stage.runner import StageRunner
-from shardline.wire.link import Link, LinkClosed, Refused, client_handshake
-from shardline.wire.messages import PROTOCOL, CloseStream, Forward, Hello, OpenStream, Refuse, Route, Sampled
+from shardline.wire.link import Link, LinkClosed, Refused, client_handshake, refuse
+from shardline.wire.messages import (
+    PROTOCOL,
+    RELAY,
+    CloseStream,
+    Forward,
+    Hello,
+    Message,
+    OpenStream,
+    Refuse,
+    Route,
+    Sampled,
+    ShardRequest,
+)
 
 ACTIVATIONS = {"f16": np.float16, "f32": np.float32}
 
@@ -35,6 +54,7 @@ class RemotePipeline:
                  activations: str = "f16", topology: str = "chain") -> None:
         if activations not in ACTIVATIONS or topology not in ("chain", "star"):
             raise ShardlineError(f"bad activations {activations!r} or topology {topology!r}")
+        self.folder = folder
         self.manifest = load_manifest(folder)
         entry = self.manifest.stages[0]
         verify(folder, self.manifest, only=[entry.xml, entry.bin])
@@ -45,6 +65,9 @@ class RemotePipeline:
         self.links: list[Link] = []
         self._books: dict[int, KVBook] = {}
         self._sampling: dict[int, dict[str, Any]] = {}  # per stream, as it travels in Forward
+        self._want_logits: set[int] = set()  # streams opened with SamplingConfig.logprobs > 0
+        self._started: dict[int, tuple[float, str]] = {}  # stream -> (submit() called, phase)
+        self.delivered: list[tuple[str, str, int]] = []  # (worker, file, bytes) sent to workers
         # Stream ids are global on a worker (its caches are keyed by them, whichever link a step
         # arrives on), so each coordinator starts at a random 48-bit offset.
         self._ids = count(secrets.randbits(48) << 8)
@@ -96,10 +119,19 @@ class RemotePipeline:
             return None
 
         try:
-            return link, client_handshake(link, mine, check)
+            return link, client_handshake(link, mine, check, lambda msg: self._deliver(addr, link, msg))
         except (Refused, LinkClosed) as e:
             link.close()
             raise ShardlineError(f"worker {addr}: {e}") from None
+
+    def _deliver(self, addr: str, link: Link, msg: Message) -> None:
+        """A worker without its shard asks for a file before its Hello: send it, or refuse."""
+        try:
+            sent = delivery.serve(link, self.folder, self.manifest, msg)
+        except delivery.DeliveryError as e:
+            raise refuse(link, str(e)) from None
+        assert isinstance(msg, ShardRequest)
+        self.delivered.append((addr, msg.name, sent))
 
     # --- streams ---------------------------------------------------------------------------
 
@@ -115,6 +147,8 @@ class RemotePipeline:
         self._books[stream] = KVBook()
         s = sampling or SamplingConfig()
         self._sampling[stream] = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed}
+        if s.logprobs:
+            self._want_logits.add(stream)
         return stream
 
     def _reconnect(self, attempts: int = 50, wait_s: float = 0.2) -> None:
@@ -134,10 +168,12 @@ class RemotePipeline:
                 link.send(CloseStream(stream))
         self._books.pop(stream, None)
         self._sampling.pop(stream, None)
+        self._want_logits.discard(stream)
 
     def advance(self, stream: int, step: Step) -> Choice:
         self.submit(stream, step)
         got = self.outbox.wait_for(stream)
+        self._inflight.discard(stream)
         if got.choice is None:
             raise ShardlineError(got.error)
         return got.choice
@@ -145,23 +181,30 @@ class RemotePipeline:
     def submit(self, stream: int, step: Step) -> None:
         """Run stage 0 here and send the step down the chain; its token comes out of `outcomes`.
         Stage 0 is then free for another stream while the workers run this one."""
+        started = time.perf_counter()
         book = self._books[stream]
         inputs = book.plan(step)
         book.commit(inputs)  # the stream's next step is planned only after this one's outcome
-        hidden = self.stage0.run(stream, inputs).astype(self.dtype, copy=False)
-        # The mask travels as u8 (it holds 0/1): 1 byte per context slot per hop instead of 8.
-        fwd = Forward(stream, next(self._seq), "prefill" if isinstance(step, Prefill) else "decode",
-                      hidden, inputs.attention_mask.astype(np.uint8), inputs.position_ids,
-                      self._sampling[stream], False)
+        graph_start = time.perf_counter()
+        hidden = self.stage0.run(stream, inputs)
+        graph_s = time.perf_counter() - graph_start
+        phase = "prefill" if isinstance(step, Prefill) else "decode"
         self._inflight.add(stream)
+        self._started[stream] = (started, phase)  # before the send: the token may be back at once
+        # The mask travels as u8 (it holds 0/1): 1 byte per context slot per hop instead of 8.
+        fwd = Forward(stream, next(self._seq), phase, hidden.astype(self.dtype, copy=False),
+                      inputs.attention_mask.astype(np.uint8), inputs.position_ids, self._sampling[stream],
+                      stream in self._want_logits,
+                      with_rows(no_hops(), [0], [graph_s], 0.0, time.perf_counter() - started - graph_s))
         if self.topology == "chain":
             try:
-                self.links[0].send(fwd)
+                self.links[0].send(fwd, stamp=True)
             except LinkClosed as e:
                 self._inflight.discard(stream)
+                self._started.pop(stream, None)
                 raise ShardlineError(f"worker {self.workers[0]}: {e}") from None
-        else:
-            self.outbox.put(self._through_star(fwd))
+        elif (failed := self._through_star(fwd)) is not None:
+            self.outbox.put(failed)
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome]:
         got = self.outbox.take(timeout)
@@ -178,27 +221,48 @@ class RemotePipeline:
                 reason = f"lost worker {link.name}: {e}"
                 break
             if isinstance(msg, Sampled):
-                self.outbox.put(Outcome(msg.stream, Choice(msg.token, msg.logprob)))
+                self._done(msg, link.last_decode_s, time.perf_counter())
             else:
                 reason = f"worker {link.name}: " + (msg.reason if isinstance(msg, Refuse) else
                                                      f"unexpected {type(msg).__name__}")
                 break
         if link in self.links:  # else a reconnect replaced this link on purpose: nothing failed
             for stream in list(self._inflight):
+                self._started.pop(stream, None)
                 self.outbox.put(Outcome(stream, None, reason))
 
-    def _through_star(self, fwd: Forward) -> Outcome:
-        """Star (for comparison): every worker's output comes back here and goes on to the next."""
+    def _done(self, msg: Sampled, decode_s: float, received_at: float) -> None:
+        """A token is back (its frame decoded at `received_at`): its outcome, with the breakdown."""
+        started, phase = self._started.pop(msg.stream, (received_at, "decode"))
+        choice = Choice(msg.token, msg.logprob, msg.logits)
+        now = time.perf_counter()
+        timing = breakdown(phase, msg.hops, decode_s, now - received_at, now - started)
+        self.outbox.put(Outcome(msg.stream, choice, timing=timing))
+        metrics.observe(timing)  # after the put: the consumer need not wait for it
+
+    def _through_star(self, fwd: Forward) -> Outcome | None:
+        """Star (for comparison): every worker's output comes back here and goes on to the next;
+        each relay adds a coordinator row (stage RELAY) to the step's hops. None: outcome posted."""
         reply: Forward | Sampled = fwd
+        received_at = time.perf_counter()
         try:
             for i, link in enumerate(self.links):
-                link.send(reply)
+                if i:
+                    assert isinstance(reply, Forward)
+                    host_s = time.perf_counter() - received_at
+                    rows = with_rows(reply.hops, [RELAY], [0.0], self.links[i - 1].last_decode_s, host_s)
+                    reply = replace(reply, hops=rows)
+                link.send(reply, stamp=True)
                 reply = self._expect(i, fwd.seq)
+                received_at = time.perf_counter()
         except (ShardlineError, LinkClosed) as e:
+            self._started.pop(fwd.stream, None)
             return Outcome(fwd.stream, None, str(e))
         if not isinstance(reply, Sampled):
+            self._started.pop(fwd.stream, None)
             return Outcome(fwd.stream, None, f"worker {self.workers[-1]} returned hidden states, not a token")
-        return Outcome(fwd.stream, Choice(reply.token, reply.logprob))
+        self._done(reply, self.links[-1].last_decode_s, received_at)
+        return None
 
     def _expect(self, i: int, seq: int) -> Forward | Sampled:
         reply = self.links[i].recv()

@@ -4,6 +4,15 @@ Threads: one acceptor, one reader per connection (it only decodes frames and que
 one executor that runs every message in arrival order, so a stream's steps never race and a
 bad connection never stalls the others. Output goes to the next worker (daisy chain) or back
 on the coordinator's link (end of chain, or star).
+
+A worker may start without its shard (`fetch=True`, as `shardline worker` does, or
+`StageWorker.empty`): it listens at once, and the first coordinator that connects delivers
+whatever the folder lacks during the handshake (delivery.py); the stages load then and the
+files stay cached for the next start. A process that only knows a folder and a stage range (a
+Ray actor, say) starts a worker this way.
+
+Every step leaves its durations in the message's `hops` (timing.py): per stage graph time, and
+for the process its decode, host and (stamped by the codec) encode time.
 """
 
 from __future__ import annotations
@@ -12,18 +21,21 @@ import logging
 import queue
 import socket
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 
 from shardline.config import RunConfig, SamplingConfig
-from shardline.decoding.sampler import Sampler
+from shardline.decoding.sampler import Choice, Sampler
 from shardline.errors import ShardlineError
-from shardline.export.manifest import load_manifest, verify
+from shardline.export.manifest import Manifest, load_manifest, verify
+from shardline.pipeline.delivery import DeliveryError, fetch, stage_files
+from shardline.pipeline.timing import with_rows
 from shardline.stage.cache import StepInputs
 from shardline.stage.runner import StageRunner
 from shardline.wire.codec import WireError
-from shardline.wire.link import Link, LinkClosed, Refused, client_handshake, server_handshake
+from shardline.wire.link import Link, LinkClosed, Refused, client_handshake, refuse, server_handshake
 from shardline.wire.messages import (
     PROTOCOL,
     CloseStream,
@@ -38,34 +50,94 @@ from shardline.wire.messages import (
 
 log = logging.getLogger("shardline.worker")
 _NO_IDS = np.zeros((1, 0), dtype=np.int64)
+# What the reader thread queues: the link, the message, its decode time, and when it was decoded.
+_Received = tuple[Link, Message, float, float]
 
 
-def parse_stage_range(spec: str, n_stages: int) -> tuple[int, int]:
+def parse_stage_range(spec: str, n_stages: int | None) -> tuple[int, int]:
+    """K or K-L; checked against the export's stage count when known (a worker that waits for its
+    shard learns it from the delivered manifest, and refuses a range the model does not have)."""
     lo, _, hi = spec.partition("-")
     try:
         first, last = int(lo), int(hi or lo)
     except ValueError:
         raise ShardlineError(f"bad --stage {spec!r} (expected K or K-L)") from None
-    if not 1 <= first <= last < n_stages:
-        raise ShardlineError(f"--stage {spec!r}: workers host stages 1-{n_stages - 1} (stage 0 is the coordinator's)")
+    if not 1 <= first <= last < (n_stages if n_stages is not None else last + 1):
+        bound = f"1-{n_stages - 1}" if n_stages is not None else "1 and up"
+        raise ShardlineError(f"--stage {spec!r}: workers host stages {bound} (stage 0 is the coordinator's)")
     return first, last
 
 
+def stage_count(folder: Path) -> int | None:
+    """Stages of the export in `folder`, or None when it has no readable manifest (yet)."""
+    try:
+        return len(load_manifest(folder).stages)
+    except ShardlineError:
+        return None
+
+
 class StageWorker:
-    def __init__(self, folder: Path, first: int, last: int, run: RunConfig | None = None) -> None:
-        manifest = load_manifest(folder)
-        entries = manifest.stages[first : last + 1]
-        verify(folder, manifest, only=[f for e in entries for f in (e.xml, e.bin)])
-        self.stages = [StageRunner(folder, e, run or RunConfig()) for e in entries]
-        self.is_last = entries[-1].has_head
-        self.hello = Hello(PROTOCOL, "worker", manifest.model_hash, entries[0].first_layer,
-                           entries[-1].last_layer, manifest.weights, "any")
-        self._inbox: queue.Queue[tuple[Link, Message]] = queue.Queue()
+    def __init__(self, folder: Path, first: int, last: int, run: RunConfig | None = None, *,
+                 fetch: bool = False) -> None:
+        """Serve stages first-last of the export in `folder`. Without `fetch` the folder must hold
+        them, verified now (else ShardlineError); with `fetch` whatever is missing or corrupt is
+        received from the first coordinator that connects (the folder may be empty or absent)."""
+        self.folder, self.first, self.last = folder, first, last
+        self.run = run or RunConfig()
+        self.stages: list[StageRunner] = []
+        self.is_last = False
+        self.hello: Hello | None = None  # set once the stages are loaded: the worker is ready
+        self.received_bytes = 0  # shard bytes delivered by a coordinator since this start
+        self._loading = threading.Lock()
+        self._inbox: queue.Queue[_Received] = queue.Queue()
         self._samplers: dict[int, Sampler] = {}
         self._next: Link | None = None  # downstream worker, when in a daisy chain
         self._reply: Link | None = None  # the coordinator's link
         self._server: socket.socket | None = None
         self.port = 0
+        if (manifest := self._cached(fetch)) is not None:
+            self._load(manifest)
+
+    @classmethod
+    def empty(cls, folder: Path, first: int, last: int, run: RunConfig | None = None) -> StageWorker:
+        """A worker that takes its shard from the first coordinator unless `folder` holds it."""
+        return cls(folder, first, last, run, fetch=True)
+
+    def _cached(self, fetch: bool) -> Manifest | None:
+        """The manifest when the folder holds this worker's stages, verified; else None (fetch)."""
+        try:
+            manifest = load_manifest(self.folder)
+            verify(self.folder, manifest, only=stage_files(manifest, self.first, self.last))
+            return manifest
+        except (ShardlineError, DeliveryError) as e:
+            if not fetch:
+                raise ShardlineError(str(e)) from None
+            log.info("%s; waiting for a coordinator to deliver stages %d-%d", e, self.first, self.last)
+            return None
+
+    def _load(self, manifest: Manifest) -> None:
+        entries = manifest.stages[self.first : self.last + 1]
+        self.stages = [StageRunner(self.folder, e, self.run) for e in entries]
+        self.is_last = entries[-1].has_head
+        self.hello = Hello(PROTOCOL, "worker", manifest.model_hash, entries[0].first_layer,
+                           entries[-1].last_layer, manifest.weights, "any")
+
+    def _ready_for(self, link: Link, peer: Hello) -> Hello:
+        """This worker's Hello for `peer`, fetching and loading the shard first if need be."""
+        with self._loading:  # one delivery at a time; later connections find the stages loaded
+            if self.hello is None:
+                if peer.role != "coordinator":
+                    raise refuse(link, f"the worker for stages {self.first}-{self.last} has no shard yet: "
+                                       f"only a coordinator can deliver it")
+                manifest, self.received_bytes = fetch(link, self.folder, peer, self.first, self.last)
+                try:
+                    self._load(manifest)
+                except ShardlineError as e:
+                    raise refuse(link, str(e)) from None
+                log.info("stages %d-%d loaded from %s (%d bytes delivered)", self.first, self.last,
+                         self.folder, self.received_bytes)
+            assert self.hello is not None
+            return self.hello
 
     # --- connections ---------------------------------------------------------------------
 
@@ -88,6 +160,7 @@ class StageWorker:
 
     def _check_peer(self, peer: Hello) -> str | None:
         me = self.hello
+        assert me is not None  # checked after _ready_for
         if peer.model_hash != me.model_hash:
             return (f"model hash mismatch: worker (layers {me.first_layer}-{me.last_layer}) has "
                     f"{me.model_hash[:12]}, {peer.role} has {peer.model_hash[:12]}")
@@ -101,9 +174,10 @@ class StageWorker:
     def _read(self, link: Link) -> None:
         """Per connection: handshake, then queue every message; a bad peer loses only its link."""
         try:
-            server_handshake(link, self.hello, self._check_peer)
+            server_handshake(link, lambda peer: self._ready_for(link, peer), self._check_peer)
             while True:
-                self._inbox.put((link, link.recv()))
+                msg = link.recv()
+                self._inbox.put((link, msg, link.last_decode_s, time.perf_counter()))
         except (WireError, Refused) as e:
             log.warning("dropping %s: %s", link.name, e)
         except LinkClosed:
@@ -114,13 +188,13 @@ class StageWorker:
 
     def serve_forever(self) -> None:
         while True:
-            link, msg = self._inbox.get()
+            link, msg, decode_s, decoded_at = self._inbox.get()
             try:
-                self.handle(link, msg)
+                self.handle(link, msg, decode_s, decoded_at)
             except (LinkClosed, WireError, Refused) as e:
                 log.warning("while handling %s from %s: %s", type(msg).__name__, link.name, e)
 
-    def handle(self, link: Link, msg: Message) -> None:
+    def handle(self, link: Link, msg: Message, decode_s: float = 0.0, decoded_at: float | None = None) -> None:
         if isinstance(msg, OpenStream):
             for s in self.stages:
                 if not s.has(msg.stream):  # its first prefill may have opened it already
@@ -132,7 +206,7 @@ class StageWorker:
         elif isinstance(msg, Route):
             self._route(link, msg)
         elif isinstance(msg, Forward):
-            self._forward(msg)
+            self._forward(msg, decode_s, time.perf_counter() if decoded_at is None else decoded_at)
         elif isinstance(msg, Refuse):
             log.warning("%s refused this worker: %s", link.name, msg.reason)
             link.close()
@@ -148,11 +222,13 @@ class StageWorker:
             host, _, port = msg.next.rpartition(":")
             nxt = Link.connect(host, int(port))
             me = self.hello
+            assert me is not None  # a Route comes only after this worker's Hello
             client_handshake(nxt, me, lambda peer: None if peer.first_layer == me.last_layer + 1 else
                              f"next worker starts at layer {peer.first_layer}, expected {me.last_layer + 1}")
             self._next = nxt
 
-    def _forward(self, msg: Forward) -> None:
+    def _forward(self, msg: Forward, decode_s: float, decoded_at: float) -> None:
+        assert self.hello is not None
         if not self.stages[0].has(msg.stream):
             # A stream's first prefill may overtake its OpenStream (they come on different links
             # in a chain): a step that starts from an empty cache opens the stream itself.
@@ -165,32 +241,43 @@ class StageWorker:
         mask = msg.attention_mask.astype(np.int64)  # travels as u8
         inputs = StepInputs(_NO_IDS, mask, msg.position_ids)
         out = msg.hidden.astype(np.float32, copy=False)
+        graph_s = []
         for s in self.stages:
+            start = time.perf_counter()
             out = s.run(msg.stream, inputs, out)
+            graph_s.append(time.perf_counter() - start)
         if self.is_last:
-            self._send_back(self._sample(msg, out))
+            choice = self._choose(msg, out)
+            self._send_back(Sampled(msg.stream, msg.seq, choice.token, choice.logprob, choice.logits,
+                                    self._hops(msg, graph_s, decode_s, decoded_at)), stamp=True)
             return
         hidden = out.astype(msg.hidden.dtype, copy=False)  # activations keep the link's dtype
         fwd = Forward(msg.stream, msg.seq, msg.phase, hidden, msg.attention_mask, msg.position_ids,
-                      msg.sampling, msg.want_logits)  # the mask goes on as it came (u8)
+                      msg.sampling, msg.want_logits,  # the mask goes on as it came (u8)
+                      self._hops(msg, graph_s, decode_s, decoded_at))
         if self._next is not None:
-            self._next.send(fwd)
+            self._next.send(fwd, stamp=True)
         else:
-            self._send_back(fwd)
+            self._send_back(fwd, stamp=True)
 
-    def _sample(self, msg: Forward, logits: np.ndarray) -> Sampled:
+    def _hops(self, msg: Forward, graph_s: list[float], decode_s: float, decoded_at: float) -> np.ndarray:
+        """The incoming rows plus this worker's; taken last before encoding, so host time covers
+        everything since the frame was decoded (queueing, casts, sampling) but graph and encode."""
+        host_s = time.perf_counter() - decoded_at - sum(graph_s)
+        return with_rows(msg.hops, [s.entry.index for s in self.stages], graph_s, decode_s, host_s)
+
+    def _choose(self, msg: Forward, logits: np.ndarray) -> Choice:
         sampler = self._samplers.get(msg.stream)
         if sampler is None:
             sampler = self._samplers[msg.stream] = Sampler(SamplingConfig(**msg.sampling))
         row = logits[0, -1]
         choice = sampler.choose(row)
-        return Sampled(msg.stream, msg.seq, choice.token, choice.logprob,
-                       row.astype(np.float32) if msg.want_logits else None)
+        return Choice(choice.token, choice.logprob, row.astype(np.float32) if msg.want_logits else None)
 
-    def _send_back(self, msg: Message) -> None:
+    def _send_back(self, msg: Message, stamp: bool = False) -> None:
         if self._reply is None:
             raise LinkClosed("no route to the coordinator yet")
-        self._reply.send(msg)
+        self._reply.send(msg, stamp)
 
     def stop(self) -> None:
         if self._server is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -38,6 +39,7 @@ class Link:
         self._send_lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.last_decode_s = 0.0  # decode time of the last message `recv` returned (one reader)
 
     @classmethod
     def connect(cls, host: str, port: int, timeout: float = 10.0) -> Link:
@@ -46,8 +48,9 @@ class Link:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(sock, f"{host}:{port}")
 
-    def send(self, msg: Message) -> None:
-        frame = encode(msg)
+    def send(self, msg: Message, stamp: bool = False) -> None:
+        """`stamp`: the frame carries its own encode time (codec.encode)."""
+        frame = encode(msg, stamp)
         with self._send_lock:
             try:
                 self.transport.sendall(frame)
@@ -58,7 +61,10 @@ class Link:
     def recv(self) -> Message:
         """The next message; WireError for a frame that is not ours, LinkClosed at the end."""
         kind, length, crc = parse_header(bytes(self._read(HEADER.size)))
-        msg = decode_payload(kind, self._read(length), crc)
+        payload = self._read(length)
+        start = time.perf_counter()  # decoding only: waiting for bytes is the wire's time
+        msg = decode_payload(kind, payload, crc)
+        self.last_decode_s = time.perf_counter() - start
         self.bytes_received += HEADER.size + length
         return msg
 
@@ -94,7 +100,8 @@ class Link:
             self.transport.close()
 
 
-def _refuse(link: Link, reason: str) -> Refused:
+def refuse(link: Link, reason: str) -> Refused:
+    """Tell the peer why (if it is still there); the caller raises the result."""
     with contextlib.suppress(LinkClosed):
         link.send(Refuse(reason))
     return Refused(reason)
@@ -106,26 +113,39 @@ def _why_not(link: Link, theirs: Message, check: Callable[[Hello], str | None]) 
     return check(theirs)
 
 
-def client_handshake(link: Link, mine: Hello, check: Callable[[Hello], str | None]) -> Hello:
+def client_handshake(link: Link, mine: Hello, check: Callable[[Hello], str | None],
+                     serve: Callable[[Message], None] | None = None) -> Hello:
     """The connecting side speaks first. `check` says why the peer's Hello is unacceptable (or None).
 
     A refusal from either side travels to the other, so both fail with the same one-line reason.
+    Before its Hello the peer may ask for things (a worker without its shard asks for files):
+    `serve` answers each such message, or raises `refuse(...)` for what it cannot serve.
     """
     link.send(mine)
     theirs = link.recv()
+    while serve is not None and not isinstance(theirs, Hello | Refuse):
+        serve(theirs)
+        theirs = link.recv()
     if isinstance(theirs, Refuse):
         raise Refused(theirs.reason)
     if reason := _why_not(link, theirs, check):
-        raise _refuse(link, reason)
+        raise refuse(link, reason)
     assert isinstance(theirs, Hello)
     return theirs
 
 
-def server_handshake(link: Link, mine: Hello, check: Callable[[Hello], str | None]) -> Hello:
-    """The accepting side answers the peer's Hello with its own, or with a Refuse."""
+def server_handshake(link: Link, mine: Hello | Callable[[Hello], Hello],
+                     check: Callable[[Hello], str | None]) -> Hello:
+    """The accepting side answers the peer's Hello with its own, or with a Refuse.
+
+    `mine` may be a function of the peer's Hello: a worker without its shard first fetches it
+    from the peer over this link (it may raise `refuse(...)`), and only then knows its Hello.
+    """
     theirs = link.recv()
-    if reason := _why_not(link, theirs, check):
-        raise _refuse(link, reason)
-    link.send(mine)
-    assert isinstance(theirs, Hello)
+    if not isinstance(theirs, Hello):
+        raise refuse(link, f"expected Hello from {link.name}, got {type(theirs).__name__}")
+    answer = mine if isinstance(mine, Hello) else mine(theirs)
+    if reason := check(theirs):
+        raise refuse(link, reason)
+    link.send(answer)
     return theirs

@@ -12,7 +12,17 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: Forward and Sampled carry `hops` (per-hop durations)
+
+# One row of `hops` per stage a step has run through, appended by the process that ran it:
+# durations in seconds on that process's own clock (clocks of different machines never mix).
+# Decode, host and encode belong to the process, not the stage: a process that runs several
+# stages puts them on its last row (zeros on the others). Host is the time from the incoming
+# frame decoded to the outgoing frame's encode started, minus graph time (queueing included).
+# Encode is stamped by the codec into the last f64 of the frame (see codec.encode), so a
+# sender's own row is always the last one. Stage -1 marks a coordinator relaying (star).
+HOP_COLUMNS = ("stage", "graph_s", "decode_s", "host_s", "encode_s")
+RELAY = -1
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,7 @@ class Forward:
     position_ids: np.ndarray  # [1, T] i64
     sampling: dict[str, Any]  # temperature, top_k, top_p, seed (used by the last stage only)
     want_logits: bool  # return full logits of the last row (e.g. for logprobs)
+    hops: np.ndarray  # [stages so far, len(HOP_COLUMNS)] f64; must stay the last array field
 
 
 @dataclass(frozen=True)
@@ -75,11 +86,13 @@ class Sampled:
     token: int
     logprob: float
     logits: np.ndarray | None  # [vocab] f32, only when asked for
+    hops: np.ndarray  # every stage's row, the last worker's last: see HOP_COLUMNS
 
 
 @dataclass(frozen=True)
 class ShardRequest:
-    """A worker asks the coordinator for one file of its shard."""
+    """A worker asks the coordinator for one file of its shard, during the handshake (before the
+    worker's Hello); the answer is ShardChunk frames in order, or a Refuse (see delivery.py)."""
 
     KIND: ClassVar[int] = 7
     name: str
@@ -87,6 +100,9 @@ class ShardRequest:
 
 @dataclass(frozen=True)
 class ShardChunk:
+    """One piece of a requested file: chunks come in order, offset 0 first, until offset + size
+    reaches total (a file of 0 bytes is one empty chunk)."""
+
     KIND: ClassVar[int] = 8
     name: str
     offset: int
