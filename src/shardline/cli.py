@@ -62,7 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--raw", action="store_true", help="no chat template: continue the text as given")
     g.add_argument("--device", default="CPU", help="OpenVINO device name (CPU, GPU, NPU, ...)")
-    g.add_argument("--workers", help="HOST:PORT,... of the workers hosting stages 1.. in order")
+    where = g.add_mutually_exclusive_group()
+    where.add_argument("--workers", help="HOST:PORT,... of the workers hosting stages 1.. in order")
+    where.add_argument("--ray-address", metavar="ADDR",
+                       help="place the stage workers as Ray actors on this cluster's nodes (by available memory)")
+    g.add_argument("--plan", help="with --ray-address: layer ranges for the coordinator then each node, "
+                                  "e.g. 0-9,10-19,20-29 (overrides the memory split)")
     g.add_argument("--activations", choices=("f16", "f32"), default="f16", help="hidden-state dtype on the wire")
     g.add_argument("--topology", choices=("chain", "star"), default="chain")
     g.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact",
@@ -144,12 +149,25 @@ def main(argv: list[str] | None = None) -> int:
 
             print(inspect(args.folder))
             return 0
-        return _generate(args)
+        return _on_ray(args) if args.ray_address or args.plan else _generate(args)
     except ShardlineError as e:
         print(f"shardline: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _on_ray(args: argparse.Namespace) -> int:
+    """Stage workers as Ray actors for as long as the command runs; the command itself runs as
+    with --shards and --workers (the per-token path never goes through Ray)."""
+    if not args.ray_address:
+        raise ShardlineError("--plan places layers on Ray nodes: it needs --ray-address")
+    from shardline.cluster.fleet import Fleet, FleetConfig
+
+    run = RunConfig(device=args.device, precision=args.precision, threads=getattr(args, "threads", None))
+    with Fleet(FleetConfig(args.ray_address, args.shards, args.plan), run) as fleet:
+        placed = {"shards": fleet.folder, "workers": ",".join(fleet.addresses)}
+        return _generate(argparse.Namespace(**(vars(args) | placed)))
 
 
 def _export(args: argparse.Namespace) -> int:

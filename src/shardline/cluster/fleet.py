@@ -1,0 +1,259 @@
+"""Stage workers as Ray actors: placed by memory, started, watched and stopped through Ray.
+
+Ray is the control plane only. Each actor hosts a `StageWorker` listening on its node's address,
+and the coordinator's `RemotePipeline` connects to those addresses exactly as with `--workers`:
+no token ever goes through a Ray call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TextIO
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from shardline.cluster.placement import Assignment, Participant, Plan, place
+from shardline.config import ExportConfig, RunConfig
+from shardline.errors import ShardlineError
+from shardline.export.manifest import MANIFEST, load_manifest
+from shardline.pipeline.worker import StageWorker
+
+READY_TIMEOUT_S = 600.0  # an actor verifies and compiles its stages before it answers
+PING_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 15.0
+DEFAULT_PREFIX = "smollm2-135m-"  # as `cli.default_shards` names its cached exports
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    address: str  # the Ray cluster, as `ray.init(address=...)` takes it
+    shards: Path | None = None  # an existing export; None: the default model, exported to the plan
+    plan: str | None = None  # `--plan`: one layer range per participant, overriding the memory split
+    coordinator_memory: int | None = None  # bytes; None: measured on this machine
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            raise ShardlineError("--ray-address must name a Ray cluster (HOST:PORT, or auto)")
+
+
+class StageActor:
+    """A stage worker inside a Ray actor process. `folder` is read on the actor's node: the same
+    export the coordinator planned on (one path on a shared or one-machine cluster)."""
+
+    def __init__(self, folder: str, first: int, last: int, run: RunConfig) -> None:
+        host = ray.util.get_node_ip_address()
+        self.worker = StageWorker(Path(folder), first, last, run)
+        port = self.worker.listen(host, 0)
+        # Ray calls the actor's methods on its own thread; the chain is served beside them.
+        threading.Thread(target=self.worker.serve_forever, daemon=True, name="serve").start()
+        self.address = f"{host}:{port}"
+
+    def ready(self) -> str:
+        return self.address
+
+    def ping(self) -> int:
+        return os.getpid()
+
+
+_RemoteStageActor: Any = ray.remote(StageActor)
+
+
+class Fleet:
+    """Connect, plan, start one actor per worker and wait until each listens; stop on exit.
+
+    After `start()`: `plan`, `folder` (the export every participant loads) and `addresses` (the
+    workers' HOST:PORT, in chain order, for `RemotePipeline`)."""
+
+    def __init__(self, cfg: FleetConfig, run: RunConfig, out: TextIO | None = None) -> None:
+        self.cfg = cfg
+        self.run = run
+        self.out = out
+        self.plan: Plan | None = None
+        self._folder: Path | None = None
+        self.addresses: list[str] = []
+        self._actors: list[Any] = []
+        self._connected = False
+
+    def __enter__(self) -> Fleet:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            if exc is not None and not isinstance(exc, KeyboardInterrupt):
+                self.watch()  # a lost worker shows up as a broken link or an unreachable address: name its node
+        finally:
+            self.stop()
+
+    @property
+    def folder(self) -> Path:
+        if self._folder is None:
+            raise ShardlineError("the fleet has not been started")
+        return self._folder
+
+    def start(self) -> None:
+        self.connect()
+        self.plan = self.make_plan()
+        print(self.plan.describe(), file=self.out or sys.stderr, flush=True)
+        self._folder = self.cfg.shards.resolve() if self.cfg.shards else planned_shards(self.plan.spec)
+        self._launch(self.plan, self._folder)
+
+    def connect(self) -> None:
+        _check_reachable(self.cfg.address)
+        try:
+            # Actor output must not reach the driver: stdout carries the generated text.
+            ray.init(address=self.cfg.address, log_to_driver=False, logging_level=logging.WARNING)
+        except (ConnectionError, ValueError, RuntimeError) as e:
+            raise ShardlineError(f"cannot connect to the Ray cluster at {self.cfg.address}: {e}") from None
+        self._connected = True
+
+    def make_plan(self) -> Plan:
+        me = Participant("coordinator", self.cfg.coordinator_memory or available_memory())
+        participants = [me, *cluster_nodes()]
+        if self.cfg.shards is None:
+            return place(participants, default_model_layers(), None, self.cfg.plan)
+        manifest = load_manifest(self.cfg.shards)
+        stages = [(e.first_layer, e.last_layer) for e in manifest.stages]
+        return place(participants, manifest.arch.n_layers, stages, self.cfg.plan)
+
+    def _launch(self, plan: Plan, folder: Path) -> None:
+        for a in plan.workers:
+            # One core in Ray's books per worker; hard affinity: the plan chose this node.
+            options = {"num_cpus": 1, "max_restarts": 0,
+                       "scheduling_strategy": NodeAffinitySchedulingStrategy(a.participant.node_id, soft=False)}
+            self._actors.append(_RemoteStageActor.options(**options).remote(str(folder), *a.stages, self.run))
+        readies = [actor.ready.remote() for actor in self._actors]
+        for a, ref in zip(plan.workers, readies, strict=True):
+            try:
+                self.addresses.append(ray.get(ref, timeout=READY_TIMEOUT_S))
+            except RayActorError as e:
+                raise ShardlineError(f"the stage worker on {_where(a)} failed to start: {_reason(e)}") from None
+            except GetTimeoutError:
+                raise ShardlineError(f"the stage worker on {_where(a)} did not start within "
+                                     f"{READY_TIMEOUT_S:.0f} s (is the node's CPU taken?)") from None
+
+    def watch(self) -> list[int]:
+        """Health check: every worker's process id, or a ShardlineError naming the first node
+        whose worker is gone or does not answer."""
+        assert self.plan is not None
+        pings = [actor.ping.remote() for actor in self._actors]
+        pids = []
+        for a, ref in zip(self.plan.workers, pings, strict=True):
+            try:
+                pids.append(ray.get(ref, timeout=PING_TIMEOUT_S))
+            except RayActorError:
+                raise ShardlineError(f"the stage worker on {_where(a)} died") from None
+            except GetTimeoutError:
+                raise ShardlineError(f"the stage worker on {_where(a)} does not answer "
+                                     f"within {PING_TIMEOUT_S:.0f} s") from None
+        return pids
+
+    def stop(self) -> None:
+        """Kill exactly this fleet's actors, wait until their ports close, and disconnect."""
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for addr in self.addresses:
+            _wait_closed(addr, deadline)  # ray.kill only asks; the process exits a moment later
+        self._actors, self.addresses = [], []
+        if self._connected:
+            ray.shutdown()
+            self._connected = False
+
+
+def cluster_nodes() -> list[Participant]:
+    """Alive nodes that offer Ray a CPU, with their "memory" resource, by name then id (the same
+    order on every call, whatever order the nodes joined in)."""
+    nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) >= 1]
+    found = [Participant(n["NodeName"], int(n["Resources"].get("memory", 0)), n["NodeID"]) for n in nodes]
+    return sorted(found, key=lambda p: (p.name, p.node_id))
+
+
+def available_memory() -> int:
+    """Bytes this machine can still give without swapping (Linux MemAvailable)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_model_layers() -> int:
+    """The default model's layer count: from a cached export of it when there is one, since
+    reading the GGUF takes seconds (and without a cached export, an export follows anyway)."""
+    from shardline.cli import cache_dir
+    from shardline.model.source import open_source
+
+    for manifest in sorted(cache_dir().glob(f"{DEFAULT_PREFIX}*/{MANIFEST}")):
+        return load_manifest(manifest.parent).arch.n_layers
+    return open_source(None).arch.n_layers
+
+
+def planned_folder(spec: str) -> Path:
+    from shardline.cli import DEFAULT_WEIGHTS, cache_dir
+
+    return cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-layers-{spec.replace(',', '_')}"
+
+
+def planned_shards(spec: str) -> Path:
+    """The default model exported with one stage per plan range, cached per plan."""
+    from shardline.cli import DEFAULT_WEIGHTS
+    from shardline.export.exporter import export
+
+    folder = planned_folder(spec)
+    if not (folder / MANIFEST).is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        print(f"preparing the default model's shards for this plan in {folder} (first run only)", file=sys.stderr)
+        export(ExportConfig(out=folder, layers=spec, weights=DEFAULT_WEIGHTS))
+    return folder
+
+
+def _where(a: Assignment) -> str:
+    return f"{a.participant.label} (layers {a.layers[0]}-{a.layers[1]})"
+
+
+def _reason(e: RayActorError) -> str:
+    """The actor's own exception line out of Ray's report (traceback and colour codes dropped)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", getattr(e, "error_msg", "") or str(e))
+    lines = [line for line in text.splitlines() if line.strip()]
+    last = lines[-1].strip() if lines else type(e).__name__
+    kind, _, message = last.partition(": ")
+    return message if kind.endswith("ShardlineError") else last
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast on a HOST:PORT nobody listens on: ray.init would retry for minutes."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return  # "auto", "ray://...": left to Ray
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ShardlineError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
+
+
+def _wait_closed(addr: str, deadline: float) -> None:
+    host, _, port = addr.rpartition(":")
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+        except OSError:
+            return
+        time.sleep(0.05)

@@ -1,0 +1,179 @@
+"""Stage workers placed as Ray actors on a real multi-node Ray cluster on this machine: the
+in-process tokens through 2 and 3 placed workers, the printed plan, a dead worker named by its
+node, and nothing left listening once the fleet stops."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from ray.cluster_utils import Cluster
+
+from shardline.cluster.fleet import Fleet, FleetConfig, planned_folder
+from shardline.config import RunConfig, SamplingConfig
+from shardline.decoding.generate import generate
+from shardline.errors import ShardlineError
+from shardline.model.tokenizer import ChatTokenizer
+from shardline.pipeline.local import LocalPipeline
+from shardline.pipeline.remote import RemotePipeline
+from tests.conftest import CHAT_PROMPTS
+
+SHARDLINE = str(Path(sys.executable).parent / "shardline")
+GIB = 1 << 30
+N_NEW = 16
+RUN = RunConfig(threads=1)  # one core per node, as each node offers Ray
+NODE = r"node {} \([0-9a-f]{{8}}\)"
+
+
+def _node(name: str, memory_gib: int) -> dict[str, object]:
+    return {"num_cpus": 1, "memory": memory_gib * GIB, "node_name": name, "resources": {f"node_{name}": 1},
+            "include_dashboard": False}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """Nodes a (1 GiB) and b (2 GiB): each its own raylet and object store, one CPU each."""
+    c = Cluster(initialize_head=True, head_node_args=_node("a", 1))
+    try:
+        c.add_node(**_node("b", 2))
+        c.wait_for_nodes()
+        yield c
+    finally:
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def third_node(cluster: Cluster) -> Iterator[None]:
+    """Node c (2 GiB) joins for the tests after this point, and leaves after the last."""
+    node = cluster.add_node(**_node("c", 2))
+    cluster.wait_for_nodes()
+    yield
+    cluster.remove_node(node)
+
+
+@pytest.fixture(scope="module")
+def four(shards: Callable[..., Path]) -> Path:
+    """Stage boundaries the memory split of 30 layers over 1:1:2 GiB gives (0-7, 8-14, 15-29),
+    with the last range cut once more so that three nodes can take one stage each."""
+    return shards("gguf", layers="0-7,8-14,15-22,23-29")
+
+
+@pytest.fixture(scope="module")
+def in_process(four: Path) -> list[list[int]]:
+    """The reference: each prompt's greedy tokens with every stage in this process."""
+    local = LocalPipeline(four, RUN)
+    return [_tokens(local, prompt) for prompt in _prompts(four)]
+
+
+def _prompts(folder: Path) -> list[list[int]]:
+    tok = ChatTokenizer(folder)
+    return [tok.encode_chat([{"role": "user", "content": t}]) for t in CHAT_PROMPTS[:3]]
+
+
+def _tokens(pipe: LocalPipeline | RemotePipeline, prompt: list[int]) -> list[int]:
+    return list(generate(pipe, prompt, SamplingConfig(max_tokens=N_NEW), set(), 8192))
+
+
+def _assert_gone(addresses: list[str], pids: list[int]) -> None:
+    for addr in addresses:
+        host, _, port = addr.rpartition(":")
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((host, int(port)), timeout=2).close()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the raylet reaps a killed worker a moment after its port closes
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_printed_plan_follows_memory(cluster: Cluster) -> None:
+    out = io.StringIO()
+    fleet = Fleet(FleetConfig(cluster.address, coordinator_memory=GIB), RUN, out)
+    try:
+        fleet.connect()
+        plan = fleet.make_plan()
+    finally:
+        fleet.stop()
+    assert plan.spec == "0-7,8-14,15-29"
+    lines = plan.describe().splitlines()
+    assert lines[0] == ("plan: 30 layers on the coordinator and 2 Ray nodes, by available memory "
+                        "(override with --plan 0-7,8-14,15-29)")
+    assert lines[1] == "  coordinator        layers 0-7     ( 8)  stage 0       1.0 GiB available"
+    assert re.fullmatch(NODE.format("a") + r"  layers 8-14    \( 7\)  stage 1       1\.0 GiB available", lines[2][2:])
+    assert re.fullmatch(NODE.format("b") + r"  layers 15-29   \(15\)  stage 2       2\.0 GiB available", lines[3][2:])
+
+
+def test_two_placed_workers_give_the_in_process_tokens_and_stop_cleanly(cluster: Cluster, four: Path,
+                                                                       in_process: list[list[int]]) -> None:
+    out = io.StringIO()
+    with Fleet(FleetConfig(cluster.address, shards=four, coordinator_memory=GIB), RUN, out) as fleet:
+        assert fleet.plan is not None
+        assert [(a.participant.name, a.layers, a.stages) for a in fleet.plan.workers] == [
+            ("a", (8, 14), (1, 1)), ("b", (15, 29), (2, 3))]
+        assert "node b (" in out.getvalue() and "stages 2-3" in out.getvalue()
+        remote = RemotePipeline(fleet.folder, fleet.addresses, RUN, activations="f32")
+        assert [_tokens(remote, prompt) for prompt in _prompts(four)] == in_process
+        remote.shutdown()
+        addresses, pids = list(fleet.addresses), fleet.watch()
+    _assert_gone(addresses, pids)
+
+
+def test_a_dead_worker_is_named_by_its_node(cluster: Cluster, four: Path) -> None:
+    died = f"^the stage worker on {NODE.format('b')} \\(layers 15-29\\) died$"
+    fleet = Fleet(FleetConfig(cluster.address, shards=four, coordinator_memory=GIB), RUN, io.StringIO())
+    with pytest.raises(ShardlineError, match=died), fleet:
+        pid = fleet.watch()[1]
+        host, _, port = fleet.addresses[1].rpartition(":")
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ShardlineError, match=died):
+            fleet.watch()
+        # What the coordinator then meets is a refused connection; leaving the fleet names the node.
+        socket.create_connection((host, int(port)), timeout=2)
+
+
+def test_three_placed_workers_give_the_in_process_tokens(cluster: Cluster, third_node: None, four: Path,
+                                                         in_process: list[list[int]]) -> None:
+    with Fleet(FleetConfig(cluster.address, shards=four, coordinator_memory=GIB), RUN, io.StringIO()) as fleet:
+        assert fleet.plan is not None
+        assert [(a.participant.name, a.stages) for a in fleet.plan.workers] == [("a", (1, 1)), ("b", (2, 2)),
+                                                                                ("c", (3, 3))]
+        remote = RemotePipeline(fleet.folder, fleet.addresses, RUN, activations="f32")
+        assert [_tokens(remote, prompt) for prompt in _prompts(four)] == in_process
+        remote.shutdown()
+
+
+def test_generate_on_ray_from_the_command_line(cluster: Cluster, third_node: None, four: Path,
+                                               in_process: list[list[int]], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --shards: the default model exported to this plan comes from the cache (here: the
+    export above, so that the test exports nothing more)."""
+    spec = "0-7,8-14,15-22,23-29"
+    monkeypatch.setenv("SHARDLINE_CACHE", str(tmp_path))
+    planned_folder(spec).symlink_to(four)
+    run = subprocess.run([SHARDLINE, "generate", "--ray-address", cluster.address, "--plan", spec,
+                          "--activations", "f32", "--max-tokens", str(N_NEW), CHAT_PROMPTS[0]],
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "as given by --plan" in run.stderr and "preparing" not in run.stderr
+    for name in "abc":
+        assert f"node {name} (" in run.stderr
+    tok = ChatTokenizer(four)
+    expected = in_process[0]
+    stop = next((i for i, t in enumerate(expected) if t in tok.stop_ids), len(expected))
+    assert run.stdout.strip() == tok.decode(expected[:stop]).strip()
