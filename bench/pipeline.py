@@ -1,11 +1,13 @@
 """Distributed decode: in-process stages vs the same exports through worker processes on loopback.
 
-Stage 0 always runs in the coordinator; 2-stage exports use 1 worker, 3-stage exports 2 workers.
+Stage 0 always runs in the coordinator; a K-stage export uses K-1 workers (1, 2 and 3 here).
 Compared, in one run and interleaved across systems: decode tok/s (in-process, worker chain, star,
-f16 vs f32 activations), per-hop transport overhead (worker advance() minus in-process advance(),
-paired by decode step, divided by the hops a token makes), bytes per token on the wire, and a
-latency sweep through `shardline relay` on every hop. Greedy, exact precision, N new tokens,
-stop tokens ignored; medians over reps.
+f16 vs f32 activations), per-hop transport overhead (worker step minus in-process step, paired by
+decode step, divided by the hops a token makes), the per-token breakdown every token carries
+(graph per stage, encode, decode, worker and coordinator host, wire: see pipeline/timing.py),
+bytes per token on the wire (top-1 and, measured, full logits), and a latency sweep through
+`shardline relay` on every hop. Greedy, exact precision, N new tokens, stop tokens ignored;
+medians over reps.
 
     python bench/pipeline.py --quick      # 16 tokens, 1 rep, delays 0 and 20 ms
     python bench/pipeline.py              # 64 tokens, 3 reps, delays 0 5 20 50 100 ms
@@ -36,9 +38,8 @@ from shardline.export.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.remote import RemotePipeline
+from shardline.pipeline.timing import Timing
 from shardline.stage.cache import Decode, Prefill, Step
-from shardline.wire.codec import encode
-from shardline.wire.messages import Sampled
 
 SHARDLINE = str(Path(sys.executable).parent / "shardline")
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -117,26 +118,41 @@ def shard_folder(work: Path, stages: int) -> Path:
 class Sample:
     decode_s: float
     tokens: list[int]
-    step_s: list[float]  # advance() of each decode step
+    step_s: list[float]  # each decode step, timed around it
     sent: list[int] = field(default_factory=list)  # coordinator bytes out per decode step (all links)
     received: list[int] = field(default_factory=list)  # coordinator bytes in per decode step
+    timings: list[Timing] = field(default_factory=list)  # per decode step (workers only)
 
 
-def generate(pipe: Pipe, prompt: list[int], n: int) -> Sample:
-    """Exactly n greedy tokens: one prefill, n-1 decode steps, each advance() timed."""
+def step_once(pipe: Pipe, stream: int, step: Step) -> tuple[int, Timing | None]:
+    """One step: advance() in process; submit() and its outcome through workers (with its timing)."""
+    if isinstance(pipe, LocalPipeline):
+        return pipe.advance(stream, step).token, None
+    pipe.submit(stream, step)
+    (got,) = pipe.outcomes(timeout=120)
+    if got.choice is None:
+        raise RuntimeError(got.error)
+    return got.choice.token, got.timing
+
+
+def generate(pipe: Pipe, prompt: list[int], n: int, logprobs: int = 0) -> Sample:
+    """Exactly n greedy tokens: one prefill, n-1 decode steps, each timed."""
     if isinstance(pipe, RemotePipeline):
         pipe.connect()  # the workers are shared between pipelines: re-route them to this one
     s = Sample(0.0, [], [])
-    stream = pipe.open(SamplingConfig(max_tokens=n))
+    stream = pipe.open(SamplingConfig(max_tokens=n, logprobs=logprobs))
     links = pipe.links if isinstance(pipe, RemotePipeline) else []
     try:
-        s.tokens.append(pipe.advance(stream, Prefill(prompt)).token)
+        s.tokens.append(step_once(pipe, stream, Prefill(prompt))[0])
         for _ in range(n - 1):
             step: Step = Decode(s.tokens[-1])
             out0, in0 = sum(k.bytes_sent for k in links), sum(k.bytes_received for k in links)
             t = time.perf_counter()
-            s.tokens.append(pipe.advance(stream, step).token)
+            token, timing = step_once(pipe, stream, step)
             s.step_s.append(time.perf_counter() - t)
+            s.tokens.append(token)
+            if timing is not None:
+                s.timings.append(timing)
             s.sent.append(sum(k.bytes_sent for k in links) - out0)
             s.received.append(sum(k.bytes_received for k in links) - in0)
     finally:
@@ -158,6 +174,33 @@ def hops(name: str) -> int:
     return 2 * workers if "star" in name else workers + 1
 
 
+def reference(name: str) -> str:
+    """The in-process system with the same export: W workers run a (W+1)-stage export."""
+    return name if name.startswith("inproc-") else f"inproc-{int(name.split('-')[1]) + 1}stage"
+
+
+def breakdown(runs: list[Sample]) -> dict[str, float]:
+    """Mean ms per decode token of every part (means, so the parts add up to the total), plus the
+    medians of the total and of the wire (the mean carries the scheduler's occasional long waits)."""
+    ts = [t for r in runs for t in r.timings]
+    parts = {k: 1e3 * statistics.fmean(t.parts()[k] for t in ts) for k in ts[0].parts()}
+    return parts | {"total": 1e3 * statistics.fmean(t.total_s for t in ts),
+                    "total p50": 1e3 * statistics.median(t.total_s for t in ts),
+                    "wire p50": 1e3 * statistics.median(t.wire_s for t in ts)}
+
+
+def print_breakdown(table: dict[str, dict[str, float]]) -> None:
+    print("\nper-token breakdown, ms per decode token (mean over every decode step of every rep; the parts "
+          "add up to the total; graph = inside each stage's infer call, wire = round trip minus all measured)")
+    graphs = sorted({c for row in table.values() for c in row if c.startswith("graph")})
+    columns = graphs + ["encode", "decode", "worker host", "coordinator host", "wire", "total", "total p50",
+                        "wire p50"]
+    names = {c: c.replace("graph stage ", "graph ").replace("coordinator", "coord") for c in columns}
+    print(f"{'system':<22}" + "".join(f"{names[c]:>11}" for c in columns))
+    for name, row in table.items():
+        print(f"{name:<22}" + "".join(f"{row[c]:>11.2f}" if c in row else f"{'':>11}" for c in columns))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=64)
@@ -175,7 +218,7 @@ def main() -> int:
     deadline = time.monotonic() + args.max_minutes * 60
     args.work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
-    f2, f3 = shard_folder(args.work, 2), shard_folder(args.work, 3)
+    f2, f3, f4 = shard_folder(args.work, 2), shard_folder(args.work, 3), shard_folder(args.work, 4)
     vocab = load_manifest(f3).arch.vocab
     prompt = ChatTokenizer(f3).encode_chat([{"role": "user", "content": PROMPT}])
     run = RunConfig()  # precision "exact"
@@ -185,8 +228,9 @@ def main() -> int:
 
     procs: list[Proc] = []
     with started(procs):
-        procs += [worker(f2, "1"), worker(f3, "1"), worker(f3, "2")]
-        w2, w3 = [procs[0].line.split()[-1]], [q.line.split()[-1] for q in procs[1:]]
+        procs += [worker(f2, "1"), worker(f3, "1"), worker(f3, "2"), worker(f4, "1"), worker(f4, "2"), worker(f4, "3")]
+        addrs = [q.line.split()[-1] for q in procs]
+        w2, w3, w4 = addrs[:1], addrs[1:3], addrs[3:]
         pipes: dict[str, Pipe] = {
             "inproc-2stage": LocalPipeline(f2, run),
             "workers-1-chain-f16": RemotePipeline(f2, w2, run, "f16", "chain"),
@@ -194,6 +238,8 @@ def main() -> int:
             "workers-2-chain-f16": RemotePipeline(f3, w3, run, "f16", "chain"),
             "workers-2-star-f16": RemotePipeline(f3, w3, run, "f16", "star"),
             "workers-2-chain-f32": RemotePipeline(f3, w3, run, "f32", "chain"),
+            "inproc-4stage": LocalPipeline(f4, run),
+            "workers-3-chain-f16": RemotePipeline(f4, w4, run, "f16", "chain"),
         }
         for pipe in pipes.values():
             generate(pipe, prompt, 4)  # warm-up
@@ -205,11 +251,14 @@ def main() -> int:
             for name, pipe in pipes.items():
                 samples[name].append(s := generate(pipe, prompt, n))
                 print(f"rep {r + 1}/{reps} {name}: {len(s.step_s) / s.decode_s:.1f} tok/s", file=sys.stderr)
+        # Full logits, measured: the same chain with a stream that asks for them.
+        logits_run = generate(pipes["workers-2-chain-f16"], prompt, min(n, 16), logprobs=1)
         for pipe in pipes.values():
             if isinstance(pipe, RemotePipeline):
                 pipe.shutdown()
 
         sweep: dict[str, dict[str, float]] = {}
+        sweep_wire: dict[str, dict[str, float]] = {}  # median wire ms per token
         sweep_samples: dict[str, list[list[int]]] = {}
         for delay in delays:
             if time.monotonic() > deadline:
@@ -223,7 +272,7 @@ def main() -> int:
                     proc, addr = relay(to, delay)
                     relays.append(proc)
                     via.append(addr)
-                sweep[f"{delay:g}ms"] = {}
+                sweep[f"{delay:g}ms"], sweep_wire[f"{delay:g}ms"] = {}, {}
                 for topo in ("chain", "star"):
                     remote = RemotePipeline(f3, via, run, "f16", topo)
                     try:
@@ -231,12 +280,13 @@ def main() -> int:
                     finally:
                         remote.shutdown()
                     sweep[f"{delay:g}ms"][topo] = round(tok_s(runs), 2)
+                    sweep_wire[f"{delay:g}ms"][topo] = round(breakdown(runs)["wire p50"], 2)
                     sweep_samples[f"{delay:g}ms-{topo}"] = [x.tokens for x in runs]
                     print(f"delay {delay:g} ms {topo}: {tok_s(runs):.2f} tok/s ({m} tokens)", file=sys.stderr)
 
     # --- report --------------------------------------------------------------------------------
     tps = {k: tok_s(v) for k, v in samples.items() if v}
-    ref = {k: ("inproc-2stage" if "-1-" in k or k == "inproc-2stage" else "inproc-3stage") for k in tps}
+    ref = {k: reference(k) for k in tps}
     print(f"\n{n} new tokens, prompt {len(prompt)} tokens, gguf weights, exact precision, median of "
           f"{len(samples['inproc-2stage'])}, load average {load:.1f} at start")
     print(f"{'system':<22}{'decode tok/s':>14}{'ms/token':>10}{'vs in-process':>15}{'same tokens':>13}")
@@ -255,10 +305,12 @@ def main() -> int:
                        "p99_us": round(float(np.percentile(diffs, 99)), 1)}
         print(f"{k:<22}{hops(k)} hops  median {overhead[k]['median_us']:>8.1f}  p99 {overhead[k]['p99_us']:>8.1f}")
 
-    # Full logits: the Sampled frame the last worker would send with want_logits, encoded here
-    # (computed, not measured: the coordinator has no flag to ask for it yet).
-    full = len(encode(Sampled(0, 10**6, vocab - 1, -1.0, np.zeros(vocab, np.float32))))
-    top1 = len(encode(Sampled(0, 10**6, vocab - 1, -1.0, None)))
+    table = {k: breakdown(v) for k, v in samples.items() if v and v[0].timings}
+    print_breakdown(table)
+
+    # Full logits, measured on workers-2-chain-f16: what the last worker's Sampled frame weighs.
+    top1 = statistics.median(x for r in samples["workers-2-chain-f16"] for x in r.received)
+    full = statistics.median(logits_run.received)
     wire: dict[str, dict[str, float]] = {}
     print("\nbytes per decode token on the wire (coordinator's links measured; chain worker->worker "
           "hops inferred as one more Forward frame each)")
@@ -275,16 +327,19 @@ def main() -> int:
         total = sent + back + (0 if star else fwd * (n_w - 1))
         logits_total = total - top1 + full
         wire[k] = {"forward_frame": fwd, "coordinator_sent": sent, "coordinator_received": back,
-                   "all_hops_top1": total, "all_hops_full_logits_computed": logits_total}
+                   "all_hops_top1": total, "all_hops_full_logits": logits_total}
         print(f"{k:<22}{fwd:>9.0f}{sent:>11.0f}{back:>10.0f}{total:>16.0f}{logits_total:>18.0f}")
-    print(f"* computed, not measured: top-1 Sampled frame ~{top1} B replaced by the Sampled frame with "
-          f"f32 logits for vocab {vocab}: {full} B")
+    print(f"* the last worker's Sampled frame measured with full logits (vocab {vocab}, f32): {full:.0f} B "
+          f"instead of {top1:.0f} B (SamplingConfig.logprobs > 0; the other frames as measured top-1)")
 
     if sweep:
-        print("\nlatency sweep, 2 workers, f16, relay on every hop (chain 3 delays per token, star 4): tok/s")
-        print(f"{'delay/hop':<12}{'chain':>10}{'star':>10}{'chain/star':>12}")
+        print("\nlatency sweep, 2 workers, f16, relay on every hop (chain 3 delays per token, star 4): tok/s, "
+              "and the wire's share of a token (median ms)")
+        print(f"{'delay/hop':<12}{'chain':>10}{'star':>10}{'chain/star':>12}{'chain wire':>12}{'star wire':>11}")
         for d, v in sweep.items():
-            print(f"{d:<12}{v['chain']:>10.2f}{v['star']:>10.2f}{ratio(v['chain'], v['star']) or 0:>12.3f}")
+            w = sweep_wire[d]
+            print(f"{d:<12}{v['chain']:>10.2f}{v['star']:>10.2f}{ratio(v['chain'], v['star']) or 0:>12.3f}"
+                  f"{w['chain']:>12.2f}{w['star']:>11.2f}")
     sweep_same = all(t == samples["inproc-3stage"][0].tokens[: len(t)] for ts in sweep_samples.values() for t in ts)
 
     figures = {
@@ -292,13 +347,15 @@ def main() -> int:
         "ratio_worker_chain_3stage_vs_inproc_3stage": ratio(tps.get("workers-2-chain-f16"), tps.get("inproc-3stage")),
         "ratio_chain_vs_star_3stage": ratio(tps.get("workers-2-chain-f16"), tps.get("workers-2-star-f16")),
         "ratio_f16_vs_f32_chain_3stage": ratio(tps.get("workers-2-chain-f16"), tps.get("workers-2-chain-f32")),
+        "ratio_worker_chain_4stage_vs_inproc_4stage": ratio(tps.get("workers-3-chain-f16"), tps.get("inproc-4stage")),
         "target_2stage_ratio": 0.9,
         "tokens": n, "reps": len(samples["inproc-2stage"]), "prompt_tokens": len(prompt), "precision": "exact",
         "weights": "gguf", "load_avg_1m_at_start": round(load, 2),
         "decode_tok_s": {k: round(v, 2) for k, v in tps.items()},
         "hop_overhead_us": overhead, "bytes_per_token": wire,
-        "sampled_frame_bytes_computed": {"top1": top1, "full_logits": full},
-        "latency_sweep_tok_s": sweep, "sweep_tokens_match_inproc": sweep_same,
+        "sampled_frame_bytes_measured": {"top1": top1, "full_logits": full},
+        "breakdown_ms": {k: {c: round(x, 3) for c, x in row.items()} for k, row in table.items()},
+        "latency_sweep_tok_s": sweep, "latency_sweep_wire_ms": sweep_wire, "sweep_tokens_match_inproc": sweep_same,
     }
     print("\nratios (decode tok/s): " + ", ".join(f"{k[6:]} {v}" for k, v in figures.items()
                                                   if k.startswith("ratio_")))
