@@ -133,7 +133,8 @@ def test_place_on_an_export_and_with_an_override() -> None:
     assert [(a.layers, a.stages) for a in on_export.workers] == [((8, 14), (1, 1)), ((15, 29), (2, 3))]
     assert "on the export's stage boundaries" in on_export.describe()
     given = place(_people(1, 1, 2), 30, None, "0-9,10-19,20-29")
-    assert given.spec == "0-9,10-19,20-29" and given.how == "as given by --plan"
+    assert given.spec == "0-9,10-19,20-29"
+    assert given.describe().splitlines()[0] == "plan: 30 layers on the coordinator and 2 Ray nodes, as given by --plan"
     given_on_export = place(_people(1, 1, 2), 30, FOUR_STAGES, "0-7,8-22,23-29")
     assert [a.stages for a in given_on_export.assignments] == [(0, 0), (1, 2), (3, 3)]
 

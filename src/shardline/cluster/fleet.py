@@ -48,12 +48,13 @@ class FleetConfig:
 
 
 class StageActor:
-    """A stage worker inside a Ray actor process. `folder` is read on the actor's node: the same
-    export the coordinator planned on (one path on a shared or one-machine cluster)."""
+    """A stage worker inside a Ray actor process. `folder` is the coordinator's export path, used
+    on the actor's node: where it already holds the stages (a shared or one-machine cluster) they
+    load now; otherwise the coordinator delivers them into it on connecting, and they stay cached."""
 
     def __init__(self, folder: str, first: int, last: int, run: RunConfig) -> None:
         host = ray.util.get_node_ip_address()
-        self.worker = StageWorker(Path(folder), first, last, run)
+        self.worker = StageWorker.empty(Path(folder), first, last, run)
         port = self.worker.listen(host, 0)
         # Ray calls the actor's methods on its own thread; the chain is served beside them.
         threading.Thread(target=self.worker.serve_forever, daemon=True, name="serve").start()

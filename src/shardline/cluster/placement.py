@@ -16,6 +16,7 @@ from shardline.export.plan import parse_layers
 
 Range = tuple[int, int]  # first, last (inclusive)
 GIB = 1 << 30
+GIVEN = "as given by --plan"
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,8 @@ class Plan:
 
     def describe(self) -> str:
         n_layers = self.assignments[-1].layers[1] + 1
-        lines = [f"plan: {n_layers} layers on the coordinator and {len(self.workers)} Ray nodes, {self.how} "
-                 f"(override with --plan {self.spec})"]
+        hint = "" if self.how == GIVEN else f" (override with --plan {self.spec})"
+        lines = [f"plan: {n_layers} layers on the coordinator and {len(self.workers)} Ray nodes, {self.how}{hint}"]
         width = max(len(a.participant.label) for a in self.assignments)
         for a in self.assignments:
             (first, last), (k, m) = a.layers, a.stages
@@ -162,7 +163,7 @@ def place(participants: list[Participant], n_layers: int, stage_layers: list[Ran
     if override is not None:
         layers = parse_plan(override, n_layers, len(participants))
         stages = _one_each(len(layers)) if stage_layers is None else align_to_stages(layers, stage_layers)
-        how = "as given by --plan"
+        how = GIVEN
     elif stage_layers is not None:
         stages = group_stages(stage_layers, memories)
         layers = [(stage_layers[k][0], stage_layers[m][1]) for k, m in stages]
