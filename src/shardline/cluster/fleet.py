@@ -7,6 +7,7 @@ no token ever goes through a Ray call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -20,7 +21,7 @@ from types import TracebackType
 from typing import Any, TextIO
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from shardline.cluster.placement import Assignment, Participant, Plan, place
@@ -97,7 +98,10 @@ class Fleet:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         try:
             if exc is not None and not isinstance(exc, KeyboardInterrupt):
-                self.watch()  # a lost worker shows up as a broken link or an unreachable address: name its node
+                # A lost worker shows up as a broken link or an unreachable address: name its node.
+                # If Ray itself is gone, the original error says more than Ray's would.
+                with contextlib.suppress(RayError):
+                    self.watch()
         finally:
             self.stop()
 
@@ -167,7 +171,8 @@ class Fleet:
     def stop(self) -> None:
         """Kill exactly this fleet's actors, wait until their ports close, and disconnect."""
         for actor in self._actors:
-            ray.kill(actor, no_restart=True)
+            with contextlib.suppress(RayError):  # already dead, or its node gone with it
+                ray.kill(actor, no_restart=True)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for addr in self.addresses:
             _wait_closed(addr, deadline)  # ray.kill only asks; the process exits a moment later
