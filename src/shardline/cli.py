@@ -62,12 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--raw", action="store_true", help="no chat template: continue the text as given")
     g.add_argument("--device", default="CPU", help="OpenVINO device name (CPU, GPU, NPU, ...)")
-    where = g.add_mutually_exclusive_group()
-    where.add_argument("--workers", help="HOST:PORT,... of the workers hosting stages 1.. in order")
-    where.add_argument("--ray-address", metavar="ADDR",
-                       help="place the stage workers as Ray actors on this cluster's nodes (by available memory)")
-    g.add_argument("--plan", help="with --ray-address: layer ranges for the coordinator then each node, "
-                                  "e.g. 0-9,10-19,20-29 (overrides the memory split)")
+    _placement_flags(g)
     g.add_argument("--activations", choices=("f16", "f32"), default="f16", help="hidden-state dtype on the wire")
     g.add_argument("--topology", choices=("chain", "star"), default="chain")
     g.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact",
@@ -86,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded model, 2 local stages)")
     s.add_argument("--shards", type=Path, help="export folder (default: the embedded model, cached)")
-    s.add_argument("--workers", help="HOST:PORT,... of the workers hosting stages 1.. in order")
+    _placement_flags(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-streams", type=int, help="concurrent streams (default: what memory holds, <= 64)")
@@ -103,6 +98,16 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--delay-ms", type=float, required=True, help="one-way delay added to every byte")
     r.add_argument("--rate-mbit", type=float, help="bandwidth cap per direction")
     return p
+
+
+def _placement_flags(p: argparse.ArgumentParser) -> None:
+    """Where stages 1.. run: in this process (default), on --workers, or as Ray actors."""
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--workers", help="HOST:PORT,... of the workers hosting stages 1.. in order")
+    where.add_argument("--ray-address", metavar="ADDR",
+                       help="place the stage workers as Ray actors on this cluster's nodes (by available memory)")
+    p.add_argument("--plan", help="with --ray-address: layer ranges for the coordinator then each node, "
+                                  "e.g. 0-9,10-19,20-29 (overrides the memory split)")
 
 
 def _hostport(spec: str, flag: str) -> tuple[str, int]:
@@ -143,13 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "worker":
             return _worker(args)
         if args.command == "serve":
-            return _serve(args)
+            return _on_ray(args, _serve) if args.ray_address or args.plan else _serve(args)
         if args.command == "inspect":
             from shardline.export.inspect import inspect
 
             print(inspect(args.folder))
             return 0
-        return _on_ray(args) if args.ray_address or args.plan else _generate(args)
+        return _on_ray(args, _generate) if args.ray_address or args.plan else _generate(args)
     except ShardlineError as e:
         print(f"shardline: error: {e}", file=sys.stderr)
         return 1
@@ -157,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _on_ray(args: argparse.Namespace) -> int:
+def _on_ray(args: argparse.Namespace, command: Callable[[argparse.Namespace], int]) -> int:
     """Stage workers as Ray actors for as long as the command runs; the command itself runs as
     with --shards and --workers (the per-token path never goes through Ray)."""
     if not args.ray_address:
@@ -167,7 +172,7 @@ def _on_ray(args: argparse.Namespace) -> int:
     run = RunConfig(device=args.device, precision=args.precision, threads=getattr(args, "threads", None))
     with Fleet(FleetConfig(args.ray_address, args.shards, args.plan), run) as fleet:
         placed = {"shards": fleet.folder, "workers": ",".join(fleet.addresses)}
-        return _generate(argparse.Namespace(**(vars(args) | placed)))
+        return command(argparse.Namespace(**(vars(args) | placed)))
 
 
 def _export(args: argparse.Namespace) -> int:
