@@ -1,0 +1,214 @@
+"""Serving many users: aggregate decode speed against concurrency, and an open-loop HTTP load.
+
+Part 1 drives the engine directly on a 2-stage pipeline in two processes (stage 0 in this
+process, stage 1 in a `shardline worker`): 1, 2, 4 and 8 concurrent streams, each generating N
+tokens (stop tokens ignored). With `--pin` (default) each process gets one core of its own and
+one OpenVINO thread, as two 1-core PCs would; `--no-pin` lets both use both cores.
+
+Part 2 starts `shardline serve` (with the same worker) and sends requests with Poisson arrivals
+at several rates from an asyncio client (bounded count and time): TTFT, time per output token,
+end-to-end latency at p50/p90/p99, throughput, and the client's own lag behind its schedule.
+
+    python bench/serving.py --quick        # fewer tokens and requests
+    python bench/serving.py
+
+The last line on stdout is one JSON object with the figures, ratios first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx2 as httpx
+from procs import Proc  # bench/ is on sys.path when this script runs
+
+from shardline.config import ExportConfig, RunConfig, SamplingConfig
+from shardline.export.exporter import export
+from shardline.model.tokenizer import ChatTokenizer
+from shardline.pipeline.remote import RemotePipeline
+from shardline.serving.admission import Limits
+from shardline.serving.engine import Engine, Event, Request
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def shard_folder(work: Path) -> Path:
+    folder = work / "gguf-2stages"
+    if not (folder / "manifest.json").is_file():
+        work.mkdir(parents=True, exist_ok=True)
+        export(ExportConfig(out=folder, stages=2, weights="gguf", isolate=False, progress=False))
+    return folder
+
+
+def pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
+
+
+# --- part 1: aggregate decode tok/s against concurrency -----------------------------------------
+
+
+def concurrency_run(engine: Engine, prompt: list[int], streams: int, n: int) -> float:
+    """Aggregate decode tok/s: tokens after each stream's first, over the time from the first
+    stream's first token to the last stream's last token."""
+    finished = threading.Semaphore(0)  # released once per stream, on the engine thread
+    stamps: list[list[float]] = [[] for _ in range(streams)]
+
+    def collector(i: int) -> Callable[[Event], None]:
+        def on(ev: Event) -> None:
+            if ev.token is not None:
+                stamps[i].append(time.perf_counter())
+            if ev.finish:
+                finished.release()
+        return on
+
+    for i in range(streams):
+        engine.submit(Request(prompt, SamplingConfig(max_tokens=n), frozenset()), collector(i))
+    for _ in range(streams):
+        if not finished.acquire(timeout=600):
+            raise RuntimeError("a stream did not finish within 600 s")
+    first = min(s[0] for s in stamps)
+    last = max(s[-1] for s in stamps)
+    decoded = sum(len(s) - 1 for s in stamps)
+    return decoded / (last - first)
+
+
+def part1(folder: Path, prompt: list[int], n: int, reps: int, pin: bool) -> dict[str, float]:
+    threads = 1 if pin else 2
+    worker_cmd = ["worker", "--shards", str(folder), "--stage", "1", "--listen", "127.0.0.1:0",
+                  "--threads", str(threads)]
+    worker = Proc(worker_cmd, "listening on ", cpus="1" if pin else None)
+    before = os.sched_getaffinity(0)
+    if pin:
+        os.sched_setaffinity(0, {0})
+    try:
+        pipe = RemotePipeline(folder, [worker.line.split()[-1]], RunConfig(threads=threads))
+        engine = Engine(pipe, Limits(max_streams=8, max_queue=8), max_context=8192)
+        concurrency_run(engine, prompt, 1, 8)  # warm-up
+        out = {}
+        for streams in (1, 2, 4, 8):
+            runs = [concurrency_run(engine, prompt, streams, n) for _ in range(reps)]
+            out[f"streams{streams}"] = statistics.median(runs)
+            each = ", ".join(f"{r:.1f}" for r in runs)
+            print(f"  {streams} streams: {out[f'streams{streams}']:.1f} tok/s  (runs {each})", flush=True)
+        engine.stop()
+        pipe.shutdown()
+        return out
+    finally:
+        os.sched_setaffinity(0, before)
+        worker.stop()
+
+
+# --- part 2: open-loop Poisson arrivals against the HTTP server ----------------------------------
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, object],
+                      scheduled: float, t0: float) -> dict[str, float]:
+    lag = time.perf_counter() - (t0 + scheduled)
+    start = time.perf_counter()
+    stamps: list[float] = []
+    cpu = 0.0
+    async with client.stream("POST", url, json=body) as r:
+        async for line in r.aiter_lines():
+            c0 = time.thread_time()
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    stamps.append(time.perf_counter())
+            cpu += time.thread_time() - c0
+    end = time.perf_counter()
+    return {"ttft": stamps[0] - start if stamps else float("nan"), "e2e": end - start, "tokens": len(stamps),
+            "tpot": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else float("nan"),
+            "lag": lag, "client_cpu": cpu}
+
+
+async def load(url: str, model: str, rate: float, count: int, tokens: int, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in range(count):
+        t += rng.expovariate(rate)
+        offsets.append(t)
+    body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=300) as client:
+        t0 = time.perf_counter()
+
+        async def fire(off: float) -> dict[str, float]:
+            await asyncio.sleep(max(0.0, t0 + off - time.perf_counter()))
+            return await one_request(client, url, body, off, t0)
+
+        results = await asyncio.wait_for(asyncio.gather(*(fire(o) for o in offsets)), timeout=900)
+        wall = time.perf_counter() - t0
+    tokens_out = sum(r["tokens"] for r in results)
+    row: dict[str, float] = {"rate": rate, "requests": count, "throughput_tok_s": tokens_out / wall}
+    for key in ("ttft", "tpot", "e2e"):
+        for p in (50, 90, 99):
+            row[f"{key}_p{p}_ms"] = 1000 * pct([r[key] for r in results], p)
+    row["client_lag_p99_ms"] = 1000 * pct([r["lag"] for r in results], 99)
+    row["client_cpu_per_req_ms"] = 1000 * statistics.mean(r["client_cpu"] for r in results)
+    return row
+
+
+def part2(folder: Path, rates: list[float], count: int, tokens: int, pin: bool) -> list[dict[str, float]]:
+    threads = "1" if pin else "2"
+    worker = Proc(["worker", "--shards", str(folder), "--stage", "1", "--listen", "127.0.0.1:0",
+                   "--threads", threads], "listening on ", cpus="1" if pin else None)
+    server = Proc(["serve", "--shards", str(folder), "--workers", worker.line.split()[-1], "--port", "0",
+                   "--model-id", "m", "--threads", threads, "--max-streams", "8"], "serving ",
+                  cpus="0" if pin else None, stream="stderr")
+    url = server.line.split()[-1].removesuffix("/v1") + "/v1/completions"
+    try:
+        rows = []
+        for rate in rates:
+            row = asyncio.run(load(url, "m", rate, count, tokens, seed=int(rate * 1000)))
+            rows.append(row)
+            print("  " + "  ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
+        return rows
+    finally:
+        server.stop()
+        worker.stop()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-pin", action="store_true", help="let both processes use both cores")
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "shardline-bench")
+    args = p.parse_args()
+    n, reps, count = (24, 1, 8) if args.quick else (64, 3, 24)
+    rates = [0.5, 2.0] if args.quick else [0.5, 1.0, 2.0, 4.0]
+    pin = not args.no_pin
+    folder = shard_folder(args.work)
+    prompt = ChatTokenizer(folder).encode_chat([{"role": "user", "content": PROMPT}])
+    print(f"part 1: engine on 2 stages in 2 processes ({'1 core each' if pin else 'shared cores'}), {n} tokens")
+    agg = part1(folder, prompt, n, reps, pin)
+    print("part 2: open-loop HTTP load (Poisson arrivals), completions, stream")
+    rows = part2(folder, rates, count, n, pin)
+    print(f"\n{'streams':>8} {'tok/s':>8} {'x 1 stream':>11}")
+    for k, v in agg.items():
+        print(f"{k.removeprefix('streams'):>8} {v:8.1f} {v / agg['streams1']:11.2f}")
+    print(f"\n{'req/s':>6} {'tok/s':>7} " + " ".join(f"{m + '_p' + str(q):>10}" for m in ("ttft", "tpot", "e2e")
+                                                   for q in (50, 90, 99)) + f" {'lag_p99':>8} {'cli_cpu':>8}")
+    for r in rows:
+        print(f"{r['rate']:6.1f} {r['throughput_tok_s']:7.1f} " + " ".join(
+            f"{r[f'{m}_p{q}_ms']:10.1f}" for m in ("ttft", "tpot", "e2e") for q in (50, 90, 99))
+            + f" {r['client_lag_p99_ms']:8.2f} {r['client_cpu_per_req_ms']:8.2f}")
+    figures = {f"streams{s}_vs_1": agg[f"streams{s}"] / agg["streams1"] for s in (2, 4, 8)}
+    figures |= {"pinned": pin, "tokens": n, "reps": reps, "decode_tok_s": agg, "http": rows}
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
