@@ -286,7 +286,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per stream")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--precision", default="exact", choices=("exact", "fast", "plugin"))
-    p.add_argument("--memory-contexts", default="256,1024")
+    p.add_argument("--memory-contexts", default="256,1024", help="\"\" skips the memory part")
     p.add_argument("--memory-streams", type=int, default=4, help="streams opened per case (at least 2)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 rep, 8 steps, B = 1, 4")
     args = p.parse_args()
@@ -305,7 +305,7 @@ def main() -> int:
     # Memory first, each case in a fresh process: nothing else allocated yet.
     memory: dict[int, dict[str, float]] = {}
     spawn = get_context("spawn")
-    for ctx in (int(x) for x in args.memory_contexts.split(",")):
+    for ctx in (int(x) for x in args.memory_contexts.split(",") if x):  # "" skips the memory part
         for shrink in (False, True):
             with ProcessPoolExecutor(1, mp_context=spawn) as pool:
                 m = pool.submit(stream_memory, str(two), ctx, args.memory_streams, thread_counts[0],
