@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from shardline.errors import ShardlineError
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.remote import RemotePipeline
+from shardline.stage.cache import Decode, Prefill
 from tests.conftest import CHAT_PROMPTS
 
 SHARDLINE = str(Path(sys.executable).parent / "shardline")
@@ -115,6 +117,21 @@ def test_killed_and_restarted_worker_is_reconnected(three: Path) -> None:
         last.stop()
         last = Worker(three, "2", port=port)
         assert _run(remote, prompt, SamplingConfig(max_tokens=8)) == before
+        remote.shutdown()
+    finally:
+        first.stop()
+        last.stop()
+
+
+def test_worker_dying_mid_stream_fails_the_step_not_hangs(three: Path) -> None:
+    first, last = Worker(three, "1"), Worker(three, "2")
+    try:
+        remote = RemotePipeline(three, [first.addr, last.addr], RunConfig(), activations="f32")
+        stream = remote.open(SamplingConfig())
+        token = remote.advance(stream, Prefill(_prompts(three)[0])).token
+        last.stop()
+        with ThreadPoolExecutor(1) as pool, pytest.raises(ShardlineError, match=r"lost (worker|the next worker)"):
+            pool.submit(remote.advance, stream, Decode(token)).result(timeout=60)
         remote.shutdown()
     finally:
         first.stop()

@@ -74,6 +74,11 @@ class RemotePipeline:
         self._seq = count()
         self.outbox = Outbox()
         self._inflight: set[int] = set()  # streams with a step between submit and outcome
+        # Why the chain stopped working (a link ended or a worker refused), until a reconnect.
+        # Checked under the lock with _inflight, so a step is either failed by the reader that
+        # saw the chain break, or refused at submit: never sent into a dead chain and forgotten.
+        self._broken: str | None = None
+        self._lock = threading.Lock()
         self.connect()
 
     def connect(self) -> None:
@@ -91,6 +96,7 @@ class RemotePipeline:
         for i, link in enumerate(self.links):
             chained = self.topology == "chain" and i + 1 < len(self.links)
             link.send(Route(self.workers[i + 1] if chained else ""))
+        self._broken = None
         if self.topology == "chain":  # tokens come back on the last link, refusals on any
             for link in self.links:
                 threading.Thread(target=self._receive, args=(link,), daemon=True, name="receive").start()
@@ -138,7 +144,7 @@ class RemotePipeline:
     def open(self, sampling: SamplingConfig | None = None) -> int:
         """A new stream. A worker that went away since the last request (say, restarted) is
         reconnected here, so a coordinator outlives its workers."""
-        if not all(link.alive() for link in self.links):
+        if self._broken or not all(link.alive() for link in self.links):
             self._reconnect()
         stream = next(self._ids)
         self.stage0.open(stream)
@@ -189,7 +195,10 @@ class RemotePipeline:
         hidden = self.stage0.run(stream, inputs)
         graph_s = time.perf_counter() - graph_start
         phase = "prefill" if isinstance(step, Prefill) else "decode"
-        self._inflight.add(stream)
+        with self._lock:
+            if self._broken:
+                raise ShardlineError(self._broken)
+            self._inflight.add(stream)
         self._started[stream] = (started, phase)  # before the send: the token may be back at once
         # The mask travels as u8 (it holds 0/1): 1 byte per context slot per hop instead of 8.
         fwd = Forward(stream, next(self._seq), phase, hidden.astype(self.dtype, copy=False),
@@ -226,10 +235,14 @@ class RemotePipeline:
                 reason = f"worker {link.name}: " + (msg.reason if isinstance(msg, Refuse) else
                                                      f"unexpected {type(msg).__name__}")
                 break
-        if link in self.links:  # else a reconnect replaced this link on purpose: nothing failed
-            for stream in list(self._inflight):
-                self._started.pop(stream, None)
-                self.outbox.put(Outcome(stream, None, reason))
+        if link not in self.links:  # a reconnect replaced this link on purpose: nothing failed
+            return
+        with self._lock:
+            self._broken = reason
+            failed = list(self._inflight)
+        for stream in failed:
+            self._started.pop(stream, None)
+            self.outbox.put(Outcome(stream, None, reason))
 
     def _done(self, msg: Sampled, decode_s: float, received_at: float) -> None:
         """A token is back (its frame decoded at `received_at`): its outcome, with the breakdown."""

@@ -255,10 +255,15 @@ class StageWorker:
         fwd = Forward(msg.stream, msg.seq, msg.phase, hidden, msg.attention_mask, msg.position_ids,
                       msg.sampling, msg.want_logits,  # the mask goes on as it came (u8)
                       self._hops(msg, graph_s, decode_s, decoded_at))
-        if self._next is not None:
-            self._next.send(fwd, stamp=True)
-        else:
+        if self._next is None:  # a star: hidden states go back to the coordinator
             self._send_back(fwd, stamp=True)
+            return
+        try:
+            self._next.send(fwd, stamp=True)
+        except LinkClosed as e:  # tell the coordinator now, rather than leave its step hanging
+            self._next = None
+            self._send_back(Refuse(f"the worker for layers {self.hello.first_layer}-{self.hello.last_layer} "
+                                   f"lost the next worker: {e}"))
 
     def _hops(self, msg: Forward, graph_s: list[float], decode_s: float, decoded_at: float) -> np.ndarray:
         """The incoming rows plus this worker's; taken last before encoding, so host time covers
