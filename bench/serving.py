@@ -3,7 +3,8 @@
 Part 1 drives the engine directly on a 2-stage pipeline in two processes (stage 0 in this
 process, stage 1 in a `shardline worker`): 1, 2, 4 and 8 concurrent streams, each generating N
 tokens (stop tokens ignored). With `--pin` (default) each process gets one core of its own and
-one OpenVINO thread, as two 1-core PCs would; `--no-pin` lets both use both cores.
+one OpenVINO thread, as two 1-core PCs would (this process, the coordinator and later the HTTP
+client, on core 0; the worker on core 1); `--no-pin` lets both use both cores.
 
 Part 2 starts `shardline serve` (with the same worker) and sends requests with Poisson arrivals
 at several rates from an asyncio client (bounded count and time): TTFT, time per output token,
@@ -89,9 +90,6 @@ def part1(folder: Path, prompt: list[int], n: int, reps: int, pin: bool) -> dict
     worker_cmd = ["worker", "--shards", str(folder), "--stage", "1", "--listen", "127.0.0.1:0",
                   "--threads", str(threads)]
     worker = Proc(worker_cmd, "listening on ", cpus="1" if pin else None)
-    before = os.sched_getaffinity(0)
-    if pin:
-        os.sched_setaffinity(0, {0})
     try:
         pipe = RemotePipeline(folder, [worker.line.split()[-1]], RunConfig(threads=threads))
         engine = Engine(pipe, Limits(max_streams=8, max_queue=8), max_context=8192)
@@ -106,7 +104,6 @@ def part1(folder: Path, prompt: list[int], n: int, reps: int, pin: bool) -> dict
         pipe.shutdown()
         return out
     finally:
-        os.sched_setaffinity(0, before)
         worker.stop()
 
 
@@ -189,6 +186,8 @@ def main() -> int:
     n, reps, count = (24, 1, 8) if args.quick else (64, 3, 24)
     rates = [0.5, 2.0] if args.quick else [0.5, 1.0, 2.0, 4.0]
     pin = not args.no_pin
+    if pin:  # before OpenVINO starts its threads: they inherit it. The worker gets core 1.
+        os.sched_setaffinity(0, {0})
     folder = shard_folder(args.work)
     prompt = ChatTokenizer(folder).encode_chat([{"role": "user", "content": PROMPT}])
     print(f"part 1: engine on 2 stages in 2 processes ({'1 core each' if pin else 'shared cores'}), {n} tokens")
