@@ -44,11 +44,13 @@ from shardline.serving.engine import Engine, Event, Request
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def shard_folder(work: Path) -> Path:
-    folder = work / "gguf-2stages"
+def shard_folder(work: Path, balance: bool) -> Path:
+    """The default model in 2 stages: balanced by work (as `shardline serve` exports it; layers
+    0-18 | 19-29 + head) or evenly by layers (0-14 | 15-29 + head, for comparison)."""
+    folder = work / f"gguf-2stages{'-balanced' if balance else ''}"
     if not (folder / "manifest.json").is_file():
         work.mkdir(parents=True, exist_ok=True)
-        export(ExportConfig(out=folder, stages=2, weights="gguf", isolate=False, progress=False))
+        export(ExportConfig(out=folder, stages=2, balance=balance, weights="gguf", isolate=False, progress=False))
     return folder
 
 
@@ -181,6 +183,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-pin", action="store_true", help="let both processes use both cores")
+    p.add_argument("--even", action="store_true", help="split layers evenly instead of by work per token")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "shardline-bench")
     args = p.parse_args()
     n, reps, count = (24, 1, 8) if args.quick else (64, 3, 24)
@@ -188,7 +191,7 @@ def main() -> int:
     pin = not args.no_pin
     if pin:  # before OpenVINO starts its threads: they inherit it. The worker gets core 1.
         os.sched_setaffinity(0, {0})
-    folder = shard_folder(args.work)
+    folder = shard_folder(args.work, balance=not args.even)
     prompt = ChatTokenizer(folder).encode_chat([{"role": "user", "content": PROMPT}])
     print(f"part 1: engine on 2 stages in 2 processes ({'1 core each' if pin else 'shared cores'}), {n} tokens")
     agg = part1(folder, prompt, n, reps, pin)
@@ -204,7 +207,7 @@ def main() -> int:
             f"{r[f'{m}_p{q}_ms']:10.1f}" for m in ("ttft", "tpot", "e2e") for q in (50, 90, 99))
             + f" {r['client_lag_p99_ms']:8.2f} {r['client_cpu_per_req_ms']:8.2f}")
     figures = {f"streams{s}_vs_1": agg[f"streams{s}"] / agg["streams1"] for s in (2, 4, 8)}
-    figures |= {"pinned": pin, "tokens": n, "reps": reps, "decode_tok_s": agg, "http": rows}
+    figures |= {"pinned": pin, "balanced": not args.even, "tokens": n, "reps": reps, "decode_tok_s": agg, "http": rows}
     print(json.dumps(figures))
     return 0
 

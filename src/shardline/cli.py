@@ -27,11 +27,12 @@ def default_shards(progress: bool = True) -> Path:
     """The embedded default model's shards, exported on first use and cached."""
     from shardline.export.exporter import export
 
-    folder = cache_dir() / f"smollm2-135m-{DEFAULT_WEIGHTS}-{DEFAULT_STAGES}stages"
+    folder = cache_dir() / f"smollm2-135m-{DEFAULT_WEIGHTS}-{DEFAULT_STAGES}stages-balanced"
     if not (folder / "manifest.json").is_file():
         folder.parent.mkdir(parents=True, exist_ok=True)
         print(f"preparing the default model's shards in {folder} (first run only)", file=sys.stderr)
-        export(ExportConfig(out=folder, stages=DEFAULT_STAGES, weights=DEFAULT_WEIGHTS, progress=progress))
+        export(ExportConfig(out=folder, stages=DEFAULT_STAGES, balance=True, weights=DEFAULT_WEIGHTS,
+                            progress=progress))
     return folder
 
 
@@ -44,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     split = e.add_mutually_exclusive_group(required=True)
     split.add_argument("--stages", type=int, help="number of stages, split evenly")
     split.add_argument("--layers", help="explicit layer ranges, e.g. 0-9,10-19,20-29")
+    e.add_argument("--balance", action="store_true",
+                   help="with --stages: equal work per token on every stage (the lm_head counted), not equal layers")
     e.add_argument("--weights", choices=WEIGHTS, default="int8")
     e.add_argument("--group-size", type=int, default=64, help="int4 group size (must divide hidden size)")
     e.add_argument("--no-isolate", action="store_true", help="export all stages in this process")
@@ -179,7 +182,8 @@ def _export(args: argparse.Namespace) -> int:
     from shardline.export.exporter import export
 
     cfg = ExportConfig(
-        out=args.out, model=args.model, stages=args.stages, layers=args.layers, weights=args.weights,
+        out=args.out, model=args.model, stages=args.stages, layers=args.layers, balance=args.balance,
+        weights=args.weights,
         group_size=args.group_size, isolate=not args.no_isolate,
     )
     out = export(cfg)

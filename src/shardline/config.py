@@ -16,6 +16,7 @@ class ExportConfig:
     model: Path | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
     stages: int | None = None
     layers: str | None = None  # explicit split "0-9,10-19,20-29"
+    balance: bool = False  # with `stages`: equal work per stage (the head counted), not equal layers
     weights: str = "int8"
     group_size: int = 64  # int4 only; must divide the hidden size
     isolate: bool = True  # export each stage in its own process (memory per stage, measured)
@@ -24,6 +25,8 @@ class ExportConfig:
     def __post_init__(self) -> None:
         if (self.stages is None) == (self.layers is None):
             raise ShardlineError("give exactly one of --stages N or --layers A-B,C-D,...")
+        if self.balance and self.layers is not None:
+            raise ShardlineError("--balance splits --stages N; --layers gives the split itself")
         if self.weights not in WEIGHTS:
             raise ShardlineError(f"--weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.group_size < 1:

@@ -54,3 +54,18 @@ def test_run_config_properties() -> None:
     assert RunConfig(precision="plugin").ov_properties() == {}
     with pytest.raises(ShardlineError, match="precision must be one of exact, fast, plugin"):
         RunConfig(precision="bf16")
+
+
+def test_balanced_split_counts_the_head() -> None:
+    from shardline.export.plan import balanced_split
+
+    def ranges(n: int, stages: int, head: float) -> list[tuple[int, int]]:
+        return [(p.first, p.last) for p in balanced_split(n, stages, head)]
+
+    # SmolLM2-135M: 30 layers, the head weighs 8.0 layers.
+    assert ranges(30, 2, 8.0) == [(0, 18), (19, 29)]
+    assert ranges(30, 3, 8.0) == [(0, 12), (13, 24), (25, 29)]  # work 13, 12, 13 layers
+    assert ranges(30, 1, 8.0) == [(0, 29)]
+    assert ranges(30, 2, 0.0) == [(0, 14), (15, 29)]
+    assert ranges(4, 4, 50.0) == [(0, 0), (1, 1), (2, 2), (3, 3)]  # every stage keeps a layer
+    assert ranges(3, 2, 100.0) == [(0, 1), (2, 2)]

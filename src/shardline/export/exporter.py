@@ -25,23 +25,26 @@ from shardline.errors import ShardlineError
 from shardline.export.compress import check_group_size, compress
 from shardline.export.graph import build_stage
 from shardline.export.manifest import MANIFEST, Manifest, PortSpec, StageEntry, hash_files
-from shardline.export.plan import StagePlan, even_split, parse_layers
+from shardline.export.plan import StagePlan, balanced_split, even_split, parse_layers
 from shardline.export.stateful import make_stateful
 from shardline.export.weights import Weights
+from shardline.model.arch import Arch
 from shardline.model.source import open_source, source_sha256
 
 
-def plan_for(cfg: ExportConfig, n_layers: int) -> list[StagePlan]:
+def plan_for(cfg: ExportConfig, arch: Arch) -> list[StagePlan]:
     if cfg.layers is not None:
-        return parse_layers(cfg.layers, n_layers)
+        return parse_layers(cfg.layers, arch.n_layers)
     assert cfg.stages is not None
-    return even_split(n_layers, cfg.stages)
+    if cfg.balance:
+        return balanced_split(arch.n_layers, cfg.stages, arch.head_layers)
+    return even_split(arch.n_layers, cfg.stages)
 
 
 def export(cfg: ExportConfig) -> Path:
     source = open_source(cfg.model)
     arch = source.arch
-    plans = plan_for(cfg, arch.n_layers)
+    plans = plan_for(cfg, arch)
     if cfg.weights == "int4":
         check_group_size(arch.hidden, arch.intermediate, cfg.group_size)
     out = cfg.out.resolve()

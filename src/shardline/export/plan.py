@@ -52,6 +52,24 @@ def even_split(n_layers: int, n_stages: int) -> list[StagePlan]:
     return _plans(ranges)
 
 
+def balanced_split(n_layers: int, n_stages: int, head_layers: float) -> list[StagePlan]:
+    """Split so each stage does about the same work per token, counting the last stage's
+    lm_head as `head_layers` decoder layers of weight to stream and multiply. In a pipeline
+    serving several streams, the slowest stage sets the pace: with SmolLM2-135M the head weighs
+    8 layers, so an even 15 + 15 split leaves the second stage 1.5x the first's work."""
+    if n_stages < 1 or n_stages > n_layers:
+        return even_split(n_layers, n_stages)  # its errors
+    share = (n_layers + head_layers) / n_stages
+    ranges, start = [], 0
+    for i in range(n_stages - 1):
+        later = n_stages - 1 - i  # stages after this one: each needs at least one layer
+        end = min(max(round((i + 1) * share), start + 1), n_layers - later)
+        ranges.append((start, end - 1))
+        start = end
+    ranges.append((start, n_layers - 1))
+    return _plans(ranges)
+
+
 def parse_layers(spec: str, n_layers: int, flag: str = "--layers") -> list[StagePlan]:
     """Parse an explicit split such as "0-9,10-19,20-29": contiguous, complete, non-empty.
 

@@ -45,6 +45,12 @@ class Arch:
         """Query heads per KV head (grouped-query attention)."""
         return self.n_heads // self.n_kv_heads
 
+    @property
+    def head_layers(self) -> float:
+        """The lm_head's weight in decoder layers (for balancing stages by work per token)."""
+        attn = 2 * self.hidden * self.n_heads * self.head_dim + 2 * self.hidden * self.n_kv_heads * self.head_dim
+        return self.vocab * self.hidden / (attn + 3 * self.hidden * self.intermediate)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
