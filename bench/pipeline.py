@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -32,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from procs import Proc  # bench/ is on sys.path when this script runs
 
 from shardline.config import ExportConfig, RunConfig, SamplingConfig
 from shardline.export.manifest import load_manifest
@@ -41,35 +40,11 @@ from shardline.pipeline.remote import RemotePipeline
 from shardline.pipeline.timing import Timing
 from shardline.stage.cache import Decode, Prefill, Step
 
-SHARDLINE = str(Path(sys.executable).parent / "shardline")
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 Pipe = LocalPipeline | RemotePipeline
 
 
 # --- subprocesses ------------------------------------------------------------------------------
-
-
-class Proc:
-    """A `shardline worker` or `shardline relay` on 127.0.0.1, ready once it printed `prefix`."""
-
-    def __init__(self, args: list[str], prefix: str, timeout_s: float = 180.0) -> None:
-        self.proc = subprocess.Popen([SHARDLINE, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True)
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        self.line = ""
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if ready:
-                self.line = self.proc.stdout.readline()
-                if self.line.startswith(prefix):
-                    return
-        self.stop()
-        raise RuntimeError(f"{' '.join(args[:3])}: not ready in {timeout_s:g} s ({self.line.strip()!r})")
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=30)
 
 
 def free_port() -> int:
