@@ -182,3 +182,14 @@ def test_cancelled_stream_frees_its_stream(server: Server, client: openai.OpenAI
     assert server.metric("shardline_active_streams") == 0
     assert server.metric('shardline_requests_total{endpoint="chat",finish_reason="cancelled"}') == \
         cancelled_before + 1
+
+
+def test_metrics_report_latencies_queue_and_stage_time(server: Server, client: openai.OpenAI) -> None:
+    _chat(client, CHAT_PROMPTS[0])
+    assert server.metric("shardline_time_to_first_token_seconds_count") >= 1
+    assert server.metric("shardline_time_per_output_token_seconds_count") >= 1
+    assert server.metric("shardline_e2e_request_latency_seconds_count") >= 1
+    assert server.metric("shardline_queue_depth") == 0
+    assert server.metric("shardline_max_streams") == 4
+    for stage in (0, 1):  # both local stages' graph time, per decode step
+        assert server.metric(f'shardline_stage_graph_seconds_count{{phase="decode",stage="{stage}"}}') >= 6

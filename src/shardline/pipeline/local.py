@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 
@@ -21,11 +23,34 @@ from shardline.config import RunConfig, SamplingConfig
 from shardline.decoding.sampler import Choice, Sampler
 from shardline.errors import ShardlineError
 from shardline.export.manifest import Manifest, load_manifest, verify
+from shardline.pipeline import metrics
 from shardline.pipeline.inflight import Outbox, Outcome
-from shardline.stage.cache import KVBook, Step, StepInputs
+from shardline.pipeline.timing import Timing
+from shardline.stage.cache import KVBook, Prefill, Step, StepInputs
 from shardline.stage.runner import StageRunner
 
-_Work = tuple[int, StepInputs, np.ndarray]  # stream, its step's inputs, the previous stage's output
+_Work = tuple[int, StepInputs, np.ndarray, "_Trace"]  # stream, inputs, previous stage's output, trace
+
+
+@dataclass
+class _Trace:
+    """Where one submitted step's time goes: each stage's graph, and the rest (host, queues)."""
+
+    phase: str
+    start: float = field(default_factory=time.perf_counter)
+    graph_s: dict[int, float] = field(default_factory=dict)
+
+    def run(self, k: int, stage: StageRunner, stream: int, inputs: StepInputs,
+            hidden: np.ndarray | None = None) -> np.ndarray:
+        t = time.perf_counter()
+        out = stage.run(stream, inputs, hidden)
+        self.graph_s[k] = time.perf_counter() - t
+        return out
+
+    def timing(self) -> Timing:
+        total = time.perf_counter() - self.start
+        graph = sum(self.graph_s.values())
+        return Timing(self.phase, total, self.graph_s, 0.0, 0.0, 0.0, total - graph, 0.0)
 
 
 class LocalPipeline:
@@ -91,23 +116,27 @@ class LocalPipeline:
 
     def submit(self, stream: int, step: Step) -> None:
         """Start one step of `stream`; its token comes out of `outcomes`."""
+        trace = _Trace("prefill" if isinstance(step, Prefill) else "decode")
         inputs = self._plan(stream, step)
         # Committed now: the stream's next step is planned only after this one's outcome.
         self._books[stream].commit(inputs)
-        out = self.stages[0].run(stream, inputs)
+        out = trace.run(0, self.stages[0], stream, inputs)
         if len(self.stages) == 1:
-            self.outbox.put(self._sampled(stream, out))
+            self.outbox.put(self._sampled(stream, out, trace))
             return
         self._start_threads()
         # `out` is a view of stage 0's output for this stream's request; stage 0 runs this
         # stream again only after its outcome, so the view stays valid until stage 1 copies it.
-        self._inboxes[0].put((stream, inputs, out))
+        self._inboxes[0].put((stream, inputs, out, trace))
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome]:
         return self.outbox.take(timeout)
 
-    def _sampled(self, stream: int, logits: np.ndarray) -> Outcome:
-        return Outcome(stream, self._choose(stream, logits[0, -1]))
+    def _sampled(self, stream: int, logits: np.ndarray, trace: _Trace) -> Outcome:
+        choice = self._choose(stream, logits[0, -1])
+        timing = trace.timing()
+        metrics.observe(timing)  # per-stage graph time on /metrics, as with workers
+        return Outcome(stream, choice, timing=timing)
 
     def _start_threads(self) -> None:
         if self._inboxes:
@@ -120,13 +149,13 @@ class LocalPipeline:
         inbox, stage = self._inboxes[k - 1], self.stages[k]
         last = k == len(self.stages) - 1
         while True:
-            stream, inputs, hidden = inbox.get()
+            stream, inputs, hidden, trace = inbox.get()
             try:
-                out = stage.run(stream, inputs, hidden)
+                out = trace.run(k, stage, stream, inputs, hidden)
             except Exception as e:  # the stream fails; the stage keeps serving the others
                 self.outbox.put(Outcome(stream, None, f"stage {k}: {e}"))
                 continue
             if last:
-                self.outbox.put(self._sampled(stream, out))
+                self.outbox.put(self._sampled(stream, out, trace))
             else:
-                self._inboxes[k].put((stream, inputs, out))
+                self._inboxes[k].put((stream, inputs, out, trace))
