@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardline.pipeline.timing import no_hops
 from shardline.pipeline.worker import StageWorker
 from shardline.wire.messages import Forward, Message, Refuse, Route, Sampled
 
@@ -18,7 +19,7 @@ class Recorder:
     def __init__(self) -> None:
         self.sent: list[Message] = []
 
-    def send(self, msg: Message) -> None:
+    def send(self, msg: Message, stamp: bool = False) -> None:  # Link.send's signature
         self.sent.append(msg)
 
 
@@ -26,7 +27,7 @@ def _forward(stream: int, slots: int, t: int) -> Forward:
     hidden = np.random.default_rng(0).standard_normal((1, t, 576)).astype(np.float16)
     return Forward(stream, 0, "prefill" if slots == 0 else "decode", hidden,
                    np.ones((1, slots + t), np.uint8), np.arange(slots, slots + t, dtype=np.int64)[None],
-                   {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}, False)
+                   {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}, False, no_hops())
 
 
 def test_prefill_before_open_and_unknown_decode(shards: Callable[..., Path]) -> None:
