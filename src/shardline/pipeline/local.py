@@ -152,10 +152,9 @@ class LocalPipeline:
             stream, inputs, hidden, trace = inbox.get()
             try:
                 out = trace.run(k, stage, stream, inputs, hidden)
-            except Exception as e:  # the stream fails; the stage keeps serving the others
-                self.outbox.put(Outcome(stream, None, f"stage {k}: {e}"))
-                continue
-            if last:
-                self.outbox.put(self._sampled(stream, out, trace))
-            else:
-                self._inboxes[k].put((stream, inputs, out, trace))
+                if last:
+                    self.outbox.put(self._sampled(stream, out, trace))
+                else:
+                    self._inboxes[k].put((stream, inputs, out, trace))
+            except Exception as e:  # the stream fails (or was closed meanwhile); the stage goes on
+                self.outbox.put(Outcome(stream, None, f"stage {k}: {type(e).__name__}: {e}"))

@@ -87,7 +87,11 @@ class Engine:
         self._waiting: deque[Ticket] = deque()
         self._live: dict[int, _Live] = {}  # by stream id
         self._cancels: deque[Ticket] = deque()
-        self._lock = threading.Lock()  # guards _waiting and _cancels (callers' threads)
+        self._lock = threading.Lock()  # guards _waiting, _cancels and _taken (callers' threads)
+        # Stream slots held: admitted and not yet finished. Counted under the lock from the
+        # moment a ticket leaves the queue, so a ticket between the queue and `_live` still
+        # counts when a caller checks whether there is room.
+        self._taken = 0
         self._ids = count()
         self._running = True
         self._thread = threading.Thread(target=self._loop, daemon=True, name="engine")
@@ -103,7 +107,7 @@ class Engine:
             raise ShardlineError(f"prompt of {len(request.prompt)} tokens plus {request.sampling.max_tokens} "
                                  f"new tokens exceeds the context of {self.max_context}")
         with self._lock:
-            if not accepts(len(self._waiting), len(self._live), self.limits):
+            if not accepts(len(self._waiting), self._taken, self.limits):
                 raise Overloaded(f"all {self.limits.max_streams} streams are busy and "
                                  f"{len(self._waiting)} requests are waiting")
             ticket = Ticket(next(self._ids), request, on_event)
@@ -147,15 +151,18 @@ class Engine:
 
     def _admit(self) -> None:
         with self._lock:
-            n = to_admit(len(self._waiting), len(self._live), self.limits)
+            n = to_admit(len(self._waiting), self._taken, self.limits)
             starting = [self._waiting.popleft() for _ in range(n)]
+            self._taken += n
         for ticket in starting:
             if ticket.cancelled:
+                self._release()
                 ticket.on_event(Event(None, finish="cancelled"))
                 continue
             try:
                 stream = self.pipe.open(ticket.request.sampling)
             except ShardlineError as e:
+                self._release()
                 ticket.on_event(Event(None, finish="error", error=str(e)))
                 continue
             live = self._live[stream] = _Live(ticket, stream)
@@ -201,7 +208,12 @@ class Engine:
             return self._finish(live, "error", f"internal error: {type(e).__name__}: {e}")
         live.in_flight = True
 
+    def _release(self) -> None:
+        with self._lock:
+            self._taken -= 1
+
     def _finish(self, live: _Live, reason: str, error: str = "") -> None:
-        self._live.pop(live.stream, None)
+        if self._live.pop(live.stream, None) is not None:
+            self._release()
         self.pipe.close(live.stream)
         live.ticket.on_event(Event(None, finish=reason, error=error))
