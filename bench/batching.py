@@ -44,23 +44,13 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 from quality import TEXT  # bench/quality.py: a plain English text, 367 tokens
+from shards import shard_folder  # bench/ is on sys.path when this script runs
 
-from shardline.config import ExportConfig, RunConfig
+from shardline.config import RunConfig
 from shardline.export.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 
 Inputs = dict[str, np.ndarray]
-
-
-def shard_folder(work: Path, stages: int) -> Path:
-    """A gguf export named as bench/parity.py names its own, so either script reuses the other's."""
-    from shardline.export.exporter import export
-
-    folder = work / f"smollm2-135m-gguf-{stages}stages"
-    if not (folder / "manifest.json").is_file():
-        print(f"exporting {folder} ...", file=sys.stderr)
-        export(ExportConfig(out=folder, stages=stages, weights="gguf", isolate=False, progress=False))
-    return folder
 
 
 def text_ids(folder: Path) -> list[int]:

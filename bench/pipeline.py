@@ -31,8 +31,9 @@ from pathlib import Path
 
 import numpy as np
 from procs import Proc  # bench/ is on sys.path when this script runs
+from shards import shard_folder
 
-from shardline.config import ExportConfig, RunConfig, SamplingConfig
+from shardline.config import RunConfig, SamplingConfig
 from shardline.export.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
@@ -77,16 +78,6 @@ def started(procs: list[Proc]) -> Iterator[list[Proc]]:
 
 
 # --- runs --------------------------------------------------------------------------------------
-
-
-def shard_folder(work: Path, stages: int) -> Path:
-    from shardline.export.exporter import export
-
-    folder = work / f"smollm2-135m-gguf-{stages}stages"
-    if not (folder / "manifest.json").is_file():
-        print(f"exporting {folder} ...", file=sys.stderr)
-        export(ExportConfig(out=folder, stages=stages, weights="gguf", isolate=False, progress=False))
-    return folder
 
 
 @dataclass

@@ -33,25 +33,15 @@ from pathlib import Path
 
 import httpx2 as httpx
 from procs import Proc  # bench/ is on sys.path when this script runs
+from shards import shard_folder
 
-from shardline.config import ExportConfig, RunConfig, SamplingConfig
-from shardline.export.exporter import export
+from shardline.config import RunConfig, SamplingConfig
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.remote import RemotePipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Request
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
-def shard_folder(work: Path, balance: bool) -> Path:
-    """The default model in 2 stages: balanced by work (as `shardline serve` exports it; layers
-    0-18 | 19-29 + head) or evenly by layers (0-14 | 15-29 + head, for comparison)."""
-    folder = work / f"gguf-2stages{'-balanced' if balance else ''}"
-    if not (folder / "manifest.json").is_file():
-        work.mkdir(parents=True, exist_ok=True)
-        export(ExportConfig(out=folder, stages=2, balance=balance, weights="gguf", isolate=False, progress=False))
-    return folder
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -191,7 +181,7 @@ def main() -> int:
     pin = not args.no_pin
     if pin:  # before OpenVINO starts its threads: they inherit it. The worker gets core 1.
         os.sched_setaffinity(0, {0})
-    folder = shard_folder(args.work, balance=not args.even)
+    folder = shard_folder(args.work, 2, balance=not args.even)
     prompt = ChatTokenizer(folder).encode_chat([{"role": "user", "content": PROMPT}])
     print(f"part 1: engine on 2 stages in 2 processes ({'1 core each' if pin else 'shared cores'}), {n} tokens")
     agg = part1(folder, prompt, n, reps, pin)
