@@ -5,7 +5,8 @@ Compared, in one run and interleaved across systems: decode tok/s (in-process, w
 f16 vs f32 activations), per-hop transport overhead (worker step minus in-process step, paired by
 decode step, divided by the hops a token makes), the per-token breakdown every token carries
 (graph per stage, encode, decode, worker and coordinator host, wire: see pipeline/timing.py),
-bytes per token on the wire (top-1 and, measured, full logits), and a latency sweep through
+bytes per token on the wire (top-1 and, measured, full logits), the transport alone per hop
+(bench/hop.py: real codec and link between two processes, no graph), and a latency sweep through
 `shardline relay` on every hop. Greedy, exact precision, N new tokens, stop tokens ignored;
 medians over reps.
 
@@ -29,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import hop
 import numpy as np
 from procs import Proc  # bench/ is on sys.path when this script runs
 from shards import shard_folder
@@ -175,6 +177,7 @@ def main() -> int:
     p.add_argument("--sweep-tokens", type=int, default=16, help="tokens per run for delays >= 20 ms")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "shardline" / "bench" / "pipeline")
     p.add_argument("--quick", action="store_true", help="smoke run: 16 tokens, 1 rep, delays 0 and 20 ms")
+    p.add_argument("--trips", type=int, default=3000, help="round trips per case of the transport-alone part")
     p.add_argument("--max-minutes", type=float, default=20.0, help="skip remaining reps/delays after this")
     args = p.parse_args()
     n, reps = (16, 1) if args.quick else (args.tokens, args.reps)
@@ -185,6 +188,7 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
     f2, f3, f4 = shard_folder(args.work, 2), shard_folder(args.work, 3), shard_folder(args.work, 4)
+    transport = hop.measure(args.trips)  # first, while no worker holds a core
     vocab = load_manifest(f3).arch.vocab
     prompt = ChatTokenizer(f3).encode_chat([{"role": "user", "content": PROMPT}])
     run = RunConfig()  # precision "exact"
@@ -271,6 +275,18 @@ def main() -> int:
                        "p99_us": round(float(np.percentile(diffs, 99)), 1)}
         print(f"{k:<22}{hops(k)} hops  median {overhead[k]['median_us']:>8.1f}  p99 {overhead[k]['p99_us']:>8.1f}")
 
+    hop.print_table(transport)
+    in_pipeline: dict[str, dict[str, float]] = {}
+    print("\nper-hop transport inside the pipeline, us: (encode + decode + wire) / hops, from each token's "
+          "breakdown (3 processes share 2 cores here: a woken process often waits for one)")
+    for k, v in samples.items():
+        if v and v[0].timings:
+            per_hop = [1e6 * (t.encode_s + t.decode_s + t.wire_s) / hops(k) for r in v for t in r.timings]
+            in_pipeline[k] = {"median_us": round(statistics.median(per_hop), 1),
+                              "p99_us": round(float(np.percentile(per_hop, 99)), 1)}
+            print(f"{k:<22}{hops(k)} hops  median {in_pipeline[k]['median_us']:>8.1f}  "
+                  f"p99 {in_pipeline[k]['p99_us']:>8.1f}")
+
     table = {k: breakdown(v) for k, v in samples.items() if v and v[0].timings}
     print_breakdown(table)
 
@@ -315,6 +331,8 @@ def main() -> int:
         "ratio_f16_vs_f32_chain_3stage": ratio(tps.get("workers-2-chain-f16"), tps.get("workers-2-chain-f32")),
         "ratio_worker_chain_4stage_vs_inproc_4stage": ratio(tps.get("workers-3-chain-f16"), tps.get("inproc-4stage")),
         "target_2stage_ratio": 0.9,
+        "transport_hop_us_median_own_core": transport["own core each"]["median_us"], "target_hop_us": 100,
+        "transport_alone": transport, "transport_in_pipeline": in_pipeline,
         "tokens": n, "reps": len(samples["inproc-2stage"]), "prompt_tokens": len(prompt), "precision": "exact",
         "weights": "gguf", "load_avg_1m_at_start": round(load, 2),
         "decode_tok_s": {k: round(v, 2) for k, v in tps.items()},

@@ -17,6 +17,8 @@ from typing import Protocol
 from shardline.wire.codec import HEADER, WireError, decode_payload, encode, parse_header
 from shardline.wire.messages import Hello, Message, Refuse
 
+_BUFFER = 1 << 16  # receive buffer; grows for a bigger frame, shrinks back once it is read
+
 
 class Transport(Protocol):
     def sendall(self, data: bytes, /) -> None: ...
@@ -40,6 +42,8 @@ class Link:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.last_decode_s = 0.0  # decode time of the last message `recv` returned (one reader)
+        # Received bytes not yet returned: _buf[_start:_end]. One reader at a time.
+        self._buf, self._start, self._end = bytearray(_BUFFER), 0, 0
 
     @classmethod
     def connect(cls, host: str, port: int, timeout: float = 10.0) -> Link:
@@ -60,7 +64,7 @@ class Link:
 
     def recv(self) -> Message:
         """The next message; WireError for a frame that is not ours, LinkClosed at the end."""
-        kind, length, crc = parse_header(bytes(self._read(HEADER.size)))
+        kind, length, crc = parse_header(self._read(HEADER.size))
         payload = self._read(length)
         start = time.perf_counter()  # decoding only: waiting for bytes is the wire's time
         msg = decode_payload(kind, payload, crc)
@@ -68,20 +72,35 @@ class Link:
         self.bytes_received += HEADER.size + length
         return msg
 
-    def _read(self, n: int) -> memoryview:
-        buf = memoryview(bytearray(n))
-        got = 0
-        while got < n:
-            try:
-                k = self.transport.recv_into(buf[got:], n - got)
-            except OSError as e:
-                raise LinkClosed(f"{self.name}: {e}") from None
-            if k == 0:
-                if got:
-                    raise WireError(f"truncated frame from {self.name}: {got} of {n} bytes, then end of stream")
-                raise LinkClosed(f"{self.name} closed the connection")
-            got += k
-        return buf
+    def _read(self, n: int) -> bytes:
+        """The next `n` bytes of the stream, as a copy the caller keeps (decoded arrays are views
+        into it). Reads go through `_buf` so that a small frame's header and payload usually come
+        from one `recv_into` call instead of two."""
+        while self._end - self._start < n:
+            self._receive(n)
+        out = bytes(memoryview(self._buf)[self._start : self._start + n])
+        self._start += n
+        if self._start == self._end and len(self._buf) > _BUFFER:  # a big frame passed: shrink
+            self._buf, self._start, self._end = bytearray(_BUFFER), 0, 0
+        return out
+
+    def _receive(self, n: int) -> None:
+        """One `recv_into` towards having `n` bytes buffered (moved to the front, room made)."""
+        have = self._end - self._start
+        if self._start and len(self._buf) - self._start < n:
+            self._buf[:have] = self._buf[self._start : self._end]
+            self._start, self._end = 0, have
+        if len(self._buf) < n:
+            self._buf.extend(bytes(n - len(self._buf)))
+        try:
+            k = self.transport.recv_into(memoryview(self._buf)[self._end :], len(self._buf) - self._end)
+        except OSError as e:
+            raise LinkClosed(f"{self.name}: {e}") from None
+        if k == 0:
+            if have:
+                raise WireError(f"truncated frame from {self.name}: {have} of {n} bytes, then end of stream")
+            raise LinkClosed(f"{self.name} closed the connection")
+        self._end += k
 
     def alive(self) -> bool:
         """False once the peer has closed or reset the connection (checked without blocking)."""

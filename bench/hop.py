@@ -1,0 +1,181 @@
+"""The transport alone: what one hop costs with the real codec and Link, no graph in the way.
+
+Two spawned processes on loopback. The client sends a decode step's Forward frame (f16 hidden
+state of the default model, a mask of SLOTS slots, one hops row); the echo process decodes it and
+encodes it again, stamped, back to the client, as a worker encodes its frame down the chain.
+A round trip is two hops: encode, socket, decode, twice. Per hop = round trip / 2.
+What a worker does between receiving and sending (its graph, building its output frame) is
+not transport: the pipeline's per-token breakdown reports it as worker host time.
+
+Cases: each process pinned to its own core (as on two machines), both on one core (a woken
+process waits for the other to yield it), and, to split the figure, the bare socket round trip
+of the same bytes and the codec alone in one process.
+
+    python bench/hop.py                # 3000 round trips per case
+    python bench/hop.py --trips 500
+
+The last line on stdout is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from shardline.wire.codec import decode, encode
+from shardline.wire.link import Link, LinkClosed
+from shardline.wire.messages import HOP_COLUMNS, Forward
+
+HIDDEN, SLOTS = 576, 200  # the default model's hidden size; a mid-conversation cache
+
+
+def forward(rows: int = 1) -> Forward:
+    rng = np.random.default_rng(0)
+    return Forward(stream=1, seq=7, phase="decode", hidden=rng.standard_normal((1, 1, HIDDEN)).astype(np.float16),
+                   attention_mask=np.ones((1, SLOTS + 1), np.uint8), position_ids=np.array([[SLOTS]], np.int64),
+                   sampling={"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}, want_logits=False,
+                   hops=np.zeros((rows, len(HOP_COLUMNS)), np.float64))
+
+
+def _pin(cpu: int | None) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+
+
+def _echo(ports: Any, cpu: int | None, raw: bool) -> None:
+    _pin(cpu)
+    server = socket.create_server(("127.0.0.1", 0))
+    ports.put(server.getsockname()[1])
+    conn, _ = server.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if raw:  # the same bytes back, no codec: the wire alone
+        size = len(encode(forward(), stamp=True))
+        buf = memoryview(bytearray(size))
+        while True:
+            got = 0
+            while got < size:
+                k = conn.recv_into(buf[got:], size - got)
+                if k == 0:
+                    return
+                got += k
+            conn.sendall(buf)
+    link = Link(conn)
+    while True:
+        try:
+            msg = link.recv()
+        except LinkClosed:
+            return
+        assert isinstance(msg, Forward)
+        # Re-encoded as it came: what a worker adds before it sends (its output, its hops row)
+        # is the worker's host time in the pipeline's breakdown, not the transport's.
+        link.send(msg, stamp=True)
+
+
+def _client(ports: Any, results: Any, cpu: int | None, raw: bool, trips: int, max_s: float) -> None:
+    _pin(cpu)
+    link = Link.connect("127.0.0.1", ports.get(timeout=30))
+    msg = forward()
+    frame = encode(msg, stamp=True)
+    times: list[float] = []
+    deadline = time.monotonic() + max_s
+    for _ in range(trips):
+        if time.monotonic() > deadline:
+            break
+        t = time.perf_counter()
+        if raw:
+            link.transport.sendall(frame)
+            link._read(len(frame))
+        else:
+            link.send(msg, stamp=True)
+            reply = link.recv()
+            assert isinstance(reply, Forward) and reply.seq == msg.seq
+        times.append(time.perf_counter() - t)
+    link.close()
+    results.put(times)
+
+
+def round_trips(client_cpu: int | None, echo_cpu: int | None, raw: bool = False, trips: int = 3000,
+                max_s: float = 60.0) -> list[float]:
+    """Round-trip seconds between two spawned processes pinned as given (None: not pinned)."""
+    ctx = mp.get_context("spawn")
+    ports, results = ctx.Queue(), ctx.Queue()
+    echo = ctx.Process(target=_echo, args=(ports, echo_cpu, raw), daemon=True)
+    client = ctx.Process(target=_client, args=(ports, results, client_cpu, raw, trips, max_s), daemon=True)
+    echo.start()
+    client.start()
+    try:
+        times: list[float] = results.get(timeout=max_s + 60)
+    finally:
+        for p in (client, echo):
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return times[max(1, len(times) // 20):]  # the first 5% warm up (connection, caches)
+
+
+def codec_alone(n: int = 3000) -> tuple[float, float]:
+    """Median encode and decode seconds of the same frame in one process."""
+    msg = forward()
+    frame = encode(msg, stamp=True)
+    enc, dec = [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        encode(msg, stamp=True)
+        enc.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        decode(frame)
+        dec.append(time.perf_counter() - t)
+    return float(np.median(enc)), float(np.median(dec))
+
+
+def measure(trips: int = 3000) -> dict[str, Any]:
+    """Per-hop figures in microseconds for every case, and the codec alone."""
+    cpus = sorted(os.sched_getaffinity(0))
+    two = (cpus[0], cpus[1]) if len(cpus) > 1 else (cpus[0], cpus[0])
+    cases = {"own core each": (two, False), "one core": ((cpus[0], cpus[0]), False),
+             "socket only, own core each": (two, True)}
+    out: dict[str, Any] = {}
+    for name, ((a, b), raw) in cases.items():
+        hop_us = np.asarray(round_trips(a, b, raw, trips)) / 2 * 1e6
+        out[name] = {"median_us": round(float(np.median(hop_us)), 1),
+                     "p99_us": round(float(np.percentile(hop_us, 99)), 1), "trips": len(hop_us)}
+    enc, dec = codec_alone()
+    out["codec alone"] = {"encode_us": round(enc * 1e6, 1), "decode_us": round(dec * 1e6, 1),
+                          "frame_bytes": len(encode(forward(), stamp=True))}
+    return out
+
+
+def print_table(figures: dict[str, Any]) -> None:
+    print(f"\nper-hop transport alone (Forward of a decode step, {SLOTS}-slot mask, f16 hidden {HIDDEN}): "
+          "round trip / 2, us")
+    print(f"{'case':<30}{'median':>10}{'p99':>10}{'trips':>8}")
+    for name, row in figures.items():
+        if "median_us" in row:
+            print(f"{name:<30}{row['median_us']:>10.1f}{row['p99_us']:>10.1f}{row['trips']:>8}")
+    c = figures["codec alone"]
+    print(f"codec alone, one process: encode {c['encode_us']:.1f} us, decode {c['decode_us']:.1f} us, "
+          f"frame {c['frame_bytes']} B")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trips", type=int, default=3000)
+    args = p.parse_args()
+    figures = measure(args.trips)
+    print_table(figures)
+    own = figures["own core each"]["median_us"]
+    print(json.dumps({"hop_us_median_own_core": own, "target_us": 100, "load_avg_1m": round(os.getloadavg()[0], 2),
+                      **figures}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
