@@ -91,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a stream")
     s.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
     s.add_argument("--model-id", help="the model name clients use (default: the source file's name)")
+    s.add_argument("--decode-groups", type=int, help="groups of streams batched into one call per stage "
+                   "(in-process stages; default: one per stage; 0: one call per stream)")
     s.add_argument("--threads", type=int, help="OpenVINO threads per stage")
     s.add_argument("--device", default="CPU")
     s.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact")
@@ -212,7 +214,8 @@ def _serve(args: argparse.Namespace) -> int:
     from shardline.serving.server import serve
 
     cfg = ServeConfig(host=args.host, port=args.port, max_streams=args.max_streams, max_queue=args.max_queue,
-                      default_max_tokens=args.max_tokens, model_id=args.model_id)
+                      default_max_tokens=args.max_tokens, model_id=args.model_id,
+                      decode_groups=args.decode_groups)
     run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
     serve(args.shards or default_shards(), run, cfg, args.workers.split(",") if args.workers else None)
     return 0

@@ -105,8 +105,14 @@ class ServeConfig:
     default_max_tokens: int = 256
     memory_fraction: float = 0.5  # of available memory that stream KV may take
     model_id: str | None = None  # None: the source model's file or folder name
+    # Decode groups whose streams share each infer call (in-process stages; pipeline/groups.py).
+    # None: one per stage, so every stage has a group to work on; 0: no batching, one call per
+    # stream per step (interleaved).
+    decode_groups: int | None = None
 
     def __post_init__(self) -> None:
+        if self.decode_groups is not None and self.decode_groups < 0:
+            raise ShardlineError("--decode-groups must be >= 0")
         if not 0 <= self.port < 65536:
             raise ShardlineError(f"--port must be in 0-65535, got {self.port}")
         if self.max_streams is not None and self.max_streams < 1:

@@ -58,9 +58,11 @@ def alone(two: Path, prompts: list[list[int]]) -> list[list[int]]:
     return [list(generate(pipe, p, SamplingConfig(max_tokens=N_NEW), set(), 8192)) for p in prompts]
 
 
-@pytest.fixture
-def engine(two: Path) -> Iterator[Engine]:
-    eng = Engine(LocalPipeline(two, RunConfig()), Limits(max_streams=4, max_queue=2), max_context=8192)
+@pytest.fixture(params=[0, 2], ids=["interleaved", "batched"])
+def engine(two: Path, request: pytest.FixtureRequest) -> Iterator[Engine]:
+    # 0 groups: one infer call per stream per step; 2: each group's streams share a call.
+    pipe = LocalPipeline(two, RunConfig(), groups=request.param)
+    eng = Engine(pipe, Limits(max_streams=4, max_queue=2), max_context=8192)
     yield eng
     eng.stop()
 

@@ -5,6 +5,8 @@ Two ways to drive it:
 - `submit` / `outcomes`: several streams in flight. Stage 0 runs in the caller's thread and each
   later stage on a thread of its own, so while stage 1 works on stream A, stage 0 can work on
   stream B (OpenVINO releases the GIL inside infer). Each stream has one step in flight at most.
+  With `groups` > 0, decode steps run batched: the streams of a decode group go through each
+  stage as the rows of one call (groups.py); prefills still run one stream at a time.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from shardline.decoding.sampler import Choice, Sampler
 from shardline.errors import ShardlineError
 from shardline.export.manifest import Manifest, load_manifest, verify
 from shardline.pipeline import metrics
+from shardline.pipeline.groups import Group, least_loaded, merged
 from shardline.pipeline.inflight import Outbox, Outcome
 from shardline.pipeline.timing import Timing
-from shardline.stage.cache import KVBook, Prefill, Step, StepInputs
+from shardline.stage.cache import Decode, KVBook, Prefill, Step, StepInputs
 from shardline.stage.runner import StageRunner
 
-_Work = tuple[int, StepInputs, np.ndarray, "_Trace"]  # stream, inputs, previous stage's output, trace
+# runner key (a stream, or a group's key), the streams of its rows, inputs, previous output, trace
+_Work = tuple[int, list[int], StepInputs, np.ndarray, "_Trace"]
 
 
 @dataclass
@@ -54,7 +58,7 @@ class _Trace:
 
 
 class LocalPipeline:
-    def __init__(self, folder: Path, run: RunConfig | None = None, check: bool = True) -> None:
+    def __init__(self, folder: Path, run: RunConfig | None = None, check: bool = True, groups: int = 0) -> None:
         run = run or RunConfig()
         self.folder = folder
         self.manifest: Manifest = load_manifest(folder)
@@ -67,6 +71,8 @@ class LocalPipeline:
         self._ids = count()
         self.outbox = Outbox()
         self._inboxes: list[queue.Queue[_Work]] = []  # one per stage after the first
+        self.groups = [Group(key=-1 - g) for g in range(groups)]  # none: decode steps interleave
+        self._group_of: dict[int, Group] = {}
 
     def open(self, sampling: SamplingConfig | None = None) -> int:
         stream = next(self._ids)
@@ -82,6 +88,15 @@ class LocalPipeline:
             s.close(stream)
         self._books.pop(stream, None)
         self._samplers.pop(stream, None)
+        group = self._group_of.pop(stream, None)
+        if group is not None:
+            group.leave(stream)  # the other members may have been waiting for this one
+            if group.complete():
+                self._launch(group)
+            elif not group.members():  # nobody left: free the departed rows' KV now
+                for s in self.stages:
+                    s.close(group.key)
+                group.held = []
 
     def book(self, stream: int) -> KVBook:
         return self._books[stream]
@@ -116,27 +131,85 @@ class LocalPipeline:
 
     def submit(self, stream: int, step: Step) -> None:
         """Start one step of `stream`; its token comes out of `outcomes`."""
+        if stream not in self._books:
+            raise ShardlineError(f"unknown stream {stream}")
+        if self.groups and isinstance(step, Decode):
+            return self._ready(stream, step.token)
         trace = _Trace("prefill" if isinstance(step, Prefill) else "decode")
         inputs = self._plan(stream, step)
         # Committed now: the stream's next step is planned only after this one's outcome.
         self._books[stream].commit(inputs)
-        out = trace.run(0, self.stages[0], stream, inputs)
+        self._start(stream, [stream], inputs, trace)
+
+    def _start(self, key: int, rows: list[int], inputs: StepInputs, trace: _Trace) -> None:
+        """Stage 0 here, the later stages on their threads; one outcome per row at the end."""
+        out = trace.run(0, self.stages[0], key, inputs)
         if len(self.stages) == 1:
-            self.outbox.put(self._sampled(stream, out, trace))
-            return
+            return self._finish(rows, out, trace)
         self._start_threads()
-        # `out` is a view of stage 0's output for this stream's request; stage 0 runs this
-        # stream again only after its outcome, so the view stays valid until stage 1 copies it.
-        self._inboxes[0].put((stream, inputs, out, trace))
+        # `out` is a view of stage 0's output for this key's request; stage 0 runs this key
+        # again only after its outcomes, so the view stays valid until stage 1 copies it.
+        self._inboxes[0].put((key, rows, inputs, out, trace))
+
+    # --- decode groups ------------------------------------------------------------------------
+
+    def _ready(self, stream: int, token: int) -> None:
+        group = self._group_of.get(stream)
+        if group is None:
+            group = self.groups[least_loaded([len(g.members()) for g in self.groups])]
+            group.joining.append(stream)
+            self._group_of[stream] = group
+        group.ready[stream] = token
+        if group.complete():
+            self._launch(group)
+
+    def _launch(self, group: Group) -> None:
+        """One decode step of every member of `group` as one batch (joiners merged in first)."""
+        beam = np.asarray(group.kept(), np.int32) if group.held != group.rows else None
+        if group.joining:
+            self._merge(group)
+            beam = None
+        tokens, group.ready = group.ready, {}
+        group.held = list(group.rows)
+        rows = [self._plan(s, Decode(tokens[s])) for s in group.rows]
+        inputs = StepInputs.stack(rows, beam)
+        for s, r in zip(group.rows, rows, strict=True):
+            self._books[s].commit(r)
+        self._start(group.key, list(group.rows), inputs, _Trace("decode"))
+
+    def _merge(self, group: Group) -> None:
+        """Make the joiners rows: their KV (prefilled alone) appended to the group's state."""
+        if not group.rows:  # an empty group takes over its first joiner's requests: no copy
+            first = group.joining.pop(0)
+            for stage in self.stages:
+                stage.close(group.key)
+                stage.move(first, group.key)
+            group.rows, group.held = [first], [first]
+        joiners, group.joining = group.joining, []
+        if not joiners:
+            return
+        slots = self._books[group.rows[0]].slots
+        own = [self._books[s].slots for s in joiners]
+        for stage in self.stages:
+            batch = stage.kv(group.key)
+            state, width = merged(batch, group.kept(), [stage.kv(s) for s in joiners], slots, own)
+            stage.set_kv(group.key, state)
+            for s in joiners:
+                stage.close(s)  # its KV now lives in the group's state
+        group.rows = group.rows + joiners
+        group.held = list(group.rows)
+        for s in group.rows:
+            self._books[s].pad_left(width - self._books[s].slots)
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome]:
         return self.outbox.take(timeout)
 
-    def _sampled(self, stream: int, logits: np.ndarray, trace: _Trace) -> Outcome:
-        choice = self._choose(stream, logits[0, -1])
+    def _finish(self, rows: list[int], logits: np.ndarray, trace: _Trace) -> None:
+        """Each row's token to the outbox (row r of the logits belongs to rows[r])."""
         timing = trace.timing()
         metrics.observe(timing)  # per-stage graph time on /metrics, as with workers
-        return Outcome(stream, choice, timing=timing)
+        for r, stream in enumerate(rows):
+            self.outbox.put(Outcome(stream, self._choose(stream, logits[r, -1]), timing=timing))
 
     def _start_threads(self) -> None:
         if self._inboxes:
@@ -149,12 +222,13 @@ class LocalPipeline:
         inbox, stage = self._inboxes[k - 1], self.stages[k]
         last = k == len(self.stages) - 1
         while True:
-            stream, inputs, hidden, trace = inbox.get()
+            key, rows, inputs, hidden, trace = inbox.get()
             try:
-                out = trace.run(k, stage, stream, inputs, hidden)
+                out = trace.run(k, stage, key, inputs, hidden)
                 if last:
-                    self.outbox.put(self._sampled(stream, out, trace))
+                    self._finish(rows, out, trace)
                 else:
-                    self._inboxes[k].put((stream, inputs, out, trace))
-            except Exception as e:  # the stream fails (or was closed meanwhile); the stage goes on
-                self.outbox.put(Outcome(stream, None, f"stage {k}: {type(e).__name__}: {e}"))
+                    self._inboxes[k].put((key, rows, inputs, out, trace))
+            except Exception as e:  # the rows fail (or were closed meanwhile); the stage goes on
+                for stream in rows:
+                    self.outbox.put(Outcome(stream, None, f"stage {k}: {type(e).__name__}: {e}"))

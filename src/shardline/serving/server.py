@@ -38,8 +38,10 @@ def model_id(manifest: Manifest, cfg: ServeConfig) -> str:
     return cfg.model_id or Path(manifest.source["path"]).name.removesuffix(".gguf")
 
 
-def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None) -> tuple[Pipeline, int]:
-    """The pipeline, and how many layers of it run in this process (for the memory bound)."""
+def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None,
+                  groups: int | None = None) -> tuple[Pipeline, int]:
+    """The pipeline, and how many layers of it run in this process (for the memory bound).
+    In-process stages batch decode steps in `groups` groups (None: one per stage)."""
     manifest = load_manifest(folder)
     if workers:
         from shardline.pipeline.remote import RemotePipeline
@@ -47,7 +49,8 @@ def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None) -> tu
         return RemotePipeline(folder, workers, run), manifest.stages[0].last_layer + 1
     from shardline.pipeline.local import LocalPipeline
 
-    return LocalPipeline(folder, run), manifest.arch.n_layers
+    n = len(manifest.stages) if groups is None else groups
+    return LocalPipeline(folder, run, groups=n), manifest.arch.n_layers
 
 
 def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None) -> None:
@@ -57,7 +60,7 @@ def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | N
     from shardline.model.tokenizer import ChatTokenizer
 
     manifest = load_manifest(folder)
-    pipe, local_layers = open_pipeline(folder, run, workers)
+    pipe, local_layers = open_pipeline(folder, run, workers, cfg.decode_groups)
     limits = stream_limits(manifest, cfg, local_layers)
     engine = Engine(pipe, limits, manifest.arch.max_context)
     served = Served(engine, ChatTokenizer(folder), model_id(manifest, cfg), cfg.default_max_tokens)

@@ -34,11 +34,22 @@ Step = Prefill | Decode
 
 @dataclass(frozen=True)
 class StepInputs:
-    """What every stage needs for one step of one stream (batch 1)."""
+    """What every stage needs for one step: of one stream (B = 1), or of a decode group's B
+    streams at once (T = 1, one row each; see pipeline/groups.py)."""
 
-    input_ids: np.ndarray  # [1, T] i64 (used by stage 0 only)
-    attention_mask: np.ndarray  # [1, slots + T] i64
-    position_ids: np.ndarray  # [1, T] i64
+    input_ids: np.ndarray  # [B, T] i64 (used by stage 0 only)
+    attention_mask: np.ndarray  # [B, slots + T] i64
+    position_ids: np.ndarray  # [B, T] i64
+    # Which rows of the KV state each input row continues (the graph's Gather on every KV read):
+    # None is the identity. A group drops a row by leaving its index out.
+    beam_idx: np.ndarray | None = None
+
+    @staticmethod
+    def stack(rows: list[StepInputs], beam_idx: np.ndarray | None = None) -> StepInputs:
+        """One decode step of several streams as one batch (their masks must be equally long)."""
+        return StepInputs(np.concatenate([r.input_ids for r in rows]),
+                          np.concatenate([r.attention_mask for r in rows]),
+                          np.concatenate([r.position_ids for r in rows]), beam_idx)
 
 
 class KVBook:
@@ -61,6 +72,11 @@ class KVBook:
     def commit(self, inputs: StepInputs) -> None:
         self._keep = inputs.attention_mask[0].copy()
         self.position += inputs.position_ids.shape[1]
+
+    def pad_left(self, n: int) -> None:
+        """`n` masked slots before the stream's own: its KV became a row of a longer batch state
+        (left-padded). Positions are logical, so they do not move."""
+        self._keep = np.concatenate([np.zeros(n, dtype=np.int64), self._keep])
 
     def mask_last(self, n: int) -> None:
         """Forget the last `n` accepted tokens logically: mask their slots, step positions back."""

@@ -12,7 +12,7 @@ from shardline.errors import ShardlineError
 from shardline.export.manifest import StageEntry
 from shardline.stage.cache import StepInputs
 
-_BEAM = np.zeros(1, dtype=np.int32)  # one sequence per request: the Gather is an identity
+_BEAMS = [np.arange(b, dtype=np.int32) for b in range(65)]  # identity Gathers, made once
 
 
 class StageRunner:
@@ -44,6 +44,21 @@ class StageRunner:
     def reset(self, stream: int) -> None:
         self._streams[stream].reset_state()
 
+    def move(self, stream: int, to: int) -> None:
+        """The request of `stream` (and its KV) is known as `to` from now on."""
+        if to in self._streams:
+            raise ShardlineError(f"stream {to} is already open on {self.entry.name}")
+        self._streams[to] = self._streams.pop(stream)
+
+    def kv(self, stream: int) -> dict[str, np.ndarray]:
+        """A copy of the stream's KV state: variable name -> [B, kv_heads, slots, head_dim]."""
+        return {s.name: s.state.data.copy() for s in self._streams[stream].query_state()}
+
+    def set_kv(self, stream: int, kv: dict[str, np.ndarray]) -> None:
+        """Replace the stream's whole KV state (OpenVINO sets a variable as a whole)."""
+        for state in self._streams[stream].query_state():
+            state.state = ov.Tensor(kv[state.name])
+
     def run(self, stream: int, inputs: StepInputs, hidden: np.ndarray | None = None) -> np.ndarray:
         """Run one step; returns hidden states [1, T, H] or, on the last stage, logits [1, T, V]."""
         request = self._streams[stream]
@@ -56,7 +71,7 @@ class StageRunner:
         # faster on this 2-core VM (BENCHMARKS.md, parity), and it matches openvino_genai.
         request.start_async(
             {self._input: x, "attention_mask": inputs.attention_mask,
-             "position_ids": inputs.position_ids, "beam_idx": _BEAM},
+             "position_ids": inputs.position_ids, "beam_idx": self._beam(inputs)},
             share_inputs=False,
         )
         request.wait()
@@ -70,3 +85,10 @@ class StageRunner:
             request.set_output_tensor(0, ov.Tensor(np.zeros((1, 1, out.shape[2]), np.float32)))
             return logits
         return out.data
+
+    @staticmethod
+    def _beam(inputs: StepInputs) -> np.ndarray:
+        if inputs.beam_idx is not None:
+            return inputs.beam_idx.astype(np.int32, copy=False)
+        b = inputs.attention_mask.shape[0]
+        return _BEAMS[b] if b < len(_BEAMS) else np.arange(b, dtype=np.int32)
