@@ -78,6 +78,8 @@ def main() -> int:
     tok = ChatTokenizer(folder)
     chats = [tok.encode_chat([{"role": "user", "content": t}]) for t in PROMPTS]
     systems = {g: Engine(LocalPipeline(folder, RunConfig(), groups=g), Limits(8, 8), 8192) for g in (0, 1, 2)}
+    for engine in systems.values():  # warm-up: first calls of each shape, a first join
+        run(engine, chats[:2], 4)
     alone = {i: run(systems[0], [c], n)[1][0] for i, c in enumerate(chats)}
     counts = (1, 2, 4, 8)
     tps: dict[str, list[float]] = {f"g{g}-s{s}": [] for g in systems for s in counts}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from shardline.config import ServeConfig
 from shardline.errors import ShardlineError
 from shardline.serving.admission import Limits, accepts, kv_bytes_per_token, max_streams_for_memory, to_admit
 
@@ -40,3 +41,13 @@ def test_accepts_bounded_queue() -> None:
 def test_limits_validated() -> None:
     with pytest.raises(ShardlineError, match="--max-streams must be >= 1"):
         Limits(max_streams=0, max_queue=1)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("decode_groups", -1, "--decode-groups must be >= 0"),
+    ("max_streams", 0, "--max-streams must be >= 1"),
+    ("port", 70000, "--port must be in 0-65535, got 70000"),
+])
+def test_serve_config_refuses_bad_values(field: str, value: int, message: str) -> None:
+    with pytest.raises(ShardlineError, match=message):
+        ServeConfig(**{field: value})  # type: ignore[arg-type]

@@ -8,7 +8,9 @@ A stream prefills alone, on requests of its own. Its first decode step makes it 
 least loaded group; the group merges joiners into its KV state when it next launches (every
 member's token submitted, so no step of the group is in flight on any stage). A stream that
 ends leaves by being left out of the next call's beam_idx. With as many groups as stages, every
-stage has a group to work on at every moment (microbatching).
+stage has a group to work on at every moment (microbatching); that pays only when the stages
+have cores of their own. Stages sharing one machine's cores do best with one group
+(BENCHMARKS.md, decode groups), hence `shardline serve --decode-groups 1` by default.
 
 Invariants:
 - Row r of a group's KV state belongs to `rows[r]`; every row has the same number of slots,

@@ -39,9 +39,9 @@ def model_id(manifest: Manifest, cfg: ServeConfig) -> str:
 
 
 def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None,
-                  groups: int | None = None) -> tuple[Pipeline, int]:
+                  groups: int = 1) -> tuple[Pipeline, int]:
     """The pipeline, and how many layers of it run in this process (for the memory bound).
-    In-process stages batch decode steps in `groups` groups (None: one per stage)."""
+    In-process stages batch decode steps in `groups` groups (0: none)."""
     manifest = load_manifest(folder)
     if workers:
         from shardline.pipeline.remote import RemotePipeline
@@ -49,8 +49,7 @@ def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None,
         return RemotePipeline(folder, workers, run), manifest.stages[0].last_layer + 1
     from shardline.pipeline.local import LocalPipeline
 
-    n = len(manifest.stages) if groups is None else groups
-    return LocalPipeline(folder, run, groups=n), manifest.arch.n_layers
+    return LocalPipeline(folder, run, groups=groups), manifest.arch.n_layers
 
 
 def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None) -> None:
