@@ -53,13 +53,15 @@ def _staggered(pipe: LocalPipeline, prompts: list[list[int]], lengths: list[int]
     return [out[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("groups", [1, 2])
-def test_groups_equal_alone(shards: Callable[..., Path], groups: int) -> None:
+@pytest.mark.parametrize(("groups", "rows"), [(1, 8), (2, 8), (1, 2)], ids=["one", "two", "overflow"])
+def test_groups_equal_alone(shards: Callable[..., Path], groups: int, rows: int) -> None:
     folder = shards("gguf", stages=2)
     tok = ChatTokenizer(folder)
     chat_prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:5]]
-    pipe = LocalPipeline(folder, RunConfig(), groups=groups)
+    pipe = LocalPipeline(folder, RunConfig(), groups=groups, group_rows=rows)
     alone = [greedy_ours(pipe, p, n)[0] for p, n in zip(chat_prompts, LENGTHS, strict=True)]
     assert _staggered(pipe, chat_prompts, LENGTHS) == alone
     assert all(stage._streams == {} for stage in pipe.stages)  # every row's KV freed
     assert all(not g.members() for g in pipe.groups)
+    if rows == 2:  # up to 3 streams run at once here: a full group made the pipeline open another
+        assert len(pipe.groups) > groups

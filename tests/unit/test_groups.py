@@ -15,6 +15,12 @@ def test_least_loaded_prefers_fewest_then_lowest_index() -> None:
     assert least_loaded([3, 2, 5]) == 1
 
 
+def test_least_loaded_skips_full_groups() -> None:
+    assert least_loaded([8, 3], max_rows=8) == 1
+    assert least_loaded([2, 2], max_rows=2) is None  # all full: the pipeline opens a new group
+    assert least_loaded([]) is None
+
+
 def test_group_completes_when_every_member_submitted() -> None:
     g = Group(key=-1, rows=[4, 7], held=[4, 7], joining=[9])
     assert not g.complete()

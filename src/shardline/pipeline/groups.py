@@ -5,12 +5,14 @@ dominates a small model's token; one call over B rows pays it once (BENCHMARKS.m
 1.7x / 2.7x / 3.2x the tokens per second of B interleaved calls at B = 2 / 4 / 8).
 
 A stream prefills alone, on requests of its own. Its first decode step makes it a joiner of the
-least loaded group; the group merges joiners into its KV state when it next launches (every
-member's token submitted, so no step of the group is in flight on any stage). A stream that
-ends leaves by being left out of the next call's beam_idx. With as many groups as stages, every
-stage has a group to work on at every moment (microbatching); that pays only when the stages
-have cores of their own. Stages sharing one machine's cores do best with one group
-(BENCHMARKS.md, decode groups), hence `shardline serve --decode-groups 1` by default.
+least loaded group (a new group when all have MAX_ROWS members: a join copies the whole state,
+11.8 MB per row at 256 slots, so groups stay small). The group merges joiners into its KV
+state when it next launches (every member's token submitted, so no step of the group is in
+flight on any stage). A stream that ends leaves by being left out of the next call's beam_idx.
+With as many groups as stages, every stage has a group to work on at every moment
+(microbatching); that pays only when the stages have cores of their own. Stages sharing one
+machine's cores do best with one group (BENCHMARKS.md, decode groups), hence `shardline serve
+--decode-groups 1` by default.
 
 Invariants:
 - Row r of a group's KV state belongs to `rows[r]`; every row has the same number of slots,
@@ -24,10 +26,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+MAX_ROWS = 8  # rows per group: past ~8 a row adds little speed, and a join copies every row
 
-def least_loaded(sizes: list[int]) -> int:
-    """The group a new stream joins: the fewest members, the lowest index on a tie."""
-    return min(range(len(sizes)), key=lambda g: (sizes[g], g))
+
+def least_loaded(sizes: list[int], max_rows: int = MAX_ROWS) -> int | None:
+    """The group a new stream joins: the fewest members, the lowest index on a tie; None when
+    every group is full (the caller opens another group)."""
+    room = [g for g in range(len(sizes)) if sizes[g] < max_rows]
+    return min(room, key=lambda g: (sizes[g], g)) if room else None
 
 
 @dataclass

@@ -26,7 +26,7 @@ from shardline.decoding.sampler import Choice, Sampler
 from shardline.errors import ShardlineError
 from shardline.export.manifest import Manifest, load_manifest, verify
 from shardline.pipeline import metrics
-from shardline.pipeline.groups import Group, least_loaded, merged
+from shardline.pipeline.groups import MAX_ROWS, Group, least_loaded, merged
 from shardline.pipeline.inflight import Outbox, Outcome
 from shardline.pipeline.timing import Timing
 from shardline.stage.cache import Decode, KVBook, Prefill, Step, StepInputs
@@ -58,7 +58,8 @@ class _Trace:
 
 
 class LocalPipeline:
-    def __init__(self, folder: Path, run: RunConfig | None = None, check: bool = True, groups: int = 0) -> None:
+    def __init__(self, folder: Path, run: RunConfig | None = None, check: bool = True, groups: int = 0,
+                 group_rows: int = MAX_ROWS) -> None:
         run = run or RunConfig()
         self.folder = folder
         self.manifest: Manifest = load_manifest(folder)
@@ -72,6 +73,7 @@ class LocalPipeline:
         self.outbox = Outbox()
         self._inboxes: list[queue.Queue[_Work]] = []  # one per stage after the first
         self.groups = [Group(key=-1 - g) for g in range(groups)]  # none: decode steps interleave
+        self._group_rows = group_rows
         self._group_of: dict[int, Group] = {}
 
     def open(self, sampling: SamplingConfig | None = None) -> int:
@@ -156,7 +158,10 @@ class LocalPipeline:
     def _ready(self, stream: int, token: int) -> None:
         group = self._group_of.get(stream)
         if group is None:
-            group = self.groups[least_loaded([len(g.members()) for g in self.groups])]
+            g = least_loaded([len(g.members()) for g in self.groups], self._group_rows)
+            if g is None:  # every group is full: one more
+                self.groups.append(Group(key=-1 - len(self.groups)))
+            group = self.groups[-1 if g is None else g]
             group.joining.append(stream)
             self._group_of[stream] = group
         group.ready[stream] = token
