@@ -36,7 +36,9 @@ def _staggered(pipe: LocalPipeline, prompts: list[list[int]], lengths: list[int]
     for _ in range(1000):  # bounded: every round returns at least one outcome or fails
         if not live and not waiting:
             break
-        for o in pipe.outcomes(timeout=120):
+        got = pipe.outcomes(timeout=120)
+        assert got, f"no outcome within 120 s; streams still live: {sorted(live)}"
+        for o in got:
             assert o.choice is not None, o.error
             i = live[o.stream]
             out[i].append(o.choice.token)

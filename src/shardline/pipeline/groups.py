@@ -23,8 +23,11 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
+
+from shardline.stage.cache import Decode, KVBook, StepInputs
 
 MAX_ROWS = 8  # rows per group: past ~8 a row adds little speed, and a join copies every row
 
@@ -34,6 +37,26 @@ def least_loaded(sizes: list[int], max_rows: int = MAX_ROWS) -> int | None:
     every group is full (the caller opens another group)."""
     room = [g for g in range(len(sizes)) if sizes[g] < max_rows]
     return min(room, key=lambda g: (sizes[g], g)) if room else None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One step of a group, as every stage must run it: first keep the rows `keep` of the KV
+    state (indices into it, in order) and append the `joiners`' own states after them; then run
+    one row per stream of `rows` (= the kept rows' streams, then the joiners)."""
+
+    key: int
+    rows: list[int]
+    tokens: list[int]
+    keep: list[int]
+    joiners: list[int]
+
+    @property
+    def beam_idx(self) -> np.ndarray | None:
+        """The Gather that drops rows when nothing is merged (a merge rebuilds the state)."""
+        if self.joiners or self.keep == list(range(len(self.rows))):
+            return None
+        return np.asarray(self.keep, np.int32)
 
 
 @dataclass
@@ -47,10 +70,6 @@ class Group:
     def members(self) -> list[int]:
         return self.rows + self.joining
 
-    def kept(self) -> list[int]:
-        """Indices into the state's rows of the rows still live (the next call's beam_idx)."""
-        return [self.held.index(s) for s in self.rows]
-
     def complete(self) -> bool:
         """Every member has submitted its next token: the group can launch."""
         return bool(self.members()) and all(s in self.ready for s in self.members())
@@ -63,22 +82,70 @@ class Group:
             self.joining.remove(stream)
         self.ready.pop(stream, None)
 
+    def launch(self) -> Launch:
+        """The next step (call when `complete`); the group then holds its rows as launched."""
+        keep = [self.held.index(s) for s in self.rows]
+        rows = self.rows + self.joining
+        # The plan gets lists of its own: the group's change as streams leave while the step runs.
+        plan = Launch(self.key, list(rows), [self.ready[s] for s in rows], keep, list(self.joining))
+        self.rows, self.held, self.joining, self.ready = rows, list(rows), [], {}
+        return plan
 
-def merged(batch: dict[str, np.ndarray] | None, keep: list[int], joiners: list[dict[str, np.ndarray]],
-           slots: int, joiner_slots: list[int]) -> tuple[dict[str, np.ndarray], int]:
-    """One KV state from the rows `keep` of `batch` (`slots` each) and the joiners' own states
-    (batch 1, `joiner_slots` each), every row left-padded to the longest. Returns the state and
-    its slots. Arrays are [B, kv_heads, slots, head_dim]."""
-    width = max([slots, *joiner_slots])
-    names = joiners[0].keys() if batch is None else batch.keys()
+
+class KVHolder(Protocol):
+    """What a merge needs of a stage (StageRunner)."""
+
+    def kv(self, stream: int) -> dict[str, np.ndarray]: ...
+    def set_kv(self, stream: int, kv: dict[str, np.ndarray]) -> None: ...
+    def move(self, stream: int, to: int) -> None: ...
+    def close(self, stream: int) -> None: ...
+
+
+def apply_merge(stage: KVHolder, plan: Launch) -> None:
+    """Make the joiners rows of the group's state on `stage` (their own requests are closed).
+    With no row kept, the group's old state is dropped and the first joiner's request becomes
+    the group's: no copy at all when a group starts with one stream."""
+    joiners = plan.joiners
+    if not joiners:
+        return
+    if not plan.keep:
+        stage.close(plan.key)
+        stage.move(joiners[0], plan.key)
+        joiners = joiners[1:]
+        if not joiners:
+            return
+        batch = stage.kv(plan.key)
+        keep = [0]
+    else:
+        batch, keep = stage.kv(plan.key), plan.keep
+    stage.set_kv(plan.key, merged(batch, keep, [stage.kv(s) for s in joiners]))
+    for s in joiners:
+        stage.close(s)
+
+
+def merged(batch: dict[str, np.ndarray], keep: list[int],
+           joiners: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One KV state from the rows `keep` of `batch` and the joiners' own states (batch 1), every
+    row left-padded to the longest. Arrays are [B, kv_heads, slots, head_dim]."""
     out: dict[str, np.ndarray] = {}
-    for name in names:
-        like = joiners[0][name]
-        b = len(keep) + len(joiners)
-        new = np.zeros((b, like.shape[1], width, like.shape[3]), like.dtype)
-        if batch is not None and keep:
-            new[: len(keep), :, width - slots:] = batch[name][keep]
-        for j, (own, n) in enumerate(zip(joiners, joiner_slots, strict=True)):
-            new[len(keep) + j, :, width - n:] = own[name][0]
+    for name, old in batch.items():
+        slots = old.shape[2]
+        width = max([slots, *(j[name].shape[2] for j in joiners)])
+        new = np.zeros((len(keep) + len(joiners), old.shape[1], width, old.shape[3]), old.dtype)
+        new[: len(keep), :, width - slots:] = old[keep]
+        for r, own in enumerate(joiners, start=len(keep)):
+            new[r, :, width - own[name].shape[2]:] = own[name][0]
         out[name] = new
-    return out, width
+    return out
+
+
+def batch_inputs(books: dict[int, KVBook], plan: Launch) -> StepInputs:
+    """The step's inputs, one row per stream, committed to each stream's book. The joiners'
+    books (and, when a joiner is longer, every book) are left-padded to the state's new width."""
+    width = max(books[s].slots for s in plan.rows)
+    for s in plan.rows:
+        books[s].pad_left(width - books[s].slots)
+    rows = [books[s].plan(Decode(t)) for s, t in zip(plan.rows, plan.tokens, strict=True)]
+    for s, r in zip(plan.rows, rows, strict=True):
+        books[s].commit(r)
+    return StepInputs.stack(rows, plan.beam_idx)

@@ -26,7 +26,7 @@ from shardline.decoding.sampler import Choice, Sampler
 from shardline.errors import ShardlineError
 from shardline.export.manifest import Manifest, load_manifest, verify
 from shardline.pipeline import metrics
-from shardline.pipeline.groups import MAX_ROWS, Group, least_loaded, merged
+from shardline.pipeline.groups import MAX_ROWS, Group, apply_merge, batch_inputs, least_loaded
 from shardline.pipeline.inflight import Outbox, Outcome
 from shardline.pipeline.timing import Timing
 from shardline.stage.cache import Decode, KVBook, Prefill, Step, StepInputs
@@ -170,41 +170,10 @@ class LocalPipeline:
 
     def _launch(self, group: Group) -> None:
         """One decode step of every member of `group` as one batch (joiners merged in first)."""
-        beam = np.asarray(group.kept(), np.int32) if group.held != group.rows else None
-        if group.joining:
-            self._merge(group)
-            beam = None
-        tokens, group.ready = group.ready, {}
-        group.held = list(group.rows)
-        rows = [self._plan(s, Decode(tokens[s])) for s in group.rows]
-        inputs = StepInputs.stack(rows, beam)
-        for s, r in zip(group.rows, rows, strict=True):
-            self._books[s].commit(r)
-        self._start(group.key, list(group.rows), inputs, _Trace("decode"))
-
-    def _merge(self, group: Group) -> None:
-        """Make the joiners rows: their KV (prefilled alone) appended to the group's state."""
-        if not group.rows:  # an empty group takes over its first joiner's requests: no copy
-            first = group.joining.pop(0)
-            for stage in self.stages:
-                stage.close(group.key)
-                stage.move(first, group.key)
-            group.rows, group.held = [first], [first]
-        joiners, group.joining = group.joining, []
-        if not joiners:
-            return
-        slots = self._books[group.rows[0]].slots
-        own = [self._books[s].slots for s in joiners]
+        plan = group.launch()
         for stage in self.stages:
-            batch = stage.kv(group.key)
-            state, width = merged(batch, group.kept(), [stage.kv(s) for s in joiners], slots, own)
-            stage.set_kv(group.key, state)
-            for s in joiners:
-                stage.close(s)  # its KV now lives in the group's state
-        group.rows = group.rows + joiners
-        group.held = list(group.rows)
-        for s in group.rows:
-            self._books[s].pad_left(width - self._books[s].slots)
+            apply_merge(stage, plan)
+        self._start(plan.key, plan.rows, batch_inputs(self._books, plan), _Trace("decode"))
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome]:
         return self.outbox.take(timeout)
