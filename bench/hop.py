@@ -39,9 +39,10 @@ HIDDEN, SLOTS = 576, 200  # the default model's hidden size; a mid-conversation 
 
 def forward(rows: int = 1) -> Forward:
     rng = np.random.default_rng(0)
-    return Forward(stream=1, seq=7, phase="decode", hidden=rng.standard_normal((1, 1, HIDDEN)).astype(np.float16),
+    return Forward(stream=1, seq=7, phase="decode", rows=[1], keep=[0], merge=[],
+                   hidden=rng.standard_normal((1, 1, HIDDEN)).astype(np.float16),
                    attention_mask=np.ones((1, SLOTS + 1), np.uint8), position_ids=np.array([[SLOTS]], np.int64),
-                   sampling={"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}, want_logits=False,
+                   sampling=[{"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}], want_logits=False,
                    hops=np.zeros((rows, len(HOP_COLUMNS)), np.float64))
 
 

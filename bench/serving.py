@@ -2,7 +2,9 @@
 
 Part 1 drives the engine directly on a 2-stage pipeline in two processes (stage 0 in this
 process, stage 1 in a `shardline worker`): 1, 2, 4 and 8 concurrent streams, each generating N
-tokens (stop tokens ignored). With `--pin` (default) each process gets one core of its own and
+tokens (stop tokens ignored), three ways side by side: decode groups 0 (one call per stream per
+step, interleaved), 1 (every stream in one batched call per stage) and 2 (two batches taking
+turns on the two stages). With `--pin` (default) each process gets one core of its own and
 one OpenVINO thread, as two 1-core PCs would (this process, the coordinator and later the HTTP
 client, on core 0; the worker on core 1); `--no-pin` lets both use both cores.
 
@@ -77,24 +79,34 @@ def concurrency_run(engine: Engine, prompt: list[int], streams: int, n: int) -> 
     return decoded / (last - first)
 
 
-def part1(folder: Path, prompt: list[int], n: int, reps: int, pin: bool) -> dict[str, float]:
+def part1(folder: Path, prompt: list[int], n: int, reps: int, pin: bool,
+          groups: tuple[int, ...] = (0, 1, 2)) -> dict[str, float]:
+    """Aggregate tok/s per (decode groups, streams): 0 groups interleave one stream per call;
+    1 batches every stream into one call per stage; 2 alternate two batches over the stages."""
     threads = 1 if pin else 2
     worker_cmd = ["worker", "--shards", str(folder), "--stage", "1", "--listen", "127.0.0.1:0",
                   "--threads", str(threads)]
     worker = Proc(worker_cmd, "listening on ", cpus="1" if pin else None)
     try:
-        pipe = RemotePipeline(folder, [worker.line.split()[-1]], RunConfig(threads=threads))
-        engine = Engine(pipe, Limits(max_streams=8, max_queue=8), max_context=8192)
-        concurrency_run(engine, prompt, 1, 8)  # warm-up
-        out = {}
-        for streams in (1, 2, 4, 8):
-            runs = [concurrency_run(engine, prompt, streams, n) for _ in range(reps)]
-            out[f"streams{streams}"] = statistics.median(runs)
-            each = ", ".join(f"{r:.1f}" for r in runs)
-            print(f"  {streams} streams: {out[f'streams{streams}']:.1f} tok/s  (runs {each})", flush=True)
-        engine.stop()
-        pipe.shutdown()
-        return out
+        addr = [worker.line.split()[-1]]
+        pipes = {g: RemotePipeline(folder, addr, RunConfig(threads=threads), groups=g) for g in groups}
+        engines = {g: Engine(p, Limits(max_streams=8, max_queue=8), max_context=8192) for g, p in pipes.items()}
+        runs: dict[str, list[float]] = {}
+        for g, engine in engines.items():
+            pipes[g].connect()  # the worker answers the coordinator that routed it last
+            concurrency_run(engine, prompt, 2, 8)  # warm-up (and a first merge)
+        for r in range(reps):
+            for streams in (1, 2, 4, 8):
+                for g, engine in engines.items():
+                    pipes[g].connect()
+                    runs.setdefault(f"groups{g}-streams{streams}", []).append(
+                        concurrency_run(engine, prompt, streams, n))
+                    print(f"  rep {r + 1}: groups {g}, {streams} streams: {runs[f'groups{g}-streams{streams}'][-1]:.1f}"
+                          " tok/s", flush=True)
+        for g, engine in engines.items():
+            engine.stop()
+            pipes[g].shutdown()
+        return {k: statistics.median(v) for k, v in runs.items()}
     finally:
         worker.stop()
 
@@ -187,16 +199,25 @@ def main() -> int:
     agg = part1(folder, prompt, n, reps, pin)
     print("part 2: open-loop HTTP load (Poisson arrivals), completions, stream")
     rows = part2(folder, rates, count, n, pin)
-    print(f"\n{'streams':>8} {'tok/s':>8} {'x 1 stream':>11}")
-    for k, v in agg.items():
-        print(f"{k.removeprefix('streams'):>8} {v:8.1f} {v / agg['streams1']:11.2f}")
+    groups = sorted({int(k.split("-")[0][6:]) for k in agg})
+    print(f"\n{'streams':>8}" + "".join(f"{'groups ' + str(g):>10}" for g in groups)
+          + "".join(f"{'x1 g' + str(g):>8}" for g in groups) + f"{'g1/g0':>8}")
+    for s in (1, 2, 4, 8):
+        row = [agg[f"groups{g}-streams{s}"] for g in groups]
+        print(f"{s:>8}" + "".join(f"{v:10.1f}" for v in row)
+              + "".join(f"{agg[f'groups{g}-streams{s}'] / agg[f'groups{g}-streams1']:8.2f}" for g in groups)
+              + f"{row[1] / row[0]:8.2f}")
     print(f"\n{'req/s':>6} {'tok/s':>7} " + " ".join(f"{m + '_p' + str(q):>10}" for m in ("ttft", "tpot", "e2e")
                                                    for q in (50, 90, 99)) + f" {'lag_p99':>8} {'cli_cpu':>8}")
     for r in rows:
         print(f"{r['rate']:6.1f} {r['throughput_tok_s']:7.1f} " + " ".join(
             f"{r[f'{m}_p{q}_ms']:10.1f}" for m in ("ttft", "tpot", "e2e") for q in (50, 90, 99))
             + f" {r['client_lag_p99_ms']:8.2f} {r['client_cpu_per_req_ms']:8.2f}")
-    figures = {f"streams{s}_vs_1": agg[f"streams{s}"] / agg["streams1"] for s in (2, 4, 8)}
+    figures: dict[str, object] = {f"groups{g}_streams{s}_vs_1": round(agg[f"groups{g}-streams{s}"]
+                                                                      / agg[f"groups{g}-streams1"], 3)
+                                  for g in groups for s in (2, 4, 8)}
+    figures |= {f"groups{g}_vs_groups0_streams{s}": round(agg[f"groups{g}-streams{s}"] / agg[f"groups0-streams{s}"], 3)
+                for g in groups[1:] for s in (1, 2, 4, 8)}
     figures |= {"pinned": pin, "balanced": not args.even, "tokens": n, "reps": reps, "decode_tok_s": agg, "http": rows}
     print(json.dumps(figures))
     return 0

@@ -25,9 +25,9 @@ class Recorder:
 
 def _forward(stream: int, slots: int, t: int) -> Forward:
     hidden = np.random.default_rng(0).standard_normal((1, t, 576)).astype(np.float16)
-    return Forward(stream, 0, "prefill" if slots == 0 else "decode", hidden,
+    return Forward(stream, 0, "prefill" if slots == 0 else "decode", [stream], [0], [], hidden,
                    np.ones((1, slots + t), np.uint8), np.arange(slots, slots + t, dtype=np.int64)[None],
-                   {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}, False, no_hops())
+                   [{"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}], False, no_hops())
 
 
 def test_prefill_before_open_and_unknown_decode(shards: Callable[..., Path]) -> None:

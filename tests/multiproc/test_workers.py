@@ -21,6 +21,7 @@ from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.remote import RemotePipeline
 from shardline.stage.cache import Decode, Prefill
 from tests.conftest import CHAT_PROMPTS
+from tests.helpers import greedy_ours, staggered
 
 SHARDLINE = str(Path(sys.executable).parent / "shardline")
 N_NEW = 24
@@ -73,6 +74,24 @@ def test_workers_give_the_in_process_tokens(three: Path, workers: list[Worker], 
         assert _run(remote, prompt, greedy) == _run(local, prompt, greedy)
         assert _run(remote, prompt, sampled) == _run(local, prompt, sampled)
     remote.shutdown()
+
+
+@pytest.mark.parametrize("topology", ["chain", "star"])
+def test_decode_groups_through_workers_equal_alone(three: Path, workers: list[Worker], topology: str) -> None:
+    # Streams join a group at different steps (their KV merged on every worker) and leave at
+    # different steps (dropped by beam_idx); 2-row groups overflow into a second group.
+    prompts = _prompts(three)[:3] + _prompts(three)[:2]
+    lengths = [10, 14, 5, 12, 7]
+    local = LocalPipeline(three, RunConfig())
+    alone = [greedy_ours(local, p, n)[0] for p, n in zip(prompts, lengths, strict=True)]
+    remote = RemotePipeline(three, [w.addr for w in workers], RunConfig(), activations="f32", topology=topology,
+                            groups=1, group_rows=2)
+    try:
+        assert staggered(remote, prompts, lengths) == alone
+        assert len(remote.groups) > 1 and all(not g.members() for g in remote.groups)
+        assert remote.stage0._streams == {}  # every row's KV freed here (and CloseStream sent on)
+    finally:
+        remote.shutdown()
 
 
 def test_f16_activations_answer_the_same_question(three: Path, workers: list[Worker]) -> None:

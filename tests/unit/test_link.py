@@ -24,8 +24,8 @@ def _hello(first: int, last: int, model: str = "m" * 64, role: str = "worker") -
 
 def test_messages_cross_a_socket_in_order() -> None:
     a, b = _pair()
-    big = Forward(1, 0, "prefill", np.ones((1, 300, 576), np.float16), np.ones((1, 300), np.int64),
-                  np.arange(300, dtype=np.int64)[None], {}, False, np.zeros((1, 5)))
+    big = Forward(1, 0, "prefill", [1], [0], [], np.ones((1, 300, 576), np.float16), np.ones((1, 300), np.int64),
+                  np.arange(300, dtype=np.int64)[None], [{}], False, np.zeros((1, 5)))
     sender = threading.Thread(target=lambda: [a.send(m) for m in (OpenStream(1), big, OpenStream(2))])
     sender.start()
     got = [b.recv() for _ in range(3)]

@@ -27,9 +27,10 @@ from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
 from shardline.export.manifest import load_manifest, verify
 from shardline.pipeline import delivery, metrics
+from shardline.pipeline.groups import MAX_ROWS, Group, Launch, apply_merge, batch_inputs, least_loaded
 from shardline.pipeline.inflight import Outbox, Outcome
 from shardline.pipeline.timing import breakdown, no_hops, with_rows
-from shardline.stage.cache import KVBook, Prefill, Step
+from shardline.stage.cache import Decode, KVBook, Prefill, Step, StepInputs
 from shardline.stage.runner import StageRunner
 from shardline.wire.link import Link, LinkClosed, Refused, client_handshake, refuse
 from shardline.wire.messages import (
@@ -51,7 +52,8 @@ ACTIVATIONS = {"f16": np.float16, "f32": np.float32}
 
 class RemotePipeline:
     def __init__(self, folder: Path, workers: list[str], run: RunConfig | None = None,
-                 activations: str = "f16", topology: str = "chain") -> None:
+                 activations: str = "f16", topology: str = "chain", groups: int = 0,
+                 group_rows: int = MAX_ROWS) -> None:
         if activations not in ACTIVATIONS or topology not in ("chain", "star"):
             raise ShardlineError(f"bad activations {activations!r} or topology {topology!r}")
         self.folder = folder
@@ -79,6 +81,9 @@ class RemotePipeline:
         # saw the chain break, or refused at submit: never sent into a dead chain and forgotten.
         self._broken: str | None = None
         self._lock = threading.Lock()
+        self.groups = [Group(key=-1 - g) for g in range(groups)]  # none: decode steps interleave
+        self._group_rows = group_rows
+        self._group_of: dict[int, Group] = {}
         self.connect()
 
     def connect(self) -> None:
@@ -175,6 +180,14 @@ class RemotePipeline:
         self._books.pop(stream, None)
         self._sampling.pop(stream, None)
         self._want_logits.discard(stream)
+        group = self._group_of.pop(stream, None)
+        if group is not None:
+            group.leave(stream)  # the other members may have been waiting for this one
+            if group.complete():
+                self._launch(group)
+            elif not group.members():  # nobody left: free the departed rows' KV everywhere
+                group.held = []
+                self.close(group.key)
 
     def advance(self, stream: int, step: Step) -> Choice:
         self.submit(stream, step)
@@ -186,34 +199,63 @@ class RemotePipeline:
 
     def submit(self, stream: int, step: Step) -> None:
         """Run stage 0 here and send the step down the chain; its token comes out of `outcomes`.
-        Stage 0 is then free for another stream while the workers run this one."""
+        Stage 0 is then free for another stream while the workers run this one. With decode
+        groups, a decode step waits for the rest of its group (see groups.py)."""
+        if self.groups and isinstance(step, Decode):
+            return self._ready(stream, step.token)
         started = time.perf_counter()
         book = self._books[stream]
         inputs = book.plan(step)
         book.commit(inputs)  # the stream's next step is planned only after this one's outcome
+        self._send(Launch(stream, [stream], [], [0], []), inputs, "prefill" if isinstance(step, Prefill) else "decode",
+                   started)
+
+    def _ready(self, stream: int, token: int) -> None:
+        group = self._group_of.get(stream)
+        if group is None:
+            g = least_loaded([len(g.members()) for g in self.groups], self._group_rows)
+            if g is None:  # every group is full: one more
+                self.groups.append(Group(key=-1 - len(self.groups)))
+            group = self.groups[-1 if g is None else g]
+            group.joining.append(stream)
+            self._group_of[stream] = group
+        group.ready[stream] = token
+        if group.complete():
+            self._launch(group)
+
+    def _launch(self, group: Group) -> None:
+        """One decode step of every member of `group`: merged here on stage 0, and by each
+        worker from the same plan (Forward.keep / merge)."""
+        started = time.perf_counter()
+        plan = group.launch()
+        apply_merge(self.stage0, plan)
+        self._send(plan, batch_inputs(self._books, plan), "decode", started)
+
+    def _send(self, plan: Launch, inputs: StepInputs, phase: str, started: float) -> None:
         graph_start = time.perf_counter()
-        hidden = self.stage0.run(stream, inputs)
+        hidden = self.stage0.run(plan.key, inputs)
         graph_s = time.perf_counter() - graph_start
-        phase = "prefill" if isinstance(step, Prefill) else "decode"
         with self._lock:
             if self._broken:
                 raise ShardlineError(self._broken)
-            self._inflight.add(stream)
-        self._started[stream] = (started, phase)  # before the send: the token may be back at once
+            self._inflight.update(plan.rows)
+        self._started[plan.key] = (started, phase)  # before the send: the token may be back at once
         # The mask travels as u8 (it holds 0/1): 1 byte per context slot per hop instead of 8.
-        fwd = Forward(stream, next(self._seq), phase, hidden.astype(self.dtype, copy=False),
-                      inputs.attention_mask.astype(np.uint8), inputs.position_ids, self._sampling[stream],
-                      stream in self._want_logits,
+        fwd = Forward(plan.key, next(self._seq), phase, plan.rows, plan.keep, plan.joiners,
+                      hidden.astype(self.dtype, copy=False), inputs.attention_mask.astype(np.uint8),
+                      inputs.position_ids, [self._sampling[s] for s in plan.rows],
+                      any(s in self._want_logits for s in plan.rows),
                       with_rows(no_hops(), [0], [graph_s], 0.0, time.perf_counter() - started - graph_s))
         if self.topology == "chain":
             try:
                 self.links[0].send(fwd, stamp=True)
             except LinkClosed as e:
-                self._inflight.discard(stream)
-                self._started.pop(stream, None)
+                self._inflight.difference_update(plan.rows)
+                self._started.pop(plan.key, None)
                 raise ShardlineError(f"worker {self.workers[0]}: {e}") from None
-        elif (failed := self._through_star(fwd)) is not None:
-            self.outbox.put(failed)
+        else:
+            for failed in self._through_star(fwd):
+                self.outbox.put(failed)
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome]:
         got = self.outbox.take(timeout)
@@ -240,22 +282,25 @@ class RemotePipeline:
         with self._lock:
             self._broken = reason
             failed = list(self._inflight)
+        self._started.clear()
         for stream in failed:
-            self._started.pop(stream, None)
             self.outbox.put(Outcome(stream, None, reason))
 
     def _done(self, msg: Sampled, decode_s: float, received_at: float) -> None:
-        """A token is back (its frame decoded at `received_at`): its outcome, with the breakdown."""
+        """Tokens are back (their frame decoded at `received_at`): an outcome per row, with the
+        step's breakdown."""
         started, phase = self._started.pop(msg.stream, (received_at, "decode"))
-        choice = Choice(msg.token, msg.logprob, msg.logits)
         now = time.perf_counter()
         timing = breakdown(phase, msg.hops, decode_s, now - received_at, now - started)
-        self.outbox.put(Outcome(msg.stream, choice, timing=timing))
-        metrics.observe(timing)  # after the put: the consumer need not wait for it
+        for r, stream in enumerate(msg.rows):
+            logits = msg.logits[r] if msg.logits is not None and stream in self._want_logits else None
+            self.outbox.put(Outcome(stream, Choice(msg.tokens[r], msg.logprobs[r], logits), timing=timing))
+        metrics.observe(timing)  # after the puts: the consumer need not wait for it
 
-    def _through_star(self, fwd: Forward) -> Outcome | None:
+    def _through_star(self, fwd: Forward) -> list[Outcome]:
         """Star (for comparison): every worker's output comes back here and goes on to the next;
-        each relay adds a coordinator row (stage RELAY) to the step's hops. None: outcome posted."""
+        each relay adds a coordinator row (stage RELAY) to the step's hops. Returns the outcomes
+        to post when the step failed (none when its tokens were posted)."""
         reply: Forward | Sampled = fwd
         received_at = time.perf_counter()
         try:
@@ -264,18 +309,20 @@ class RemotePipeline:
                     assert isinstance(reply, Forward)
                     host_s = time.perf_counter() - received_at
                     rows = with_rows(reply.hops, [RELAY], [0.0], self.links[i - 1].last_decode_s, host_s)
+                    # the merge was done by the worker before: the next one does its own
                     reply = replace(reply, hops=rows)
                 link.send(reply, stamp=True)
                 reply = self._expect(i, fwd.seq)
                 received_at = time.perf_counter()
         except (ShardlineError, LinkClosed) as e:
             self._started.pop(fwd.stream, None)
-            return Outcome(fwd.stream, None, str(e))
+            return [Outcome(s, None, str(e)) for s in fwd.rows]
         if not isinstance(reply, Sampled):
             self._started.pop(fwd.stream, None)
-            return Outcome(fwd.stream, None, f"worker {self.workers[-1]} returned hidden states, not a token")
+            why = f"worker {self.workers[-1]} returned hidden states, not a token"
+            return [Outcome(s, None, why) for s in fwd.rows]
         self._done(reply, self.links[-1].last_decode_s, received_at)
-        return None
+        return []
 
     def _expect(self, i: int, seq: int) -> Forward | Sampled:
         reply = self.links[i].recv()

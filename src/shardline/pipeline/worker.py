@@ -22,7 +22,9 @@ import queue
 import socket
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +33,7 @@ from shardline.decoding.sampler import Choice, Sampler
 from shardline.errors import ShardlineError
 from shardline.export.manifest import Manifest, load_manifest, verify
 from shardline.pipeline.delivery import DeliveryError, fetch, stage_files
+from shardline.pipeline.groups import Launch, apply_merge
 from shardline.pipeline.timing import with_rows
 from shardline.stage.cache import StepInputs
 from shardline.stage.runner import StageRunner
@@ -229,6 +232,9 @@ class StageWorker:
 
     def _forward(self, msg: Forward, decode_s: float, decoded_at: float) -> None:
         assert self.hello is not None
+        plan = Launch(msg.stream, msg.rows, [], msg.keep, msg.merge)
+        for s in self.stages:  # a decode group's joiners become rows (the coordinator's plan)
+            apply_merge(s, plan)
         if not self.stages[0].has(msg.stream):
             # A stream's first prefill may overtake its OpenStream (they come on different links
             # in a chain): a step that starts from an empty cache opens the stream itself.
@@ -239,7 +245,7 @@ class StageWorker:
             for s in self.stages:
                 s.open(msg.stream)
         mask = msg.attention_mask.astype(np.int64)  # travels as u8
-        inputs = StepInputs(_NO_IDS, mask, msg.position_ids)
+        inputs = StepInputs(_NO_IDS, mask, msg.position_ids, plan.beam_idx)
         out = msg.hidden.astype(np.float32, copy=False)
         graph_s = []
         for s in self.stages:
@@ -247,14 +253,16 @@ class StageWorker:
             out = s.run(msg.stream, inputs, out)
             graph_s.append(time.perf_counter() - start)
         if self.is_last:
-            choice = self._choose(msg, out)
-            self._send_back(Sampled(msg.stream, msg.seq, choice.token, choice.logprob, choice.logits,
+            choices = [self._choose(stream, cfg, out[r, -1]) for r, (stream, cfg)
+                       in enumerate(zip(msg.rows, msg.sampling, strict=True))]
+            logits = out[:, -1].astype(np.float32) if msg.want_logits else None
+            self._send_back(Sampled(msg.stream, msg.seq, msg.rows, [c.token for c in choices],
+                                    [c.logprob for c in choices], logits,
                                     self._hops(msg, graph_s, decode_s, decoded_at)), stamp=True)
             return
         hidden = out.astype(msg.hidden.dtype, copy=False)  # activations keep the link's dtype
-        fwd = Forward(msg.stream, msg.seq, msg.phase, hidden, msg.attention_mask, msg.position_ids,
-                      msg.sampling, msg.want_logits,  # the mask goes on as it came (u8)
-                      self._hops(msg, graph_s, decode_s, decoded_at))
+        # The merge is done here: the next worker does its own from the same plan.
+        fwd = replace(msg, hidden=hidden, hops=self._hops(msg, graph_s, decode_s, decoded_at))
         if self._next is None:  # a star: hidden states go back to the coordinator
             self._send_back(fwd, stamp=True)
             return
@@ -271,13 +279,11 @@ class StageWorker:
         host_s = time.perf_counter() - decoded_at - sum(graph_s)
         return with_rows(msg.hops, [s.entry.index for s in self.stages], graph_s, decode_s, host_s)
 
-    def _choose(self, msg: Forward, logits: np.ndarray) -> Choice:
-        sampler = self._samplers.get(msg.stream)
+    def _choose(self, stream: int, sampling: dict[str, Any], row: np.ndarray) -> Choice:
+        sampler = self._samplers.get(stream)
         if sampler is None:
-            sampler = self._samplers[msg.stream] = Sampler(SamplingConfig(**msg.sampling))
-        row = logits[0, -1]
-        choice = sampler.choose(row)
-        return Choice(choice.token, choice.logprob, row.astype(np.float32) if msg.want_logits else None)
+            sampler = self._samplers[stream] = Sampler(SamplingConfig(**sampling))
+        return sampler.choose(row)
 
     def _send_back(self, msg: Message, stamp: bool = False) -> None:
         if self._reply is None:

@@ -41,12 +41,12 @@ def model_id(manifest: Manifest, cfg: ServeConfig) -> str:
 def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None,
                   groups: int = 1) -> tuple[Pipeline, int]:
     """The pipeline, and how many layers of it run in this process (for the memory bound).
-    In-process stages batch decode steps in `groups` groups (0: none)."""
+    Decode steps are batched in `groups` groups (0: none)."""
     manifest = load_manifest(folder)
     if workers:
         from shardline.pipeline.remote import RemotePipeline
 
-        return RemotePipeline(folder, workers, run), manifest.stages[0].last_layer + 1
+        return RemotePipeline(folder, workers, run, groups=groups), manifest.stages[0].last_layer + 1
     from shardline.pipeline.local import LocalPipeline
 
     return LocalPipeline(folder, run, groups=groups), manifest.arch.n_layers

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-PROTOCOL = 2  # 2: Forward and Sampled carry `hops` (per-hop durations)
+PROTOCOL = 3  # 2: Forward and Sampled carry `hops` (per-hop durations); 3: rows (decode groups)
 
 # One row of `hops` per stage a step has run through, appended by the process that ran it:
 # durations in seconds on that process's own clock (clocks of different machines never mix).
@@ -61,31 +61,36 @@ class CloseStream:
 
 @dataclass(frozen=True)
 class Forward:
-    """One step of one stream, hidden states in. Prefill and decode differ in `phase`: a prefill
-    carries many positions and only its last row is sampled; a decode carries one."""
+    """One step, hidden states in: of one stream (one row), or of a decode group (one row per
+    stream, see pipeline/groups.py). Prefill and decode differ in `phase`: a prefill carries many
+    positions and only its last row is sampled; a decode carries one per row."""
 
     KIND: ClassVar[int] = 5
-    stream: int
-    seq: int  # step number within the stream, echoed in the reply
+    stream: int  # the key the stages' requests are open under: the stream, or the group's key
+    seq: int  # step number, echoed in the reply
     phase: str  # "prefill" | "decode"
-    hidden: np.ndarray  # [1, T, hidden] f16 or f32
-    attention_mask: np.ndarray  # [1, slots + T] u8 on the wire (0/1), i64 in the graph
-    position_ids: np.ndarray  # [1, T] i64
-    sampling: dict[str, Any]  # temperature, top_k, top_p, seed (used by the last stage only)
-    want_logits: bool  # return full logits of the last row (e.g. for logprobs)
+    rows: list[int]  # the stream of each row
+    keep: list[int]  # before the step: the rows of the KV state kept, in order (group.Launch)
+    merge: list[int]  # before the step: streams whose own KV is appended after the kept rows
+    hidden: np.ndarray  # [rows, T, hidden] f16 or f32
+    attention_mask: np.ndarray  # [rows, slots + T] u8 on the wire (0/1), i64 in the graph
+    position_ids: np.ndarray  # [rows, T] i64
+    sampling: list[dict[str, Any]]  # per row: temperature, top_k, top_p, seed (last stage only)
+    want_logits: bool  # return full logits of the last position of every row (e.g. for logprobs)
     hops: np.ndarray  # [stages so far, len(HOP_COLUMNS)] f64; must stay the last array field
 
 
 @dataclass(frozen=True)
 class Sampled:
-    """The last stage's answer: the chosen token and its log-probability, not the logits."""
+    """The last stage's answer: per row the chosen token and its log-probability, not logits."""
 
     KIND: ClassVar[int] = 6
     stream: int
     seq: int
-    token: int
-    logprob: float
-    logits: np.ndarray | None  # [vocab] f32, only when asked for
+    rows: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    logits: np.ndarray | None  # [rows, vocab] f32, only when asked for
     hops: np.ndarray  # every stage's row, the last worker's last: see HOP_COLUMNS
 
 
