@@ -91,8 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a stream")
     s.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
     s.add_argument("--model-id", help="the model name clients use (default: the source file's name)")
-    s.add_argument("--decode-groups", type=int, default=1, help="groups of streams batched into one call "
-                   "per stage (in-process stages; default 1: all streams in one batch; 0: one call per stream)")
+    s.add_argument("--decode-groups", type=int, help="groups of streams batched into one call per stage "
+                   "(default: 1 with local stages, one per stage with workers; 0: one call per stream)")
     s.add_argument("--threads", type=int, help="OpenVINO threads per stage")
     s.add_argument("--device", default="CPU")
     s.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact")

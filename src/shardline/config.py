@@ -105,13 +105,14 @@ class ServeConfig:
     default_max_tokens: int = 256
     memory_fraction: float = 0.5  # of available memory that stream KV may take
     model_id: str | None = None  # None: the source model's file or folder name
-    # Decode groups whose streams share each infer call (in-process stages; pipeline/groups.py).
-    # 1: every stream in one batch, fastest when the stages share one machine's cores (measured,
-    # BENCHMARKS.md); 2+: groups take turns on the stages; 0: no batching, one call per stream.
-    decode_groups: int = 1
+    # Decode groups whose streams share each infer call (pipeline/groups.py); 0: no batching,
+    # one call per stream per step. None: measured best (BENCHMARKS.md): 1 when every stage is
+    # in this process (they share its cores), else one per stage, so that each stage (each
+    # machine) works on one group while the others work on theirs.
+    decode_groups: int | None = None
 
     def __post_init__(self) -> None:
-        if self.decode_groups < 0:
+        if self.decode_groups is not None and self.decode_groups < 0:
             raise ShardlineError("--decode-groups must be >= 0")
         if not 0 <= self.port < 65536:
             raise ShardlineError(f"--port must be in 0-65535, got {self.port}")

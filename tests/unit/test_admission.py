@@ -7,6 +7,7 @@ import pytest
 from shardline.config import ServeConfig
 from shardline.errors import ShardlineError
 from shardline.serving.admission import Limits, accepts, kv_bytes_per_token, max_streams_for_memory, to_admit
+from shardline.serving.server import decode_groups
 
 
 def test_kv_bytes_per_token_smollm2() -> None:
@@ -51,3 +52,9 @@ def test_limits_validated() -> None:
 def test_serve_config_refuses_bad_values(field: str, value: int, message: str) -> None:
     with pytest.raises(ShardlineError, match=message):
         ServeConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_decode_groups_default_to_one_per_stage_only_with_workers() -> None:
+    assert decode_groups(None, 3, remote=True) == 3  # each machine works on its own group
+    assert decode_groups(None, 3, remote=False) == 1  # stages sharing cores: one batch
+    assert decode_groups(0, 3, remote=True) == 0  # as asked: interleaved

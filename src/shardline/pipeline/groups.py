@@ -11,8 +11,8 @@ state when it next launches (every member's token submitted, so no step of the g
 flight on any stage). A stream that ends leaves by being left out of the next call's beam_idx.
 With as many groups as stages, every stage has a group to work on at every moment
 (microbatching); that pays only when the stages have cores of their own. Stages sharing one
-machine's cores do best with one group (BENCHMARKS.md, decode groups), hence `shardline serve
---decode-groups 1` by default.
+machine's cores do best with one group (BENCHMARKS.md, decode groups): `shardline serve` uses
+one group for local stages and one per stage with workers.
 
 Invariants:
 - Row r of a group's KV state belongs to `rows[r]`; every row has the same number of slots,

@@ -38,18 +38,28 @@ def model_id(manifest: Manifest, cfg: ServeConfig) -> str:
     return cfg.model_id or Path(manifest.source["path"]).name.removesuffix(".gguf")
 
 
+def decode_groups(asked: int | None, stages: int, remote: bool) -> int:
+    """How many decode groups to batch in: as asked, else what measured fastest (BENCHMARKS.md):
+    one per stage when stages have machines (cores) of their own, else one."""
+    if asked is not None:
+        return asked
+    return stages if remote else 1
+
+
 def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None,
-                  groups: int = 1) -> tuple[Pipeline, int]:
+                  groups: int | None = None) -> tuple[Pipeline, int]:
     """The pipeline, and how many layers of it run in this process (for the memory bound).
-    Decode steps are batched in `groups` groups (0: none)."""
+    Decode steps are batched in `groups` groups (0: none; None: see ServeConfig)."""
     manifest = load_manifest(folder)
     if workers:
         from shardline.pipeline.remote import RemotePipeline
 
-        return RemotePipeline(folder, workers, run, groups=groups), manifest.stages[0].last_layer + 1
+        n = decode_groups(groups, len(manifest.stages), remote=True)
+        return RemotePipeline(folder, workers, run, groups=n), manifest.stages[0].last_layer + 1
     from shardline.pipeline.local import LocalPipeline
 
-    return LocalPipeline(folder, run, groups=groups), manifest.arch.n_layers
+    return LocalPipeline(folder, run, groups=decode_groups(groups, len(manifest.stages), remote=False)), \
+        manifest.arch.n_layers
 
 
 def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None) -> None:
