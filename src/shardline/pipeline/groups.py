@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -90,6 +91,48 @@ class Group:
         plan = Launch(self.key, list(rows), [self.ready[s] for s in rows], keep, list(self.joining))
         self.rows, self.held, self.joining, self.ready = rows, list(rows), [], {}
         return plan
+
+
+class Groups:
+    """A pipeline's decode groups and which one each stream is in (none: steps interleave)."""
+
+    def __init__(self, n: int, max_rows: int = MAX_ROWS) -> None:
+        self._all = [Group(key=-1 - g) for g in range(n)]
+        self._max_rows = max_rows
+        self._of: dict[int, Group] = {}
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __iter__(self) -> Iterator[Group]:
+        return iter(self._all)
+
+    def ready(self, stream: int, token: int) -> Group | None:
+        """`stream` submits its next token (joining a group first if it is new); the group when
+        that completes it, to launch."""
+        group = self._of.get(stream)
+        if group is None:
+            g = least_loaded([len(x.members()) for x in self._all], self._max_rows)
+            if g is None:  # every group is full: one more
+                self._all.append(Group(key=-1 - len(self._all)))
+            group = self._of[stream] = self._all[-1 if g is None else g]
+            group.joining.append(stream)
+        group.ready[stream] = token
+        return group if group.complete() else None
+
+    def leave(self, stream: int) -> tuple[Group | None, int | None]:
+        """`stream` is closed: the group its leaving completes (to launch), and the key of a group
+        it left empty (whose state holds only departed rows: free it)."""
+        group = self._of.pop(stream, None)
+        if group is None:
+            return None, None
+        group.leave(stream)  # the other members may have been waiting for this one
+        if group.complete():
+            return group, None
+        if not group.members():
+            group.held = []
+            return None, group.key
+        return None, None
 
 
 class KVHolder(Protocol):

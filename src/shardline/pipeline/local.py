@@ -26,7 +26,7 @@ from shardline.decoding.sampler import Choice, Sampler
 from shardline.errors import ShardlineError
 from shardline.export.manifest import Manifest, load_manifest, verify
 from shardline.pipeline import metrics
-from shardline.pipeline.groups import MAX_ROWS, Group, apply_merge, batch_inputs, least_loaded
+from shardline.pipeline.groups import MAX_ROWS, Group, Groups, apply_merge, batch_inputs
 from shardline.pipeline.inflight import Outbox, Outcome
 from shardline.pipeline.timing import Timing
 from shardline.stage.cache import Decode, KVBook, Prefill, Step, StepInputs
@@ -72,9 +72,7 @@ class LocalPipeline:
         self._ids = count()
         self.outbox = Outbox()
         self._inboxes: list[queue.Queue[_Work]] = []  # one per stage after the first
-        self.groups = [Group(key=-1 - g) for g in range(groups)]  # none: decode steps interleave
-        self._group_rows = group_rows
-        self._group_of: dict[int, Group] = {}
+        self.groups = Groups(groups, group_rows)
 
     def open(self, sampling: SamplingConfig | None = None) -> int:
         stream = next(self._ids)
@@ -90,15 +88,12 @@ class LocalPipeline:
             s.close(stream)
         self._books.pop(stream, None)
         self._samplers.pop(stream, None)
-        group = self._group_of.pop(stream, None)
-        if group is not None:
-            group.leave(stream)  # the other members may have been waiting for this one
-            if group.complete():
-                self._launch(group)
-            elif not group.members():  # nobody left: free the departed rows' KV now
-                for s in self.stages:
-                    s.close(group.key)
-                group.held = []
+        launch, emptied = self.groups.leave(stream)
+        if launch is not None:
+            self._launch(launch)
+        if emptied is not None:  # nobody left: free the departed rows' KV now
+            for s in self.stages:
+                s.close(emptied)
 
     def book(self, stream: int) -> KVBook:
         return self._books[stream]
@@ -136,7 +131,9 @@ class LocalPipeline:
         if stream not in self._books:
             raise ShardlineError(f"unknown stream {stream}")
         if self.groups and isinstance(step, Decode):
-            return self._ready(stream, step.token)
+            if (group := self.groups.ready(stream, step.token)) is not None:
+                self._launch(group)
+            return
         trace = _Trace("prefill" if isinstance(step, Prefill) else "decode")
         inputs = self._plan(stream, step)
         # Committed now: the stream's next step is planned only after this one's outcome.
@@ -154,19 +151,6 @@ class LocalPipeline:
         self._inboxes[0].put((key, rows, inputs, out, trace))
 
     # --- decode groups ------------------------------------------------------------------------
-
-    def _ready(self, stream: int, token: int) -> None:
-        group = self._group_of.get(stream)
-        if group is None:
-            g = least_loaded([len(g.members()) for g in self.groups], self._group_rows)
-            if g is None:  # every group is full: one more
-                self.groups.append(Group(key=-1 - len(self.groups)))
-            group = self.groups[-1 if g is None else g]
-            group.joining.append(stream)
-            self._group_of[stream] = group
-        group.ready[stream] = token
-        if group.complete():
-            self._launch(group)
 
     def _launch(self, group: Group) -> None:
         """One decode step of every member of `group` as one batch (joiners merged in first)."""

@@ -27,7 +27,7 @@ from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
 from shardline.export.manifest import load_manifest, verify
 from shardline.pipeline import delivery, metrics
-from shardline.pipeline.groups import MAX_ROWS, Group, Launch, apply_merge, batch_inputs, least_loaded
+from shardline.pipeline.groups import MAX_ROWS, Group, Groups, Launch, apply_merge, batch_inputs
 from shardline.pipeline.inflight import Outbox, Outcome
 from shardline.pipeline.timing import breakdown, no_hops, with_rows
 from shardline.stage.cache import Decode, KVBook, Prefill, Step, StepInputs
@@ -81,9 +81,7 @@ class RemotePipeline:
         # saw the chain break, or refused at submit: never sent into a dead chain and forgotten.
         self._broken: str | None = None
         self._lock = threading.Lock()
-        self.groups = [Group(key=-1 - g) for g in range(groups)]  # none: decode steps interleave
-        self._group_rows = group_rows
-        self._group_of: dict[int, Group] = {}
+        self.groups = Groups(groups, group_rows)
         self.connect()
 
     def connect(self) -> None:
@@ -180,14 +178,11 @@ class RemotePipeline:
         self._books.pop(stream, None)
         self._sampling.pop(stream, None)
         self._want_logits.discard(stream)
-        group = self._group_of.pop(stream, None)
-        if group is not None:
-            group.leave(stream)  # the other members may have been waiting for this one
-            if group.complete():
-                self._launch(group)
-            elif not group.members():  # nobody left: free the departed rows' KV everywhere
-                group.held = []
-                self.close(group.key)
+        launch, emptied = self.groups.leave(stream)
+        if launch is not None:
+            self._launch(launch)
+        if emptied is not None:  # nobody left: free the departed rows' KV now
+            self.close(emptied)
 
     def advance(self, stream: int, step: Step) -> Choice:
         self.submit(stream, step)
@@ -202,26 +197,15 @@ class RemotePipeline:
         Stage 0 is then free for another stream while the workers run this one. With decode
         groups, a decode step waits for the rest of its group (see groups.py)."""
         if self.groups and isinstance(step, Decode):
-            return self._ready(stream, step.token)
+            if (group := self.groups.ready(stream, step.token)) is not None:
+                self._launch(group)
+            return
         started = time.perf_counter()
         book = self._books[stream]
         inputs = book.plan(step)
         book.commit(inputs)  # the stream's next step is planned only after this one's outcome
         self._send(Launch(stream, [stream], [], [0], []), inputs, "prefill" if isinstance(step, Prefill) else "decode",
                    started)
-
-    def _ready(self, stream: int, token: int) -> None:
-        group = self._group_of.get(stream)
-        if group is None:
-            g = least_loaded([len(g.members()) for g in self.groups], self._group_rows)
-            if g is None:  # every group is full: one more
-                self.groups.append(Group(key=-1 - len(self.groups)))
-            group = self.groups[-1 if g is None else g]
-            group.joining.append(stream)
-            self._group_of[stream] = group
-        group.ready[stream] = token
-        if group.complete():
-            self._launch(group)
 
     def _launch(self, group: Group) -> None:
         """One decode step of every member of `group`: merged here on stage 0, and by each

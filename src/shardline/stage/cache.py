@@ -76,6 +76,8 @@ class KVBook:
     def pad_left(self, n: int) -> None:
         """`n` masked slots before the stream's own: its KV became a row of a longer batch state
         (left-padded). Positions are logical, so they do not move."""
+        if n == 0:  # every decode step of a group calls this: most steps need no copy
+            return
         self._keep = np.concatenate([np.zeros(n, dtype=np.int64), self._keep])
 
     def mask_last(self, n: int) -> None:
