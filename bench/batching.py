@@ -47,7 +47,7 @@ from quality import TEXT  # bench/quality.py: a plain English text, 367 tokens
 from shards import shard_folder  # bench/ is on sys.path when this script runs
 
 from shardline.config import RunConfig
-from shardline.export.manifest import load_manifest
+from shardline.model.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 
 Inputs = dict[str, np.ndarray]

@@ -107,7 +107,7 @@ def genai_ir_folder(work: Path, shards: Path) -> Path:
     from openvino_tokenizers import convert_tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from shardline.export.manifest import load_manifest
+    from shardline.model.manifest import load_manifest
 
     tmp = work / f".{folder.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)

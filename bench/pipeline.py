@@ -36,7 +36,7 @@ from procs import Proc  # bench/ is on sys.path when this script runs
 from shards import shard_folder
 
 from shardline.config import RunConfig, SamplingConfig
-from shardline.export.manifest import load_manifest
+from shardline.model.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.remote import RemotePipeline

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -11,30 +10,11 @@ from typing import TYPE_CHECKING
 
 from shardline.config import WEIGHTS, ExportConfig, RunConfig, SamplingConfig
 from shardline.errors import ShardlineError
+from shardline.export.defaults import default_shards
+from shardline.host import parse_hostport
 
 if TYPE_CHECKING:
     import numpy as np
-
-DEFAULT_STAGES = 2
-DEFAULT_WEIGHTS = "gguf"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SHARDLINE_CACHE", Path.home() / ".cache" / "shardline"))
-
-
-def default_shards(progress: bool = True) -> Path:
-    """The embedded default model's shards, exported on first use and cached."""
-    from shardline.export.exporter import export
-
-    folder = cache_dir() / f"smollm2-135m-{DEFAULT_WEIGHTS}-{DEFAULT_STAGES}stages-balanced"
-    if not (folder / "manifest.json").is_file():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        print(f"preparing the default model's shards in {folder} (first run only)", file=sys.stderr)
-        export(ExportConfig(out=folder, stages=DEFAULT_STAGES, balance=True, weights=DEFAULT_WEIGHTS,
-                            progress=progress))
-    return folder
-
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardline", description=__doc__)
@@ -115,20 +95,13 @@ def _placement_flags(p: argparse.ArgumentParser) -> None:
                                   "e.g. 0-9,10-19,20-29 (overrides the memory split)")
 
 
-def _hostport(spec: str, flag: str) -> tuple[str, int]:
-    host, _, port = spec.rpartition(":")
-    if not host or not port.isdigit():
-        raise ShardlineError(f"{flag} must be HOST:PORT, got {spec!r}")
-    return host, int(port)
-
-
 def _relay(args: argparse.Namespace) -> int:
     import asyncio
 
     from shardline.cluster.relay import RelayConfig, serve
 
     try:
-        cfg = RelayConfig(*_hostport(args.listen, "--listen"), *_hostport(args.to, "--to"), args.delay_ms,
+        cfg = RelayConfig(*parse_hostport(args.listen, "--listen"), *parse_hostport(args.to, "--to"), args.delay_ms,
                           args.rate_mbit)
     except ValueError as e:
         raise ShardlineError(str(e)) from None
@@ -196,22 +169,22 @@ def _export(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     import logging
 
-    from shardline.pipeline.worker import StageWorker, parse_stage_range, stage_count
+    from shardline.node.worker import StageWorker, parse_stage_range, stage_count
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     first, last = parse_stage_range(args.stage, stage_count(args.shards))
-    host, _, port = args.listen.rpartition(":")
+    host, port = parse_hostport(args.listen, "--listen")
     run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
     worker = StageWorker(args.shards, first, last, run, fetch=True)
-    port_no = worker.listen(host or "127.0.0.1", int(port or 0))
-    print(f"listening on {host or '127.0.0.1'}:{port_no}", flush=True)
+    port = worker.listen(host, port)
+    print(f"listening on {host}:{port}", flush=True)
     worker.serve_forever()
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
     from shardline.config import ServeConfig
-    from shardline.serving.server import serve
+    from shardline.server import serve
 
     cfg = ServeConfig(host=args.host, port=args.port, max_streams=args.max_streams, max_queue=args.max_queue,
                       default_max_tokens=args.max_tokens, model_id=args.model_id,
@@ -223,7 +196,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from shardline.decoding.generate import Pipeline, generate_choices
-    from shardline.export.manifest import load_manifest
+    from shardline.model.manifest import load_manifest
     from shardline.model.tokenizer import ChatTokenizer, StreamDecoder
     from shardline.pipeline.local import LocalPipeline
 

@@ -24,7 +24,7 @@ from shardline.config import RunConfig, SamplingConfig
 from shardline.decoding.generate import generate
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
-import shardline.pipeline.remote, shardline.pipeline.worker, shardline.cluster.relay, shardline.cli
+import shardline.pipeline.remote, shardline.node.worker, shardline.cluster.relay, shardline.cli
 
 folder = Path(sys.argv[1])
 tok = ChatTokenizer(folder)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shardline.node.worker import StageWorker
 from shardline.pipeline.timing import no_hops
-from shardline.pipeline.worker import StageWorker
 from shardline.wire.messages import Forward, Message, Refuse, Route, Sampled
 
 

@@ -15,7 +15,7 @@ import pytest
 from shardline.config import RunConfig, SamplingConfig
 from shardline.decoding.generate import generate
 from shardline.errors import ShardlineError
-from shardline.export.manifest import MANIFEST, load_manifest, verify
+from shardline.model.manifest import MANIFEST, load_manifest, verify
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.remote import RemotePipeline

@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 from ray.cluster_utils import Cluster
 
-from shardline.cluster.fleet import Fleet, FleetConfig, planned_folder
+from shardline.cluster.fleet import Fleet, FleetConfig
 from shardline.config import RunConfig, SamplingConfig
 from shardline.decoding.generate import generate
 from shardline.errors import ShardlineError
+from shardline.export.defaults import planned_folder
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.remote import RemotePipeline

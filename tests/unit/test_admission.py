@@ -6,8 +6,8 @@ import pytest
 
 from shardline.config import ServeConfig
 from shardline.errors import ShardlineError
+from shardline.server import decode_groups
 from shardline.serving.admission import Limits, accepts, kv_bytes_per_token, max_streams_for_memory, to_admit
-from shardline.serving.server import decode_groups
 
 
 def test_kv_bytes_per_token_smollm2() -> None:

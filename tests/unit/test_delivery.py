@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardline.export.manifest import MANIFEST, Manifest, StageEntry, hash_files
 from shardline.model.arch import Arch
-from shardline.pipeline import delivery
-from shardline.pipeline.delivery import DeliveryError, chunks, fetch, lacking, safe_name, stage_files
+from shardline.model.manifest import MANIFEST, Manifest, StageEntry, hash_files
+from shardline.node import delivery
+from shardline.node.delivery import DeliveryError, chunks, fetch, lacking, safe_name, stage_files
 from shardline.wire.link import Link, Refused, client_handshake, refuse, server_handshake
 from shardline.wire.messages import PROTOCOL, Hello, Message, Refuse, ShardRequest
 

@@ -25,15 +25,16 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from shardline.cluster.placement import Assignment, Participant, Plan, place
-from shardline.config import ExportConfig, RunConfig
+from shardline.config import RunConfig
 from shardline.errors import ShardlineError
-from shardline.export.manifest import MANIFEST, load_manifest
-from shardline.pipeline.worker import StageWorker
+from shardline.export.defaults import default_model_layers, planned_shards
+from shardline.host import available_memory, parse_hostport
+from shardline.model.manifest import load_manifest
+from shardline.node.worker import StageWorker
 
 READY_TIMEOUT_S = 600.0  # an actor verifies and compiles its stages before it answers
 PING_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 15.0
-DEFAULT_PREFIX = "smollm2-135m-"  # as `cli.default_shards` names its cached exports
 
 
 @dataclass(frozen=True)
@@ -190,47 +191,6 @@ def cluster_nodes() -> list[Participant]:
     return sorted(found, key=lambda p: (p.name, p.node_id))
 
 
-def available_memory() -> int:
-    """Bytes this machine can still give without swapping (Linux MemAvailable)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def default_model_layers() -> int:
-    """The default model's layer count: from a cached export of it when there is one, since
-    reading the GGUF takes seconds (and without a cached export, an export follows anyway)."""
-    from shardline.cli import cache_dir
-    from shardline.model.source import open_source
-
-    for manifest in sorted(cache_dir().glob(f"{DEFAULT_PREFIX}*/{MANIFEST}")):
-        return load_manifest(manifest.parent).arch.n_layers
-    return open_source(None).arch.n_layers
-
-
-def planned_folder(spec: str) -> Path:
-    from shardline.cli import DEFAULT_WEIGHTS, cache_dir
-
-    return cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-layers-{spec.replace(',', '_')}"
-
-
-def planned_shards(spec: str) -> Path:
-    """The default model exported with one stage per plan range, cached per plan."""
-    from shardline.cli import DEFAULT_WEIGHTS
-    from shardline.export.exporter import export
-
-    folder = planned_folder(spec)
-    if not (folder / MANIFEST).is_file():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        print(f"preparing the default model's shards for this plan in {folder} (first run only)", file=sys.stderr)
-        export(ExportConfig(out=folder, layers=spec, weights=DEFAULT_WEIGHTS))
-    return folder
-
-
 def _where(a: Assignment) -> str:
     return f"{a.participant.label} (layers {a.layers[0]}-{a.layers[1]})"
 
@@ -246,20 +206,20 @@ def _reason(e: RayActorError) -> str:
 
 def _check_reachable(address: str) -> None:
     """Fail fast on a HOST:PORT nobody listens on: ray.init would retry for minutes."""
-    host, _, port = address.rpartition(":")
-    if "://" in address or not host or not port.isdigit():
-        return  # "auto", "ray://...": left to Ray
+    if "://" in address or address == "auto":
+        return  # left to Ray
+    host, port = parse_hostport(address, "--ray-address")
     try:
-        socket.create_connection((host, int(port)), timeout=5).close()
+        socket.create_connection((host, port), timeout=5).close()
     except OSError as e:
         raise ShardlineError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
 
 
 def _wait_closed(addr: str, deadline: float) -> None:
-    host, _, port = addr.rpartition(":")
+    host, port = parse_hostport(addr, "worker")
     while time.monotonic() < deadline:
         try:
-            socket.create_connection((host, int(port)), timeout=1).close()
+            socket.create_connection((host, port), timeout=1).close()
         except OSError:
             return
         time.sleep(0.05)

@@ -24,11 +24,11 @@ from shardline.config import ExportConfig
 from shardline.errors import ShardlineError
 from shardline.export.compress import check_group_size, compress
 from shardline.export.graph import build_stage
-from shardline.export.manifest import MANIFEST, Manifest, PortSpec, StageEntry, hash_files
 from shardline.export.plan import StagePlan, balanced_split, even_split, parse_layers
 from shardline.export.stateful import make_stateful
 from shardline.export.weights import Weights
 from shardline.model.arch import Arch
+from shardline.model.manifest import MANIFEST, Manifest, PortSpec, StageEntry, hash_files
 from shardline.model.source import open_source, source_sha256
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardline.export.manifest import load_manifest, verify
+from shardline.model.manifest import load_manifest, verify
 
 
 def inspect(folder: Path) -> str:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from shardline.errors import ShardlineError
 
@@ -56,17 +57,12 @@ class ChatTokenizer:
 
 
 class StreamDecoder:
-    """Turns a growing list of ids into text deltas, holding back incomplete UTF-8 sequences."""
+    """Text deltas of tokens as they come (`tokenizers`' DecodeStream: constant work per token,
+    incomplete UTF-8 sequences held back until a later token completes them)."""
 
     def __init__(self, tok: ChatTokenizer) -> None:
-        self._tok = tok
-        self._ids: list[int] = []
-        self._emitted = ""
+        self._tok = tok._tok
+        self._stream = DecodeStream(skip_special_tokens=True)
 
     def push(self, token: int) -> str:
-        self._ids.append(token)
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
-            return ""
-        delta, self._emitted = text[len(self._emitted):], text
-        return delta
+        return self._stream.step(self._tok, token) or ""

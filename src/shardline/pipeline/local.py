@@ -24,7 +24,7 @@ import openvino as ov
 from shardline.config import RunConfig, SamplingConfig
 from shardline.decoding.sampler import Choice, Sampler
 from shardline.errors import ShardlineError
-from shardline.export.manifest import Manifest, load_manifest, verify
+from shardline.model.manifest import Manifest, load_manifest, verify
 from shardline.pipeline import metrics
 from shardline.pipeline.groups import MAX_ROWS, Group, Groups, apply_merge, batch_inputs
 from shardline.pipeline.inflight import Outbox, Outcome

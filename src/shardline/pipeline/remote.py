@@ -25,8 +25,9 @@ import numpy as np
 from shardline.config import RunConfig, SamplingConfig
 from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
-from shardline.export.manifest import load_manifest, verify
-from shardline.pipeline import delivery, metrics
+from shardline.model.manifest import load_manifest, verify
+from shardline.node import delivery
+from shardline.pipeline import metrics
 from shardline.pipeline.groups import MAX_ROWS, Group, Groups, Launch, apply_merge, batch_inputs
 from shardline.pipeline.inflight import Outbox, Outcome
 from shardline.pipeline.timing import breakdown, no_hops, with_rows

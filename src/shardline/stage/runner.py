@@ -9,7 +9,7 @@ import openvino as ov
 
 from shardline.config import RunConfig
 from shardline.errors import ShardlineError
-from shardline.export.manifest import StageEntry
+from shardline.model.manifest import StageEntry
 from shardline.stage.cache import StepInputs
 
 _BEAMS = [np.arange(b, dtype=np.int32) for b in range(65)]  # identity Gathers, made once

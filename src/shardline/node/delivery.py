@@ -26,7 +26,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from shardline.errors import ShardlineError
-from shardline.export.manifest import MANIFEST, Manifest, load_manifest
+from shardline.model.manifest import MANIFEST, Manifest, load_manifest
 from shardline.model.source import file_sha256
 from shardline.wire.link import Link, Refused, refuse
 from shardline.wire.messages import Hello, Message, Refuse, ShardChunk, ShardRequest

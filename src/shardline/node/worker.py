@@ -31,8 +31,8 @@ import numpy as np
 from shardline.config import RunConfig, SamplingConfig
 from shardline.decoding.sampler import Choice, Sampler
 from shardline.errors import ShardlineError
-from shardline.export.manifest import Manifest, load_manifest, verify
-from shardline.pipeline.delivery import DeliveryError, fetch, stage_files
+from shardline.model.manifest import Manifest, load_manifest, verify
+from shardline.node.delivery import DeliveryError, fetch, stage_files
 from shardline.pipeline.groups import Launch, apply_merge
 from shardline.pipeline.timing import with_rows
 from shardline.stage.cache import StepInputs

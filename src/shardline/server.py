@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from shardline.config import RunConfig, ServeConfig
-from shardline.export.manifest import Manifest, load_manifest
+from shardline.host import available_memory
+from shardline.model.manifest import Manifest, load_manifest
 from shardline.serving.admission import Limits, kv_bytes_per_token, max_streams_for_memory
 from shardline.serving.engine import Engine, Pipeline
 
@@ -16,13 +17,6 @@ STREAM_CAP = 64
 # on the default model, 2 stages, 257 tokens: 14.1 MB per stream of which 11.8 MB is KV
 # (BENCHMARKS.md); rounded up.
 STREAM_OVERHEAD_BYTES = 2 * 2**20
-
-
-def available_memory() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 4 * 2**30
 
 
 def stream_limits(manifest: Manifest, cfg: ServeConfig, local_layers: int) -> Limits:

@@ -1,0 +1,59 @@
+"""The embedded default model's shards: where they are cached, and exported on first use.
+
+Folder names carry the manifest format, so an export made by an older shardline is never
+picked up by a newer one (it would be refused at load); the new one is exported beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from shardline.config import ExportConfig
+from shardline.model.manifest import FORMAT_VERSION, MANIFEST, load_manifest
+
+DEFAULT_STAGES = 2
+DEFAULT_WEIGHTS = "gguf"
+DEFAULT_PREFIX = "smollm2-135m-"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SHARDLINE_CACHE", Path.home() / ".cache" / "shardline"))
+
+
+def default_shards(progress: bool = True) -> Path:
+    """The default model in DEFAULT_STAGES balanced stages, exported once and cached."""
+    folder = cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-{DEFAULT_STAGES}stages-balanced-f{FORMAT_VERSION}"
+    return _cached(folder, "", ExportConfig(out=folder, stages=DEFAULT_STAGES, balance=True,
+                                            weights=DEFAULT_WEIGHTS, progress=progress))
+
+
+def planned_folder(spec: str) -> Path:
+    return cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-layers-{spec.replace(',', '_')}-f{FORMAT_VERSION}"
+
+
+def planned_shards(spec: str) -> Path:
+    """The default model exported with one stage per range of a placement plan, cached per plan."""
+    folder = planned_folder(spec)
+    return _cached(folder, " for this plan", ExportConfig(out=folder, layers=spec, weights=DEFAULT_WEIGHTS))
+
+
+def default_model_layers() -> int:
+    """The default model's layer count: from a cached export of it when there is one, since
+    reading the GGUF takes seconds (and without a cached export, an export follows anyway)."""
+    from shardline.model.source import open_source
+
+    for manifest in sorted(cache_dir().glob(f"{DEFAULT_PREFIX}*-f{FORMAT_VERSION}/{MANIFEST}")):
+        return load_manifest(manifest.parent).arch.n_layers
+    return open_source(None).arch.n_layers
+
+
+def _cached(folder: Path, what: str, cfg: ExportConfig) -> Path:
+    from shardline.export.exporter import export
+
+    if not (folder / MANIFEST).is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        print(f"preparing the default model's shards{what} in {folder} (first run only)", file=sys.stderr)
+        export(cfg)
+    return folder
