@@ -68,28 +68,76 @@ class RunConfig:
         return props
 
 
+# Sampling bounds, shared by the API, the CLI and the wire (every peer checks them again).
+# Below MIN_TEMPERATURE, logits / temperature overflows float64 for ordinary logits (1e-308
+# turned the distribution into NaN): such a temperature is refused, 0 means greedy.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 100.0
+MAX_SEED = 2**63 - 1
+MAX_TOP_LOGPROBS = 20
+MAX_TOP_K = 1 << 20
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, seed: int | None, top_logprobs: int) -> None:
+    """Raise ShardlineError (one line) for any setting out of range; NaN and infinities included."""
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+        raise ShardlineError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                             f"got {temperature!r}")
+    if not 0 <= top_k <= MAX_TOP_K:
+        raise ShardlineError(f"top-k must be in 0-{MAX_TOP_K} (0: off), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ShardlineError(f"top-p must be in (0, 1], got {top_p!r}")
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise ShardlineError(f"seed must be in 0-{MAX_SEED}, got {seed}")
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ShardlineError(f"top logprobs must be in 0-{MAX_TOP_LOGPROBS}, got {top_logprobs}")
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
+    """A request's sampling. Randomness depends only on (seed, position in the stream): the same
+    request gives the same tokens whatever the batching, the split or a replay. A request
+    without a seed gets a random one when it starts (fixed for its whole life)."""
+
     max_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     seed: int | None = None
-    # Top log-probabilities wanted per token; > 0 makes the last stage return the whole logits
-    # row (~200 KB per token on the wire instead of ~100 B), so only on explicit request.
+    # The most likely alternatives wanted per token, with their log-probabilities (computed at
+    # the last stage: a few ids and floats travel, not the logits).
     logprobs: int = 0
+    # The whole logits row of every sampled position travels back (~200 KB per token instead of
+    # ~100 B): for tests and tools only.
+    want_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ShardlineError("max tokens must be at least 1")
-        if self.logprobs < 0:
-            raise ShardlineError("logprobs must be >= 0")
-        if self.temperature < 0:
-            raise ShardlineError("temperature must be >= 0")
-        if self.top_k < 0:
-            raise ShardlineError("top-k must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ShardlineError("top-p must be in (0, 1]")
+        check_sampling(self.temperature, self.top_k, self.top_p, self.seed, self.logprobs)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def params(self, seed: int) -> SamplingParams:
+        """What the end of the chain needs, with the stream's seed (this one's, or `seed`)."""
+        return SamplingParams(self.temperature, self.top_k, self.top_p, seed if self.seed is None else self.seed,
+                              self.logprobs)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one row's tokens are chosen at the end of the chain (travels in every step)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_k, self.top_p, self.seed, self.top_logprobs)
 
     @property
     def greedy(self) -> bool:

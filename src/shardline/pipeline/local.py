@@ -120,7 +120,7 @@ class LocalPipeline:
     def _choose(self, stream: int, row: np.ndarray) -> Choice:
         sampler = self._samplers[stream]
         choice = sampler.choose(row)
-        if sampler.cfg.logprobs:  # the row is the request's output buffer: copied before reuse
+        if sampler.cfg.logprobs or sampler.cfg.want_logits:  # the row is the request's output buffer: copied before reuse
             return Choice(choice.token, choice.logprob, row.astype(np.float32, copy=True))
         return choice
 

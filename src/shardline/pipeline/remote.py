@@ -157,7 +157,7 @@ class RemotePipeline:
         self._books[stream] = KVBook()
         s = sampling or SamplingConfig()
         self._sampling[stream] = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed}
-        if s.logprobs:
+        if s.logprobs or s.want_logits:
             self._want_logits.add(stream)
         return stream
 

@@ -23,6 +23,7 @@ from itertools import count
 from typing import Protocol
 
 from shardline.config import SamplingConfig
+from shardline.decoding.sampler import top_logprobs
 from shardline.errors import ShardlineError
 from shardline.pipeline.inflight import Outbox, Outcome
 from shardline.serving.admission import Limits, accepts, to_admit
@@ -58,6 +59,9 @@ class Event:
     logprob: float = 0.0
     finish: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str = ""
+    # The most likely tokens at this position and their log-probabilities, most likely first
+    # (as many as the request's SamplingConfig.logprobs; empty when it asked for none).
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -94,6 +98,7 @@ class Engine:
         self._taken = 0
         self._ids = count()
         self._running = True
+        self.failed: str | None = None  # why the engine thread stopped, if it did (then unhealthy)
         self._thread = threading.Thread(target=self._loop, daemon=True, name="engine")
         self._thread.start()
 
@@ -191,7 +196,9 @@ class Engine:
         if token in ticket.request.stop_ids:
             return self._finish(live, "stop")
         live.generated += 1
-        ticket.on_event(Event(token, outcome.choice.logprob))
+        n, logits = ticket.request.sampling.logprobs, outcome.choice.logits
+        top = tuple(top_logprobs(logits, n)) if n and logits is not None else ()
+        ticket.on_event(Event(token, outcome.choice.logprob, top=top))
         if ticket.cancelled:  # the callback may cancel (a stop string in the text)
             return self._finish(live, "cancelled")
         if live.generated >= ticket.request.sampling.max_tokens:

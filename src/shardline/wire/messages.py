@@ -1,18 +1,26 @@
-"""The closed set of messages that travel between coordinator and stage workers.
+"""The closed set of messages that travel between coordinator and stage workers (protocol 4).
 
-Every message is a frozen dataclass with a fixed kind number. Array fields carry explicit dtype
-and shape on the wire; everything else is a plain JSON value. Nothing on the wire is code: a
-frame whose kind, fields, dtypes or shapes do not match is refused (see codec.py).
+Every message is a frozen dataclass with a fixed kind number. Scalar fields travel as JSON and
+are checked against their declared types on decode (an int is not a bool, an enum takes only
+its values, a nested SamplingParams is checked field by field). Array fields carry explicit
+dtype and shape; `ARRAYS` says which dtypes and how many dimensions each may have, and each
+message's `__post_init__` checks how the shapes fit together and the ranges of ids. A frame that
+fails any check is refused by the codec before any of it reaches a stage (see codec.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from enum import StrEnum
+from typing import ClassVar
 
 import numpy as np
 
-PROTOCOL = 3  # 2: Forward and Sampled carry `hops` (per-hop durations); 3: rows (decode groups)
+from shardline.config import SamplingParams
+
+# 2: Forward and Sampled carry `hops`; 3: rows (decode groups); 4: multi-token steps with
+# chosen sample positions, explicit first step, run-length masks, typed sampling, sessions.
+PROTOCOL = 4
 
 # One row of `hops` per stage a step has run through, appended by the process that ran it:
 # durations in seconds on that process's own clock (clocks of different machines never mix).
@@ -24,82 +32,197 @@ PROTOCOL = 3  # 2: Forward and Sampled carry `hops` (per-hop durations); 3: rows
 HOP_COLUMNS = ("stage", "graph_s", "decode_s", "host_s", "encode_s")
 RELAY = -1
 
+# Bounds every peer enforces on a step (far above what serving uses; they bound memory).
+MAX_ROWS = 256  # rows of one step
+MAX_STEP_TOKENS = 1 << 16  # new tokens per row in one step
+MAX_SLOTS = 1 << 20  # attention mask width (physical cache slots + new tokens)
+MAX_HOPS = 1024
+
+
+class Role(StrEnum):
+    COORDINATOR = "coordinator"
+    WORKER = "worker"
+
+
+class Activations(StrEnum):
+    """Dtype of hidden states on a link; a worker accepts either ("any")."""
+
+    F16 = "f16"
+    F32 = "f32"
+    ANY = "any"
+
+
+class Phase(StrEnum):
+    PREFILL = "prefill"  # a chunk of one stream's prompt
+    DECODE = "decode"  # generated (or drafted) tokens of one stream or of a decode group's rows
+
+
+@dataclass(frozen=True)
+class Arr:
+    """What an array field may be: its dtypes, its number of dimensions, whether it may be absent."""
+
+    dtypes: tuple[str, ...]
+    ndim: int
+    optional: bool = False
+
+
+def _need(ok: bool, why: str) -> None:
+    if not ok:
+        raise ValueError(why)
+
+
+def _ids_in(a: np.ndarray, n: int, what: str) -> None:
+    _need(a.size == 0 or (int(a.min()) >= 0 and int(a.max()) < n), f"{what} out of range 0-{n - 1}")
+
 
 @dataclass(frozen=True)
 class Hello:
-    """First message on a link, both ways: who I am and what I serve (checked by the peer)."""
+    """First message on a link, both ways: who I am and what I serve (checked by the peer).
+    `session` names the coordinator's chain: a coordinator picks it at random; a worker's link to
+    the next worker carries its coordinator's, so the next worker knows whose chain it belongs
+    to (streams live per session: no coordinator sees another's)."""
 
     KIND: ClassVar[int] = 1
+    ARRAYS: ClassVar[dict[str, Arr]] = {}
     protocol: int
-    role: str  # "coordinator" | "worker"
+    role: Role
     model_hash: str
     first_layer: int  # the layers the sender runs (coordinator: its own stage 0)
     last_layer: int
     weights: str
-    activations: str  # "f16" | "f32": dtype of hidden states on this link
+    activations: Activations
+    session: str  # 32 hex digits; "" in a worker's answer
+
+    def __post_init__(self) -> None:
+        _need(len(self.model_hash) <= 128 and len(self.weights) <= 32 and len(self.session) <= 64,
+              "oversized Hello field")
+        _need(0 <= self.first_layer <= self.last_layer < 1 << 16, "bad layer range")
 
 
 @dataclass(frozen=True)
 class Refuse:
-    """Sent instead of a reply when the peer's request cannot be served; the reason is for people."""
+    """Sent instead of a reply when the peer's request cannot be served; the link then closes.
+    The reason is for people."""
 
     KIND: ClassVar[int] = 2
+    ARRAYS: ClassVar[dict[str, Arr]] = {}
     reason: str
 
 
 @dataclass(frozen=True)
-class OpenStream:
+class StepFailed:
+    """A step that could not run (an unknown key, a shape that does not fit the cache): its rows
+    fail, the link and every other stream go on."""
+
     KIND: ClassVar[int] = 3
-    stream: int
+    ARRAYS: ClassVar[dict[str, Arr]] = {}
+    key: int
+    seq: int
+    reason: str
 
 
 @dataclass(frozen=True)
-class CloseStream:
+class Release:
+    """Free what every stage holds under `key` (a stream's or a decode group's KV)."""
+
     KIND: ClassVar[int] = 4
-    stream: int
+    ARRAYS: ClassVar[dict[str, Arr]] = {}
+    key: int
 
 
 @dataclass(frozen=True)
 class Forward:
     """One step, hidden states in: of one stream (one row), or of a decode group (one row per
-    stream, see pipeline/groups.py). Prefill and decode differ in `phase`: a prefill carries many
-    positions and only its last row is sampled; a decode carries one per row."""
+    stream, see serving/groups.py). Every row carries T new tokens; the end of the chain returns
+    a token (and its log-probability) for each (row, t) of `sample_at`, in that order: the next
+    token after new token t of that row. A prompt chunk that is not the last samples nothing.
+
+    The mask is sent as runs of ones over `slots` columns (the physical cache plus the T new
+    slots); columns outside every run are 0 (never attended: left padding, rejected drafts)."""
 
     KIND: ClassVar[int] = 5
-    stream: int  # the key the stages' requests are open under: the stream, or the group's key
+    ARRAYS: ClassVar[dict[str, Arr]] = {
+        "rows": Arr(("i8",), 1), "keep": Arr(("i8",), 1), "merge": Arr(("i8",), 1),
+        "hidden": Arr(("f2", "f4"), 3), "mask_runs": Arr(("i4",), 2), "position_ids": Arr(("i8",), 2),
+        "sample_at": Arr(("i8",), 2), "hops": Arr(("f8",), 2),
+    }
+    key: int  # the key the stages' requests are open under: the stream, or the group's key
     seq: int  # step number, echoed in the reply
-    phase: str  # "prefill" | "decode"
-    rows: list[int]  # the stream of each row
-    keep: list[int]  # before the step: the rows of the KV state kept, in order (group.Launch)
-    merge: list[int]  # before the step: streams whose own KV is appended after the kept rows
-    hidden: np.ndarray  # [rows, T, hidden] f16 or f32
-    attention_mask: np.ndarray  # [rows, slots + T] u8 on the wire (0/1), i64 in the graph
-    position_ids: np.ndarray  # [rows, T] i64
-    sampling: list[dict[str, Any]]  # per row: temperature, top_k, top_p, seed (last stage only)
-    want_logits: bool  # return full logits of the last position of every row (e.g. for logprobs)
+    phase: Phase
+    first: bool  # the key's first step: every stage opens a fresh request (empty cache) for it
+    slots: int  # width of the attention mask
+    want_logits: bool  # also return the whole logits row of every sampled position
+    sampling: list[SamplingParams]  # per row (used by the last stage)
+    rows: np.ndarray  # [B] i64: the stream of each row
+    keep: np.ndarray  # [K] i64: before the step, the rows of the KV state kept, in order
+    merge: np.ndarray  # [M] i64: before the step, streams whose own KV is appended after them
+    hidden: np.ndarray  # [B, T, hidden] f16 or f32
+    mask_runs: np.ndarray  # [R, 3] i32: (row, first column, length) of each run of ones
+    position_ids: np.ndarray  # [B, T] i64: logical positions (RoPE)
+    sample_at: np.ndarray  # [E, 2] i64: (row, t) whose next token is wanted
     hops: np.ndarray  # [stages so far, len(HOP_COLUMNS)] f64; must stay the last array field
+
+    def __post_init__(self) -> None:
+        b, t = self.hidden.shape[0], self.hidden.shape[1]
+        _need(1 <= b <= MAX_ROWS and 1 <= t <= MAX_STEP_TOKENS, f"hidden of shape {self.hidden.shape}")
+        _need(t <= self.slots <= MAX_SLOTS, f"mask width {self.slots} for {t} new tokens")
+        _need(self.rows.shape == (b,) and len(self.sampling) == b, "one stream and one sampling per row")
+        _need(self.position_ids.shape == (b, t), f"position_ids {self.position_ids.shape}, hidden {(b, t)}")
+        _need(self.position_ids.size == 0 or 0 <= int(self.position_ids.min()) <= int(self.position_ids.max())
+              < MAX_SLOTS, "positions out of range")
+        _need(self.mask_runs.shape[1:] == (3,) and self.sample_at.shape[1:] == (2,), "mask runs or samples")
+        _need(self.hops.shape[1:] == (len(HOP_COLUMNS),) and self.hops.shape[0] <= MAX_HOPS, "hops")
+        check_runs(self.mask_runs, b, self.slots)
+        _ids_in(self.sample_at[:, 0], b, "sample row")
+        _ids_in(self.sample_at[:, 1], t, "sample position")
+        _need(self.sample_at.shape[0] <= b * t, "more samples than positions")
+        _need(len(np.unique(self.rows)) == b, "a stream twice in one step")
+        # keep and merge both empty: the state's rows as they are; keep alone: those rows (the
+        # others dropped); merge: the kept rows, then the merged streams' own states.
+        _need(b == self.keep.size + self.merge.size or (self.keep.size == 0 and self.merge.size == 0),
+              f"{b} rows, {self.keep.size} kept and {self.merge.size} merged")
+        _ids_in(self.keep, MAX_ROWS, "kept row")  # that it exists is checked against the state (node/)
+        _need(len(np.unique(self.keep)) == self.keep.size and len(np.unique(self.merge)) == self.merge.size,
+              "a row kept or merged twice")
 
 
 @dataclass(frozen=True)
 class Sampled:
-    """The last stage's answer: per row the chosen token and its log-probability, not logits."""
+    """The last stage's answer to a Forward: for each entry of its `sample_at`, in that order, the
+    chosen token and its log-probability (temperature 1), the top alternatives when a row asked
+    for them (padded with -1 / -inf to the widest row), and the logits only when asked for."""
 
     KIND: ClassVar[int] = 6
-    stream: int
+    ARRAYS: ClassVar[dict[str, Arr]] = {
+        "tokens": Arr(("i8",), 1), "logprobs": Arr(("f4",), 1), "top_ids": Arr(("i8",), 2, True),
+        "top_logprobs": Arr(("f4",), 2, True), "logits": Arr(("f4",), 2, True), "hops": Arr(("f8",), 2),
+    }
+    key: int
     seq: int
-    rows: list[int]
-    tokens: list[int]
-    logprobs: list[float]
-    logits: np.ndarray | None  # [rows, vocab] f32, only when asked for
+    tokens: np.ndarray  # [E] i64
+    logprobs: np.ndarray  # [E] f32
+    top_ids: np.ndarray | None  # [E, n] i64
+    top_logprobs: np.ndarray | None  # [E, n] f32
+    logits: np.ndarray | None  # [E, vocab] f32
     hops: np.ndarray  # every stage's row, the last worker's last: see HOP_COLUMNS
+
+    def __post_init__(self) -> None:
+        e = self.tokens.shape[0]
+        _need(self.logprobs.shape == (e,), "one logprob per token")
+        _need((self.top_ids is None) == (self.top_logprobs is None), "top ids and logprobs go together")
+        if self.top_ids is not None and self.top_logprobs is not None:
+            _need(self.top_ids.shape == self.top_logprobs.shape and self.top_ids.shape[0] == e, "top shapes")
+        _need(self.logits is None or self.logits.shape[0] == e, "one logits row per token")
+        _need(self.hops.shape[1:] == (len(HOP_COLUMNS),) and self.hops.shape[0] <= MAX_HOPS, "hops")
 
 
 @dataclass(frozen=True)
 class ShardRequest:
     """A worker asks the coordinator for one file of its shard, during the handshake (before the
-    worker's Hello); the answer is ShardChunk frames in order, or a Refuse (see delivery.py)."""
+    worker's Hello); the answer is ShardChunk frames in order, or a Refuse (see node/delivery.py)."""
 
     KIND: ClassVar[int] = 7
+    ARRAYS: ClassVar[dict[str, Arr]] = {}
     name: str
 
 
@@ -109,11 +232,15 @@ class ShardChunk:
     reaches total (a file of 0 bytes is one empty chunk)."""
 
     KIND: ClassVar[int] = 8
+    ARRAYS: ClassVar[dict[str, Arr]] = {"data": Arr(("u1",), 1)}
     name: str
     offset: int
     total: int
     sha256: str  # of the whole file, as in the manifest
     data: np.ndarray  # u8
+
+    def __post_init__(self) -> None:
+        _need(0 <= self.offset and self.offset + self.data.size <= self.total, "chunk outside its file")
 
 
 @dataclass(frozen=True)
@@ -123,9 +250,42 @@ class Route:
     chain, or every worker in a star)."""
 
     KIND: ClassVar[int] = 9
+    ARRAYS: ClassVar[dict[str, Arr]] = {}
     next: str
 
 
-Message = Hello | Refuse | OpenStream | CloseStream | Forward | Sampled | ShardRequest | ShardChunk | Route
-MESSAGES: dict[int, type] = {m.KIND: m for m in (Hello, Refuse, OpenStream, CloseStream, Forward, Sampled,
+def check_runs(runs: np.ndarray, rows: int, width: int) -> None:
+    """Runs (row, start, length) inside [0, rows) x [0, width), in order, not touching each other."""
+    _need(runs.shape[0] <= MAX_SLOTS, "too many mask runs")
+    if runs.size == 0:
+        return
+    r, start, length = runs[:, 0].astype(np.int64), runs[:, 1].astype(np.int64), runs[:, 2].astype(np.int64)
+    _need(bool((r >= 0).all() and (r < rows).all() and (start >= 0).all() and (length >= 1).all()
+               and (start + length <= width).all()), "mask run outside the mask")
+    same_row = r[1:] == r[:-1]
+    _need(bool((r[1:] >= r[:-1]).all() and (start[1:][same_row] > (start + length)[:-1][same_row]).all()),
+          "mask runs out of order or touching")
+
+
+def mask_to_runs(mask: np.ndarray) -> np.ndarray:
+    """[B, S] of 0/1 -> [R, 3] i32 runs of ones (row, start, length), in row then column order."""
+    padded = np.zeros((mask.shape[0], mask.shape[1] + 2), np.int8)
+    padded[:, 1:-1] = mask != 0
+    edges = np.diff(padded, axis=1)
+    rows, starts = np.nonzero(edges == 1)
+    _, stops = np.nonzero(edges == -1)  # same row order: every run that opens also closes
+    return np.stack([rows, starts, stops - starts], axis=1).astype(np.int32)
+
+
+def runs_to_mask(runs: np.ndarray, rows: int, width: int) -> np.ndarray:
+    """The [rows, width] i64 mask the graphs take, from checked runs."""
+    edges = np.zeros((rows, width + 1), np.int64)
+    r, start = runs[:, 0], runs[:, 1]
+    edges[r, start] = 1  # runs never touch: no start is another run's end
+    edges[r, start + runs[:, 2]] = -1
+    return np.cumsum(edges, axis=1)[:, :width]
+
+
+Message = Hello | Refuse | StepFailed | Release | Forward | Sampled | ShardRequest | ShardChunk | Route
+MESSAGES: dict[int, type] = {m.KIND: m for m in (Hello, Refuse, StepFailed, Release, Forward, Sampled,
                                                  ShardRequest, ShardChunk, Route)}
