@@ -1,63 +1,55 @@
-"""Shared by the real-model tests: greedy decoding through shardline and through a reference."""
+"""Shared by the real-model tests: greedy decoding through a pipeline's step plans, and the
+stages of an export driven directly (for what is about OpenVINO requests themselves)."""
 
 from __future__ import annotations
 
+from itertools import count
+
 import numpy as np
 
-from shardline.config import SamplingConfig
-from shardline.pipeline.local import LocalPipeline
-from shardline.pipeline.remote import RemotePipeline
-from shardline.stage.cache import Decode, Prefill, Step
+from shardline.config import SamplingParams
+from shardline.pipeline.plan import Outcome, Pipeline, decode, prefill, run
+from shardline.stage.cache import KVBook, StepInputs
+from shardline.stage.runner import StageRunner
+
+GREEDY = SamplingParams()
+_keys = count(1000)
 
 
-def greedy_ours(pipe: LocalPipeline, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    """n greedy tokens (stop tokens ignored) and the logits row that chose each one."""
-    stream = pipe.open()
-    tokens, rows = [], []
-    step: Step = Prefill(prompt)
+def chunks(prompt: list[int], size: int | None) -> list[list[int]]:
+    size = size or len(prompt)
+    return [prompt[i : i + size] for i in range(0, len(prompt), size)]
+
+
+def ok(outs: list[Outcome]) -> list[Outcome]:
+    for o in outs:
+        assert not o.failed, o.error
+    return outs
+
+
+def greedy_ours(pipe: Pipeline, prompt: list[int], n: int, chunk: int | None = None) -> tuple[list[int], np.ndarray]:
+    """n greedy tokens (stop tokens ignored) and the logits row that chose each one; the prompt
+    goes in chunks of `chunk` tokens (None: whole)."""
+    key, book = next(_keys), KVBook()
+    parts = chunks(prompt, chunk)
     try:
-        for _ in range(n):
-            row = pipe.step(stream, step)[-1].copy()
-            tokens.append(int(np.argmax(row)))
-            rows.append(row)
-            step = Decode(tokens[-1])
+        for i, part in enumerate(parts):
+            (out,) = ok(run(pipe, prefill(key, book, part, GREEDY, first=i == 0, last=i == len(parts) - 1,
+                                          want_logits=True)))
+        tokens, rows = [out.choices[0].token], [out.choices[0].logits]
+        for _ in range(n - 1):
+            (out,) = ok(run(pipe, decode(key, book, [tokens[-1]], GREEDY, want_logits=True)))
+            tokens.append(out.choices[0].token)
+            rows.append(out.choices[0].logits)
     finally:
-        pipe.close(stream)
-    return tokens, np.stack(rows)
+        pipe.release(key)
+    return tokens, np.stack([np.asarray(r) for r in rows])
 
 
-def staggered(pipe: LocalPipeline | RemotePipeline, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
-    """Stream i starts after 3*i outcomes of the others (so it joins running groups) and ends
-    after lengths[i] tokens (so groups lose rows mid-way)."""
-    out: dict[int, list[int]] = {}
-    live: dict[int, int] = {}  # stream -> prompt index
-    waiting = list(range(len(prompts)))
-
-    def start() -> None:
-        i = waiting.pop(0)
-        stream = pipe.open(SamplingConfig(max_tokens=lengths[i]))
-        live[stream], out[i] = i, []
-        pipe.submit(stream, Prefill(prompts[i]))
-
-    seen = 0
-    start()
-    for _ in range(1000):  # bounded: every round returns at least one outcome or fails
-        if not live and not waiting:
-            break
-        got = pipe.outcomes(timeout=120)
-        assert got, f"no outcome within 120 s; streams still live: {sorted(live)}"
-        for o in got:
-            assert o.choice is not None, o.error
-            i = live[o.stream]
-            out[i].append(o.choice.token)
-            if len(out[i]) == lengths[i]:
-                pipe.close(o.stream)
-                del live[o.stream]
-            else:
-                pipe.submit(o.stream, Decode(o.choice.token))
-            seen += 1
-            if waiting and seen % 3 == 0:
-                start()
-        if waiting and not live:
-            start()
-    return [out[i] for i in range(len(prompts))]
+def chain(stages: list[StageRunner], key: object, inputs: StepInputs) -> np.ndarray:
+    """One step through `stages` in this thread: logits [B, N, V] of the last position."""
+    out = None
+    for stage in stages:
+        out = stage.run(key, inputs, out)
+    assert out is not None
+    return out

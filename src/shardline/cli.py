@@ -8,13 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardline.config import WEIGHTS, ExportConfig, RunConfig, SamplingConfig
+from shardline.config import DEFAULT_PREFILL_CHUNK, WEIGHTS, ExportConfig, RunConfig, SamplingConfig
 from shardline.errors import ShardlineError
 from shardline.export.defaults import default_shards
 from shardline.host import parse_hostport
 
 if TYPE_CHECKING:
-    import numpy as np
+    pass
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardline", description=__doc__)
@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact",
                    help="exact: f32 everywhere (default); fast: int8 activations, u8 KV; plugin: device defaults")
     g.add_argument("--logprobs", type=int, default=0, metavar="N",
-                   help="print each token's top-N log-probabilities to stderr (the full logits travel back)")
+                   help="print each token's top-N log-probabilities to stderr (N <= 20)")
+    g.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="prompt tokens per prefill step")
 
     w = sub.add_parser("worker", help="host stage K (or stages K-L) of an export and serve the chain")
     w.add_argument("--shards", type=Path, required=True,
@@ -73,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model-id", help="the model name clients use (default: the source file's name)")
     s.add_argument("--decode-groups", type=int, help="groups of streams batched into one call per stage "
                    "(default: 1 with local stages, one per stage with workers; 0: one call per stream)")
+    s.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help="prompt tokens per prefill step; chunks interleave with running streams' decode steps")
+    s.add_argument("--max-prefills", type=int, default=2, help="prompts prefilling at once (oldest first)")
     s.add_argument("--threads", type=int, help="OpenVINO threads per stage")
     s.add_argument("--device", default="CPU")
     s.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact")
@@ -188,17 +192,19 @@ def _serve(args: argparse.Namespace) -> int:
 
     cfg = ServeConfig(host=args.host, port=args.port, max_streams=args.max_streams, max_queue=args.max_queue,
                       default_max_tokens=args.max_tokens, model_id=args.model_id,
-                      decode_groups=args.decode_groups)
+                      decode_groups=args.decode_groups, prefill_chunk=args.prefill_chunk,
+                      max_prefills=args.max_prefills)
     run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
     serve(args.shards or default_shards(), run, cfg, args.workers.split(",") if args.workers else None)
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from shardline.decoding.generate import Pipeline, generate_choices
-    from shardline.model.manifest import load_manifest
+    """One request through the same engine and scheduler as `serve` (one stream)."""
+    from shardline.config import ServeConfig
     from shardline.model.tokenizer import ChatTokenizer, StreamDecoder
-    from shardline.pipeline.local import LocalPipeline
+    from shardline.server import open_engine
+    from shardline.serving.generate import generate
 
     sampling = SamplingConfig(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -206,34 +212,31 @@ def _generate(args: argparse.Namespace) -> int:
     )
     run = RunConfig(device=args.device, precision=args.precision)
     folder = args.shards or default_shards()
-    pipe: Pipeline
-    if args.workers:
-        from shardline.pipeline.remote import RemotePipeline
-
-        pipe = RemotePipeline(folder, args.workers.split(","), run, args.activations, args.topology)
-    else:
-        pipe = LocalPipeline(folder, run)  # validates the folder first
-    tok = ChatTokenizer(folder)
-    prompt = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])
-    out = StreamDecoder(tok)
-    max_context = load_manifest(folder).arch.max_context
-    for choice in generate_choices(pipe, prompt, sampling, tok.stop_ids, max_context):
-        sys.stdout.write(out.push(choice.token))
-        sys.stdout.flush()
-        if args.logprobs and choice.logits is not None:
-            print(_logprobs_line(tok.decode, choice.token, choice.logprob, choice.logits, args.logprobs),
-                  file=sys.stderr)
-    sys.stdout.write("\n")
+    cfg = ServeConfig(max_streams=1, max_queue=0, prefill_chunk=args.prefill_chunk)
+    workers = args.workers.split(",") if args.workers else None
+    engine, _ = open_engine(folder, run, cfg, workers, args.activations, args.topology)
+    try:
+        tok = ChatTokenizer(folder)
+        prompt = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])
+        out = StreamDecoder(tok)
+        for ev in generate(engine, prompt, sampling, tok.stop_ids):
+            assert ev.token is not None
+            sys.stdout.write(out.push(ev.token))
+            sys.stdout.flush()
+            if args.logprobs:
+                print(_logprobs_line(tok.decode, ev.token, ev.logprob, ev.top), file=sys.stderr)
+        sys.stdout.write("\n")
+    finally:
+        engine.stop()
+        engine.pipe.shutdown()
     return 0
 
 
-def _logprobs_line(decode: Callable[[list[int]], str], token: int, logprob: float, logits: np.ndarray,
-                   n: int) -> str:
+def _logprobs_line(decode: Callable[[list[int]], str], token: int, logprob: float,
+                   top: tuple[tuple[int, float], ...]) -> str:
     """`'text' logprob | top: 'a' -0.1, 'b' -2.3, ...` for one generated token."""
-    from shardline.decoding.sampler import top_logprobs
-
-    top = ", ".join(f"{decode([t])!r} {lp:.4f}" for t, lp in top_logprobs(logits, n))
-    return f"{decode([token])!r} {logprob:.4f} | top: {top}"
+    alts = ", ".join(f"{decode([t])!r} {lp:.4f}" for t, lp in top)
+    return f"{decode([token])!r} {logprob:.4f} | top: {alts}"
 
 
 if __name__ == "__main__":

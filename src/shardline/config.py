@@ -8,6 +8,9 @@ from pathlib import Path
 from shardline.errors import ShardlineError
 
 WEIGHTS = ("fp32", "fp16", "int8", "int4", "gguf")
+# Prompt tokens per prefill step: the knee of prefill speed against chunk size measured by
+# bench/prefill.py on this project's machines (BENCHMARKS.md, prefill).
+DEFAULT_PREFILL_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -158,10 +161,18 @@ class ServeConfig:
     # in this process (they share its cores), else one per stage, so that each stage (each
     # machine) works on one group while the others work on theirs.
     decode_groups: int | None = None
+    # Prompt tokens per prefill step: chunks interleave with the running streams' decode steps
+    # (the default is the knee measured by bench/prefill.py, BENCHMARKS.md).
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    max_prefills: int = 2  # prompts prefilling at once, oldest first
 
     def __post_init__(self) -> None:
         if self.decode_groups is not None and self.decode_groups < 0:
             raise ShardlineError("--decode-groups must be >= 0")
+        if not 1 <= self.prefill_chunk <= 1 << 16:
+            raise ShardlineError(f"--prefill-chunk must be in 1-65536, got {self.prefill_chunk}")
+        if self.max_prefills < 1:
+            raise ShardlineError("--max-prefills must be >= 1")
         if not 0 <= self.port < 65536:
             raise ShardlineError(f"--port must be in 0-65535, got {self.port}")
         if self.max_streams is not None and self.max_streams < 1:

@@ -9,8 +9,10 @@ from pathlib import Path
 from shardline.config import RunConfig, ServeConfig
 from shardline.host import available_memory
 from shardline.model.manifest import Manifest, load_manifest
+from shardline.pipeline.plan import Pipeline
 from shardline.serving.admission import Limits, kv_bytes_per_token, max_streams_for_memory
-from shardline.serving.engine import Engine, Pipeline
+from shardline.serving.engine import Engine
+from shardline.serving.scheduler import SchedulerConfig
 
 STREAM_CAP = 64
 # What one open stream costs beyond its KV, per stage (its InferRequest's buffers). Measured
@@ -40,20 +42,33 @@ def decode_groups(asked: int | None, stages: int, remote: bool) -> int:
     return stages if remote else 1
 
 
-def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None,
-                  groups: int | None = None) -> tuple[Pipeline, int]:
-    """The pipeline, and how many layers of it run in this process (for the memory bound).
-    Decode steps are batched in `groups` groups (0: none; None: see ServeConfig)."""
+def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None = None, activations: str = "f16",
+                  topology: str = "chain") -> tuple[Pipeline, int]:
+    """The pipeline (stages 1.. here, or on `workers`), and how many layers of it run in this
+    process (for the memory bound)."""
     manifest = load_manifest(folder)
     if workers:
         from shardline.pipeline.remote import RemotePipeline
 
-        n = decode_groups(groups, len(manifest.stages), remote=True)
-        return RemotePipeline(folder, workers, run, groups=n), manifest.stages[0].last_layer + 1
+        return RemotePipeline(folder, workers, run, activations, topology), manifest.stages[0].last_layer + 1
     from shardline.pipeline.local import LocalPipeline
 
-    return LocalPipeline(folder, run, groups=decode_groups(groups, len(manifest.stages), remote=False)), \
-        manifest.arch.n_layers
+    return LocalPipeline(folder, run), manifest.arch.n_layers
+
+
+def scheduling(cfg: ServeConfig, stages: int, remote: bool) -> SchedulerConfig:
+    return SchedulerConfig(chunk=cfg.prefill_chunk, groups=decode_groups(cfg.decode_groups, stages, remote),
+                           max_prefills=cfg.max_prefills)
+
+
+def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None,
+                activations: str = "f16", topology: str = "chain") -> tuple[Engine, Manifest]:
+    """Pipeline, scheduler and engine: what `serve` and `generate` both run requests through."""
+    manifest = load_manifest(folder)
+    pipe, local_layers = open_pipeline(folder, run, workers, activations, topology)
+    limits = stream_limits(manifest, cfg, local_layers)
+    engine = Engine(pipe, limits, manifest.arch.max_context, scheduling(cfg, len(manifest.stages), bool(workers)))
+    return engine, manifest
 
 
 def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None) -> None:
@@ -62,17 +77,15 @@ def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | N
     from shardline.api.app import Served, build_app
     from shardline.model.tokenizer import ChatTokenizer
 
-    manifest = load_manifest(folder)
-    pipe, local_layers = open_pipeline(folder, run, workers, cfg.decode_groups)
-    limits = stream_limits(manifest, cfg, local_layers)
-    engine = Engine(pipe, limits, manifest.arch.max_context)
+    engine, manifest = open_engine(folder, run, cfg, workers)
     served = Served(engine, ChatTokenizer(folder), model_id(manifest, cfg), cfg.default_max_tokens)
     sock = socket.create_server((cfg.host, cfg.port))  # bound here, so port 0 reports its real port
     host, port = sock.getsockname()[:2]
-    print(f"serving {served.model_id} ({len(manifest.stages)} stages, up to {limits.max_streams} streams) "
+    print(f"serving {served.model_id} ({len(manifest.stages)} stages, up to {engine.limits.max_streams} streams) "
           f"on http://{host}:{port}/v1", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(build_app(served), log_level="warning"))
     try:
         server.run(sockets=[sock])
     finally:
         engine.stop()
+        engine.pipe.shutdown()

@@ -17,7 +17,8 @@ from shardline.export.stateful import make_stateful
 from shardline.export.weights import Weights
 from shardline.model.source import open_source
 from shardline.pipeline.local import LocalPipeline
-from shardline.stage.cache import Decode, Prefill
+from shardline.stage.cache import KVBook
+from tests.helpers import chain, greedy_ours
 
 
 def _attention_nodes(beam_gather: bool) -> list[ov.Node]:
@@ -51,6 +52,8 @@ def test_manifest_describes_the_stages(shards: Callable[..., Path]) -> None:
     assert [p["name"] for p in middle["inputs"]][0] == "hidden_states"
     assert middle["inputs"][0]["shape"] == [None, None, 576]
     assert [p["name"] for p in middle["outputs"]] == ["out_hidden"]
+    assert [p["name"] for p in last["inputs"]] == ["hidden_states", "attention_mask", "position_ids",
+                                                   "logits_index", "beam_idx"]
     assert last["outputs"] == [{"name": "logits", "dtype": "f32", "shape": [None, None, 49152]}]
     assert len(first["state"]) == 20 and "past.0.key" in first["state"]
     assert (first["has_embedding"], first["has_head"], last["has_embedding"], last["has_head"]) == (
@@ -64,30 +67,37 @@ def test_manifest_describes_the_stages(shards: Callable[..., Path]) -> None:
 def test_masked_slots_and_logical_positions_keep_the_cache_coherent(shards: Callable[..., Path]) -> None:
     """A rejected draft: its slot is masked out and the position steps back; the next tokens must
     come out exactly as if the draft had never been fed."""
-    pipe = LocalPipeline(shards("fp32", stages=2), RunConfig(precision="exact"))
+    stages = LocalPipeline(shards("fp32", stages=2), RunConfig(precision="exact")).stages
     prompt = [1, 4093, 198, 19556, 28, 905, 17]
-    clean, dirty = pipe.open(), pipe.open()
-    expect = [pipe.step(clean, Prefill(prompt))[-1]]
-    pipe.step(dirty, Prefill(prompt))
-    pipe.step(dirty, Decode(1234))  # a "draft" that gets rejected
-    pipe.book(dirty).mask_last(1)
-    assert pipe.book(dirty).slots == len(prompt) + 1 and pipe.book(dirty).position == len(prompt)
-    got = [pipe.step(dirty, Decode(int(np.argmax(expect[0]))))[-1]]
-    expect.append(pipe.step(clean, Decode(int(np.argmax(expect[0]))))[-1])
-    np.testing.assert_allclose(got[0], expect[1], atol=1e-4, rtol=0)
+    books = {"clean": KVBook(), "dirty": KVBook()}
+
+    def step(key: str, tokens: list[int]) -> np.ndarray:
+        inputs = books[key].plan(tokens)
+        books[key].commit(inputs)
+        return chain(stages, key, inputs)[0, -1]
+
+    for key in books:
+        for s in stages:
+            s.open(key)
+    expect = [step("clean", prompt)]
+    step("dirty", prompt)
+    step("dirty", [1234])  # a "draft" that gets rejected
+    books["dirty"].mask_last(1)
+    assert books["dirty"].slots == len(prompt) + 1 and books["dirty"].position == len(prompt)
+    got = step("dirty", [int(np.argmax(expect[0]))])
+    expect.append(step("clean", [int(np.argmax(expect[0]))]))
+    np.testing.assert_allclose(got, expect[1], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("weights", ["fp16", "int8", "int4", "gguf"])
 def test_compressed_precisions_answer_paris(weights: str, shards: Callable[..., Path]) -> None:
-    from shardline.config import SamplingConfig
-    from shardline.decoding.generate import generate
     from shardline.model.tokenizer import ChatTokenizer
 
     folder = shards(weights, stages=2)
     tok = ChatTokenizer(folder)
     pipe = LocalPipeline(folder)
     prompt = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    answer = tok.decode(list(generate(pipe, prompt, SamplingConfig(max_tokens=16), tok.stop_ids, 8192)))
+    answer = tok.decode(greedy_ours(pipe, prompt, 16)[0])
     assert "Paris" in answer
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["weights"] == weights
@@ -97,8 +107,6 @@ def test_compressed_precisions_answer_paris(weights: str, shards: Callable[..., 
 def test_exact_tokens_do_not_depend_on_the_split(shards: Callable[..., Path]) -> None:
     """With int8 weights, the plugin's int8 activation quantization would make tokens depend on
     the split; exact mode turns it off."""
-    from tests.helpers import greedy_ours
-
     prompt = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
     one = greedy_ours(LocalPipeline(shards("int8", stages=1)), prompt, 32)[0]
     two = greedy_ours(LocalPipeline(shards("int8", stages=2)), prompt, 32)[0]
@@ -110,13 +118,17 @@ def test_streams_opened_and_closed_many_times_stay_independent(shards: Callable[
     from an empty cache (same first token) and nothing of a closed request is touched again.
     (A standalone script corrupted the heap when requests fed shared-memory inputs were
     destroyed; the runner now copies its inputs.)"""
-    pipe = LocalPipeline(shards("int8", stages=1), RunConfig(precision="fast", threads=2))
+    (stage,) = LocalPipeline(shards("int8", stages=1), RunConfig(precision="fast", threads=2)).stages
     firsts = []
-    for _ in range(3):
-        stream = pipe.open()
-        logits = pipe.step(stream, Prefill(list(range(100, 146))))
-        firsts.append(int(np.argmax(logits[-1])))
+    for round_ in range(3):
+        stage.open(round_)
+        book = KVBook()
+        inputs = book.plan(list(range(100, 146)))
+        book.commit(inputs)
+        firsts.append(int(np.argmax(stage.run(round_, inputs)[0, -1])))
         for _ in range(64):
-            pipe.step(stream, Decode(5))
-        pipe.close(stream)
+            inputs = book.plan([5])
+            book.commit(inputs)
+            stage.run(round_, inputs)
+        stage.close(round_)
     assert len(set(firsts)) == 1

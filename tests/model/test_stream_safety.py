@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import count
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +27,9 @@ import pytest
 from shardline.config import RunConfig
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
-from shardline.stage.cache import Decode, KVBook, Prefill
+from shardline.stage.cache import KVBook
 from tests.conftest import CHAT_PROMPTS
-from tests.helpers import greedy_ours
+from tests.helpers import chain, greedy_ours
 
 N = 24  # greedy tokens per stream
 
@@ -44,7 +45,8 @@ def _setup(folder: Path, run: RunConfig) -> Setup:
     pipe = LocalPipeline(folder, run)
     tok = ChatTokenizer(folder)
     prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in CHAT_PROMPTS[:3]]
-    alone = [greedy_ours(pipe, p, N)[0] for p in prompts]
+    with LocalPipeline(folder, run) as reference:
+        alone = [greedy_ours(reference, p, N)[0] for p in prompts]
     # Different prompts must give different generations, or a mix-up between streams would pass.
     assert len({tuple(a) for a in alone}) == len(alone)
     return Setup(pipe, prompts, alone)
@@ -55,12 +57,16 @@ def setup(request: pytest.FixtureRequest, shards: Callable[..., Path]) -> Setup:
     return _setup(shards("gguf", stages=request.param), RunConfig(precision="exact"))
 
 
+_keys = count()
+
+
 class Driven:
-    """One stream of a LocalPipeline driven a step at a time: its prompt, then its own greedy tokens."""
+    """One stream on a pipeline's stages driven a step at a time in the caller's thread: its
+    prompt, then its own greedy tokens."""
 
     def __init__(self, pipe: LocalPipeline, prompt: list[int]) -> None:
         self.pipe, self.prompt = pipe, prompt
-        self.stream = pipe.open()
+        self.stream = self._open()
         self.tokens: list[int] = []
         self.before: list[list[int]] = []  # tokens made before each reset or reopen
         self.spans: list[tuple[float, float]] = []  # wall time of each step (for the thread test)
@@ -69,30 +75,39 @@ class Driven:
     def done(self) -> bool:
         return len(self.tokens) >= N
 
+    def _open(self) -> int:
+        key = next(_keys)
+        for stage in self.pipe.stages:
+            stage.open(key)
+        self.book = KVBook()
+        return key
+
     def step(self) -> None:
-        step = Decode(self.tokens[-1]) if self.tokens else Prefill(self.prompt)
+        inputs = self.book.plan([self.tokens[-1]] if self.tokens else self.prompt)
         start = time.perf_counter()
-        logits = self.pipe.step(self.stream, step)
+        logits = chain(self.pipe.stages, self.stream, inputs)
+        self.book.commit(inputs)
         self.spans.append((start, time.perf_counter()))
-        self.tokens.append(int(np.argmax(logits[-1])))
+        self.tokens.append(int(np.argmax(logits[0, -1])))
 
     def reset(self) -> None:
         """Clear the KV in place: the same InferRequests, `reset_state()` on each stage."""
         for stage in self.pipe.stages:
             stage.reset(self.stream)
-        self.pipe.book(self.stream).reset()
+        self.book.reset()
         self.before.append(self.tokens)
         self.tokens = []
 
     def reopen(self) -> None:
         """Close the stream (its requests are destroyed) and start over on a new one."""
-        self.pipe.close(self.stream)
-        self.stream = self.pipe.open()
+        self.close()
+        self.stream = self._open()
         self.before.append(self.tokens)
         self.tokens = []
 
     def close(self) -> None:
-        self.pipe.close(self.stream)
+        for stage in self.pipe.stages:
+            stage.close(self.stream)
 
 
 def _tick(runs: list[Driven], t: int) -> None:
@@ -223,10 +238,12 @@ def test_start_async_on_several_requests_at_once(shards: Callable[..., Path]) ->
         live = [r for k, r in enumerate(runs) if t >= k and len(r.tokens) < N]  # staggered starts
         plans = []
         for r in live:
-            plan = r.book.plan(Decode(r.tokens[-1]) if r.tokens else Prefill(r.prompt))
+            plan = r.book.plan([r.tokens[-1]] if r.tokens else r.prompt)
             # share_inputs=False: the request keeps its own copy while it runs after this call.
             r.request.start_async({"input_ids": plan.input_ids, "attention_mask": plan.attention_mask,
-                                   "position_ids": plan.position_ids, "beam_idx": beam}, share_inputs=False)
+                                   "position_ids": plan.position_ids, "beam_idx": beam,
+                                   "logits_index": np.array([[plan.position_ids.shape[1] - 1]])},
+                                  share_inputs=False)
             plans.append(plan)
         for r, plan in zip(live, plans, strict=True):
             r.request.wait()

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from shardline.decoding.sampler import log_softmax_at, top_logprobs
-from shardline.pipeline.timing import DECODE, ENCODE, GRAPH, HOST, STAGE, breakdown, no_hops, with_rows
+from shardline.pipeline.timing import breakdown
+from shardline.wire.hops import DECODE, ENCODE, GRAPH, HOST, STAGE, no_hops, with_rows
 from shardline.wire.messages import HOP_COLUMNS, RELAY
 
 

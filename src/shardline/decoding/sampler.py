@@ -1,4 +1,9 @@
-"""Pick the next token from a logits row: greedy, or temperature with top-k / top-p, seeded."""
+"""Choose tokens from logits rows: greedy, or temperature with top-k / top-p.
+
+Randomness depends only on (seed, position in the stream): each choice draws from a generator
+seeded with both, so a request gives the same tokens whatever the batching, the split of the
+model, or a replay after a fault, and no sampler state lives anywhere between steps.
+"""
 
 from __future__ import annotations
 
@@ -6,64 +11,84 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardline.config import SamplingConfig
+from shardline.config import SamplingParams
 
 
 @dataclass(frozen=True)
 class Choice:
-    """What the end of a pipeline sends back for one step: a token and its log-probability under
-    the model's own distribution (raw logits, temperature 1); the logits row only for a stream
-    that asked for it (SamplingConfig.logprobs > 0): ~200 KB per token instead of ~100 B."""
+    """What the end of a pipeline sends back for one sampled position: a token and its
+    log-probability under the model's own distribution (raw logits, temperature 1), the most
+    likely alternatives when asked for, and the logits row only when asked for (~200 KB)."""
 
     token: int
     logprob: float
+    top: tuple[tuple[int, float], ...] = ()
     logits: np.ndarray | None = field(default=None, compare=False, repr=False)  # [vocab] f32
 
 
-def top_logprobs(logits: np.ndarray, n: int) -> list[tuple[int, float]]:
-    """The n most likely tokens and their log-probabilities (temperature 1), most likely first."""
-    x = logits.astype(np.float64)
-    logp = x - x.max() - np.log(np.exp(x - x.max()).sum())
-    top = np.argpartition(-logp, min(n, len(logp)) - 1)[:n]
-    top = top[np.argsort(-logp[top], kind="stable")]
-    return [(int(t), float(logp[t])) for t in top]
+class BadLogits(ValueError):
+    """Logits that are not all finite: no token can be chosen from them."""
 
 
-def log_softmax_at(logits: np.ndarray, token: int) -> float:
+def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     m = x.max()
-    return float(x[token] - m - np.log(np.exp(x - m).sum()))
+    return x - m - np.log(np.exp(x - m).sum())
 
 
-class Sampler:
-    def __init__(self, cfg: SamplingConfig) -> None:
-        self.cfg = cfg
-        self._rng = np.random.default_rng(cfg.seed)
+def top_logprobs(logp: np.ndarray, n: int) -> tuple[tuple[int, float], ...]:
+    """The n most likely tokens of log-probabilities `logp`, most likely first."""
+    if n <= 0:
+        return ()
+    top = np.argpartition(-logp, min(n, len(logp)) - 1)[:n]
+    top = top[np.argsort(-logp[top], kind="stable")]
+    return tuple((int(t), float(logp[t])) for t in top)
 
-    def choose(self, logits: np.ndarray) -> Choice:
-        token = self(logits)
-        return Choice(token, log_softmax_at(logits, token))
 
-    def __call__(self, logits: np.ndarray) -> int:
-        if self.cfg.greedy:
-            return int(np.argmax(logits))
-        return int(self._rng.choice(logits.shape[-1], p=self.probabilities(logits)))
+def probabilities(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """The distribution sampled from, after temperature, top-k and top-p (nucleus) filtering.
+    The maximum is subtracted before dividing by the temperature, so a small temperature drives
+    the others to -inf (probability 0) instead of overflowing the maximum to inf (NaN)."""
+    x = logits.astype(np.float64)
+    z = (x - x.max()) / p.temperature
+    if p.top_k and p.top_k < z.shape[-1]:
+        kth = np.partition(z, -p.top_k)[-p.top_k]
+        z = np.where(z < kth, -np.inf, z)
+    probs = np.exp(z)
+    probs /= probs.sum()
+    if p.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cum = np.cumsum(probs[order])
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        cut = int(np.searchsorted(cum, p.top_p)) + 1
+        keep = np.zeros_like(probs, dtype=bool)
+        keep[order[:cut]] = True
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum()
+    return probs
 
-    def probabilities(self, logits: np.ndarray) -> np.ndarray:
-        """The distribution sampled from, after temperature, top-k and top-p (nucleus) filtering."""
-        z = logits.astype(np.float64) / self.cfg.temperature
-        if self.cfg.top_k and self.cfg.top_k < z.shape[-1]:
-            kth = np.partition(z, -self.cfg.top_k)[-self.cfg.top_k]
-            z = np.where(z < kth, -np.inf, z)
-        p = np.exp(z - z.max())
-        p /= p.sum()
-        if self.cfg.top_p < 1.0:
-            order = np.argsort(-p, kind="stable")
-            cum = np.cumsum(p[order])
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
-            cut = int(np.searchsorted(cum, self.cfg.top_p)) + 1
-            keep = np.zeros_like(p, dtype=bool)
-            keep[order[:cut]] = True
-            p = np.where(keep, p, 0.0)
-            p /= p.sum()
-        return p
+
+def draw(probs: np.ndarray, seed: int, position: int) -> int:
+    """One token from `probs`, by inverse CDF with a uniform drawn from (seed, position)."""
+    u = np.random.default_rng([seed, position]).random()
+    cum = np.cumsum(probs)
+    return int(min(np.searchsorted(cum, u * cum[-1], side="right"), len(probs) - 1))
+
+
+def choose(logits: np.ndarray, p: SamplingParams, position: int, want_logits: bool = False) -> Choice:
+    """The token at logical `position` of a stream, from the logits that predict it."""
+    if not np.isfinite(logits).all():
+        raise BadLogits("the logits are not finite")
+    logp = log_softmax(logits)
+    token = int(np.argmax(logits)) if p.greedy else draw(probabilities(logits, p), p.seed, position)
+    kept = logits.astype(np.float32, copy=True) if want_logits else None
+    return Choice(token, float(logp[token]), top_logprobs(logp, p.top_logprobs), kept)
+
+
+def choose_at(logits: np.ndarray, sample_at: np.ndarray, pick: np.ndarray, position_ids: np.ndarray,
+              params: list[SamplingParams], want_logits: bool = False) -> list[Choice]:
+    """A choice per (row, t) of `sample_at`, from the last stage's logits [B, N, V] gathered by
+    `stage.cache.logits_index` (column `pick[e]` of row r); the token chosen after new token t
+    sits at logical position position_ids[r, t] + 1."""
+    return [choose(logits[r, pick[e]], params[r], int(position_ids[r, t]) + 1, want_logits)
+            for e, (r, t) in enumerate(sample_at.tolist())]

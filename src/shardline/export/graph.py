@@ -10,6 +10,7 @@ Inputs (B = batch, T = new tokens, S = physical cache length after this step):
   0 = never attend (a masked slot, e.g. a rejected draft, stays 0 for ever);
 - position_ids [B, T] i64: the *logical* positions that drive RoPE (they step back after a
   rewind while the physical cache only grows);
+- logits_index [B, N] i64 (last stage): the positions, among the T new ones, that get logits;
 - past.{l}.key / past.{l}.value [B, kv_heads, S - T, head_dim] f32.
 """
 
@@ -149,6 +150,12 @@ class _Builder:
         for i in plan.layers:
             x = self.layer(x, i, mask, cos, sin)
         if plan.has_head:
+            # Logits only where a token is chosen: the lm_head (here as costly as ~8 layers per
+            # position) runs on the positions `logits_index` names ([B, N], indices into T: the
+            # last of a prompt, the K+1 of a verify step, none for a prompt chunk that is not
+            # the last), not on every position of a prompt.
+            index = self.param("logits_index", ov.Type.i64, [-1, -1]).output(0)
+            x = ops.gather(x, index, np.int64(1), batch_dims=1).output(0)
             head = "model.embed_tokens.weight" if a.tied_embeddings else "lm_head.weight"
             x = ops.matmul(self.rms(x, "model.norm.weight"), self.w.matrix(head), False, True).output(0)
             self.result(x, "logits")

@@ -16,7 +16,7 @@ from shardline.model.arch import Arch
 from shardline.model.source import file_sha256
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the last stage takes logits_index (logits only where tokens are chosen)
 
 
 @dataclass(frozen=True)

@@ -1,60 +1,100 @@
-"""A stage worker: hosts a contiguous run of stages and serves the chain.
+"""A stage worker: hosts a contiguous run of stages and serves the chains that use them.
 
-Threads: one acceptor, one reader per connection (it only decodes frames and queues them), and
-one executor that runs every message in arrival order, so a stream's steps never race and a
-bad connection never stalls the others. Output goes to the next worker (daisy chain) or back
-on the coordinator's link (end of chain, or star).
+Threads: one acceptor, one reader per connection (it decodes frames and queues them; it also
+connects a session's next hop when its coordinator sends a Route, so a slow peer delays only
+its own link), and one executor that runs every queued item in arrival order, so a stream's
+steps never race and a bad connection never stalls the others.
 
-A worker may start without its shard (`fetch=True`, as `shardline worker` does, or
-`StageWorker.empty`): it listens at once, and the first coordinator that connects delivers
-whatever the folder lacks during the handshake (delivery.py); the stages load then and the
-files stay cached for the next start. A process that only knows a folder and a stage range (a
-Ray actor, say) starts a worker this way.
+Sessions: each coordinator link is one session (the random id in its Hello). Its streams and
+decode groups live under (session, key) on the stages, so coordinators sharing this worker
+never see each other's streams or replies; a worker's link from the previous worker names the
+session it carries. A Route is taken only from the session's own coordinator link. When that
+link drops, everything the session held is freed.
 
-Every step leaves its durations in the message's `hops` (timing.py): per stage graph time, and
-for the process its decode, host and (stamped by the codec) encode time.
+Nothing a peer sends ends the process: a frame the codec refuses or a message that has no
+business on a link closes that link; a step that does not fit the state fails that step alone
+(StepFailed to its coordinator); any other exception while handling an item is logged.
+
+A worker may start without its shard (`fetch=True`, as `shardline worker` does): the first
+coordinator that connects delivers whatever the folder lacks during the handshake
+(delivery.py); the stages load then and the files stay cached for the next start.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import queue
 import socket
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from itertools import count
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from shardline.config import RunConfig, SamplingConfig
-from shardline.decoding.sampler import Choice, Sampler
-from shardline.errors import ShardlineError
+from shardline.config import RunConfig
+from shardline.errors import ShardlineError, StepRefused
+from shardline.host import parse_hostport
 from shardline.model.manifest import Manifest, load_manifest, verify
 from shardline.node.delivery import DeliveryError, fetch, stage_files
-from shardline.pipeline.groups import Launch, apply_merge
-from shardline.pipeline.timing import with_rows
-from shardline.stage.cache import StepInputs
+from shardline.node.execute import run_stages, sampled
 from shardline.stage.runner import StageRunner
 from shardline.wire.codec import WireError
+from shardline.wire.hops import with_rows
 from shardline.wire.link import Link, LinkClosed, Refused, client_handshake, refuse, server_handshake
 from shardline.wire.messages import (
     PROTOCOL,
-    CloseStream,
+    Activations,
     Forward,
     Hello,
     Message,
-    OpenStream,
     Refuse,
+    Release,
+    Role,
     Route,
-    Sampled,
+    StepFailed,
 )
 
 log = logging.getLogger("shardline.worker")
-_NO_IDS = np.zeros((1, 0), dtype=np.int64)
-# What the reader thread queues: the link, the message, its decode time, and when it was decoded.
-_Received = tuple[Link, Message, float, float]
+_ACCEPT_RETRY_S = 0.1  # out of file descriptors: wait a moment, keep accepting
+
+
+@dataclass(eq=False)
+class Session:
+    """One coordinator's chain through this worker."""
+
+    id: str
+    no: int  # the first part of every key this session holds on the stages
+    coordinator: Link
+    next: Link | None = None  # the next worker (daisy chain); None: replies go to the coordinator
+    routed: bool = False  # its Route has been applied
+    held: list[_Received] = field(default_factory=list)  # Forwards that came before the Route
+
+
+@dataclass(frozen=True)
+class _Received:
+    link: Link
+    session: Session
+    msg: Message
+    decode_s: float
+    decoded_at: float
+
+
+@dataclass(frozen=True)
+class _Routed:
+    session: Session
+    next: Link | None
+
+
+@dataclass(frozen=True)
+class _Ended:
+    session: Session
+
+
+_Item = _Received | _Routed | _Ended
 
 
 def parse_stage_range(spec: str, n_stages: int | None) -> tuple[int, int]:
@@ -91,12 +131,13 @@ class StageWorker:
         self.is_last = False
         self.hello: Hello | None = None  # set once the stages are loaded: the worker is ready
         self.received_bytes = 0  # shard bytes delivered by a coordinator since this start
+        # By id: a reader adds its coordinator's (setdefault: atomic), the executor removes it.
+        self.sessions: dict[str, Session] = {}
+        self._session_nos = count()
         self._loading = threading.Lock()
-        self._inbox: queue.Queue[_Received] = queue.Queue()
-        self._samplers: dict[int, Sampler] = {}
-        self._next: Link | None = None  # downstream worker, when in a daisy chain
-        self._reply: Link | None = None  # the coordinator's link
+        self._inbox: queue.Queue[_Item] = queue.Queue()
         self._server: socket.socket | None = None
+        self._stopping = False
         self.port = 0
         if (manifest := self._cached(fetch)) is not None:
             self._load(manifest)
@@ -120,16 +161,16 @@ class StageWorker:
 
     def _load(self, manifest: Manifest) -> None:
         entries = manifest.stages[self.first : self.last + 1]
-        self.stages = [StageRunner(self.folder, e, self.run) for e in entries]
+        self.stages = [StageRunner(self.folder, e, self.run, vocab=manifest.arch.vocab) for e in entries]
         self.is_last = entries[-1].has_head
-        self.hello = Hello(PROTOCOL, "worker", manifest.model_hash, entries[0].first_layer,
-                           entries[-1].last_layer, manifest.weights, "any")
+        self.hello = Hello(PROTOCOL, Role.WORKER, manifest.model_hash, entries[0].first_layer,
+                           entries[-1].last_layer, manifest.weights, Activations.ANY, "")
 
     def _ready_for(self, link: Link, peer: Hello) -> Hello:
         """This worker's Hello for `peer`, fetching and loading the shard first if need be."""
         with self._loading:  # one delivery at a time; later connections find the stages loaded
             if self.hello is None:
-                if peer.role != "coordinator":
+                if peer.role != Role.COORDINATOR:
                     raise refuse(link, f"the worker for stages {self.first}-{self.last} has no shard yet: "
                                        f"only a coordinator can deliver it")
                 manifest, self.received_bytes = fetch(link, self.folder, peer, self.first, self.last)
@@ -152,14 +193,18 @@ class StageWorker:
 
     def _accept(self) -> None:
         assert self._server is not None
-        while True:
+        while not self._stopping:
             try:
                 sock, addr = self._server.accept()
-            except OSError:
-                return
+            except OSError as e:
+                if self._stopping or e.errno in (errno.EBADF, errno.EINVAL):
+                    return  # the socket was closed: stop() was called
+                log.warning("accept failed (%s); still accepting", e)
+                time.sleep(_ACCEPT_RETRY_S)  # e.g. out of file descriptors: the others go on
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             link = Link(sock, f"{addr[0]}:{addr[1]}")
-            threading.Thread(target=self._read, args=(link,), daemon=True).start()
+            threading.Thread(target=self._read, args=(link,), daemon=True, name="read").start()
 
     def _check_peer(self, peer: Hello) -> str | None:
         me = self.hello
@@ -172,124 +217,167 @@ class StageWorker:
         if peer.last_layer + 1 != me.first_layer:
             return (f"layer order: the {peer.role}'s chain ends at layer {peer.last_layer}, "
                     f"but this worker serves layers {me.first_layer}-{me.last_layer}")
+        if len(peer.session) != 32:
+            return "a session id of 32 hex digits is required"
+        if peer.role == Role.COORDINATOR and peer.session in self.sessions:
+            return f"session {peer.session[:8]} is already connected"
+        if peer.role == Role.WORKER and peer.session not in self.sessions:
+            return f"no coordinator of session {peer.session[:8]} is connected here"
         return None
 
     def _read(self, link: Link) -> None:
         """Per connection: handshake, then queue every message; a bad peer loses only its link."""
+        session: Session | None = None
         try:
-            server_handshake(link, lambda peer: self._ready_for(link, peer), self._check_peer)
+            peer = server_handshake(link, lambda p: self._ready_for(link, p), self._check_peer)
+            session = self._attach(link, peer)
             while True:
                 msg = link.recv()
-                self._inbox.put((link, msg, link.last_decode_s, time.perf_counter()))
-        except (WireError, Refused) as e:
+                if isinstance(msg, Route):
+                    self._route(link, session, msg)
+                else:
+                    self._inbox.put(_Received(link, session, msg, link.last_decode_s, time.perf_counter()))
+        except (WireError, Refused, ShardlineError) as e:
             log.warning("dropping %s: %s", link.name, e)
         except LinkClosed:
             pass
+        except Exception:  # noqa: BLE001 - a bug must cost this link only
+            log.exception("dropping %s", link.name)
         link.close()
+        if session is not None and session.coordinator is link:
+            self._inbox.put(_Ended(session))
+
+    def _attach(self, link: Link, peer: Hello) -> Session:
+        """The session this link belongs to: a new one for a coordinator, its coordinator's for
+        the previous worker of a chain. (Checked by _check_peer; re-checked here under the race.)"""
+        if peer.role == Role.COORDINATOR:
+            session = Session(peer.session, next(self._session_nos), link)
+            if self.sessions.setdefault(peer.session, session) is not session:
+                raise Refused(f"session {peer.session[:8]} is already connected")
+            return session
+        known = self.sessions.get(peer.session)
+        if known is None:
+            raise Refused(f"no coordinator of session {peer.session[:8]} is connected here")
+        return known
+
+    def _route(self, link: Link, session: Session, msg: Route) -> None:
+        """Connect the session's next hop (on this link's reader: only this link waits)."""
+        if link is not session.coordinator:
+            raise refuse(link, "a Route is taken only from the session's coordinator")
+        nxt = None
+        if msg.next:
+            me = self.hello
+            assert me is not None  # a Route comes only after this worker's Hello
+            try:
+                nxt = Link.connect(*parse_hostport(msg.next, "the next worker"))
+                mine = replace(me, session=session.id)
+                client_handshake(nxt, mine, lambda peer: None if peer.first_layer == me.last_layer + 1 else
+                                 f"next worker starts at layer {peer.first_layer}, expected {me.last_layer + 1}")
+            except (OSError, ShardlineError, Refused, LinkClosed, WireError) as e:
+                if nxt is not None:
+                    nxt.close()
+                raise refuse(link, f"cannot reach the next worker {msg.next}: {e}") from None
+            threading.Thread(target=self._drain, args=(nxt,), daemon=True, name="next").start()
+        self._inbox.put(_Routed(session, nxt))
+
+    def _drain(self, nxt: Link) -> None:
+        """The next worker never answers on our link, but a refusal or garbage ends it."""
+        try:
+            msg = nxt.recv()
+            log.warning("the next worker %s sent %s; closing that link", nxt.name, type(msg).__name__)
+        except Exception:  # noqa: BLE001 - any end of that link
+            pass
+        nxt.close()
 
     # --- execution -------------------------------------------------------------------------
 
     def serve_forever(self) -> None:
         while True:
-            link, msg, decode_s, decoded_at = self._inbox.get()
-            try:
-                self.handle(link, msg, decode_s, decoded_at)
-            except (LinkClosed, WireError, Refused) as e:
-                log.warning("while handling %s from %s: %s", type(msg).__name__, link.name, e)
+            self.handle_next(None)
 
-    def handle(self, link: Link, msg: Message, decode_s: float = 0.0, decoded_at: float | None = None) -> None:
-        if isinstance(msg, OpenStream):
-            for s in self.stages:
-                if not s.has(msg.stream):  # its first prefill may have opened it already
-                    s.open(msg.stream)
-        elif isinstance(msg, CloseStream):
-            for s in self.stages:
-                s.close(msg.stream)
-            self._samplers.pop(msg.stream, None)
-        elif isinstance(msg, Route):
-            self._route(link, msg)
-        elif isinstance(msg, Forward):
-            self._forward(msg, decode_s, time.perf_counter() if decoded_at is None else decoded_at)
-        elif isinstance(msg, Refuse):
-            log.warning("%s refused this worker: %s", link.name, msg.reason)
-            link.close()
-        else:
-            link.send(Refuse(f"a worker does not take {type(msg).__name__}"))
-
-    def _route(self, link: Link, msg: Route) -> None:
-        self._reply = link
-        if self._next is not None:
-            self._next.close()
-            self._next = None
-        if msg.next:
-            host, _, port = msg.next.rpartition(":")
-            nxt = Link.connect(host, int(port))
-            me = self.hello
-            assert me is not None  # a Route comes only after this worker's Hello
-            client_handshake(nxt, me, lambda peer: None if peer.first_layer == me.last_layer + 1 else
-                             f"next worker starts at layer {peer.first_layer}, expected {me.last_layer + 1}")
-            self._next = nxt
-
-    def _forward(self, msg: Forward, decode_s: float, decoded_at: float) -> None:
-        assert self.hello is not None
-        plan = Launch(msg.stream, msg.rows, [], msg.keep, msg.merge)
-        for s in self.stages:  # a decode group's joiners become rows (the coordinator's plan)
-            apply_merge(s, plan)
-        if not self.stages[0].has(msg.stream):
-            # A stream's first prefill may overtake its OpenStream (they come on different links
-            # in a chain): a step that starts from an empty cache opens the stream itself.
-            if msg.attention_mask.shape[1] != msg.position_ids.shape[1]:
-                self._send_back(Refuse(f"unknown stream {msg.stream} on the worker for layers "
-                                       f"{self.hello.first_layer}-{self.hello.last_layer} (restarted?)"))
-                return
-            for s in self.stages:
-                s.open(msg.stream)
-        mask = msg.attention_mask.astype(np.int64)  # travels as u8
-        inputs = StepInputs(_NO_IDS, mask, msg.position_ids, plan.beam_idx)
-        out = msg.hidden.astype(np.float32, copy=False)
-        graph_s = []
-        for s in self.stages:
-            start = time.perf_counter()
-            out = s.run(msg.stream, inputs, out)
-            graph_s.append(time.perf_counter() - start)
-        if self.is_last:
-            choices = [self._choose(stream, cfg, out[r, -1]) for r, (stream, cfg)
-                       in enumerate(zip(msg.rows, msg.sampling, strict=True))]
-            logits = out[:, -1].astype(np.float32) if msg.want_logits else None
-            self._send_back(Sampled(msg.stream, msg.seq, msg.rows, [c.token for c in choices],
-                                    [c.logprob for c in choices], logits,
-                                    self._hops(msg, graph_s, decode_s, decoded_at)), stamp=True)
-            return
-        hidden = out.astype(msg.hidden.dtype, copy=False)  # activations keep the link's dtype
-        # The merge is done here: the next worker does its own from the same plan.
-        fwd = replace(msg, hidden=hidden, hops=self._hops(msg, graph_s, decode_s, decoded_at))
-        if self._next is None:  # a star: hidden states go back to the coordinator
-            self._send_back(fwd, stamp=True)
-            return
+    def handle_next(self, timeout: float | None) -> bool:
+        """Handle one queued item (False when none came within `timeout`). Never raises."""
         try:
-            self._next.send(fwd, stamp=True)
-        except LinkClosed as e:  # tell the coordinator now, rather than leave its step hanging
-            self._next = None
-            self._send_back(Refuse(f"the worker for layers {self.hello.first_layer}-{self.hello.last_layer} "
-                                   f"lost the next worker: {e}"))
+            item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        try:
+            self._handle(item)
+        except Exception:  # noqa: BLE001 - the worker outlives any item
+            log.exception("while handling %s", type(item).__name__)
+        return True
 
-    def _hops(self, msg: Forward, graph_s: list[float], decode_s: float, decoded_at: float) -> np.ndarray:
+    def _handle(self, item: _Item) -> None:
+        if isinstance(item, _Routed):
+            item.session.next, item.session.routed = item.next, True
+            for held in item.session.held:
+                self._handle(held)
+            item.session.held = []
+        elif isinstance(item, _Ended):
+            self._end(item.session)
+        elif item.session.id not in self.sessions:
+            return  # a message of a session that has ended
+        elif isinstance(item.msg, Forward):
+            if item.session.routed:
+                self._forward(item)
+            else:
+                item.session.held.append(item)
+        elif isinstance(item.msg, Release) and item.link is item.session.coordinator:
+            for stage in self.stages:
+                stage.close((item.session.no, item.msg.key))
+        elif isinstance(item.msg, Refuse):
+            log.warning("%s refused this worker: %s", item.link.name, item.msg.reason)
+            item.link.close()
+        else:
+            refuse(item.link, f"a worker does not take {type(item.msg).__name__} here")
+            item.link.close()
+
+    def _end(self, session: Session) -> None:
+        """The coordinator is gone: free everything its session held, close its next hop."""
+        if self.sessions.get(session.id) is session:
+            del self.sessions[session.id]
+        for stage in self.stages:
+            for key in stage.keys():  # noqa: SIM118 - a StageRunner, not a dict
+                if isinstance(key, tuple) and key[0] == session.no:
+                    stage.close(key)
+        if session.next is not None:
+            session.next.close()
+
+    def _forward(self, item: _Received) -> None:
+        msg, session = item.msg, item.session
+        assert isinstance(msg, Forward)
+        graph_s: list[float] = []
+        try:
+            out = run_stages(self.stages, msg, lambda k: (session.no, k), graph_s, time.perf_counter)
+            reply: Message = sampled(msg, out, lambda: self._hops(msg, graph_s, item)) if self.is_last else \
+                replace(msg, hidden=out.astype(msg.hidden.dtype, copy=False), hops=self._hops(msg, graph_s, item))
+        except Exception as e:  # noqa: BLE001 - the step fails alone, and its coordinator hears why
+            why = str(e) if isinstance(e, StepRefused) else f"{type(e).__name__}: {e}"
+            return self._send(session.coordinator, StepFailed(msg.key, msg.seq, why))
+        if self.is_last or session.next is None:  # end of chain, or a star: back to the coordinator
+            return self._send(session.coordinator, reply)
+        try:
+            session.next.send(reply, stamp=True)
+        except LinkClosed as e:  # tell the coordinator now, rather than leave its step hanging
+            session.next = None
+            me = self.hello
+            assert me is not None
+            refuse(session.coordinator, f"the worker for layers {me.first_layer}-{me.last_layer} "
+                                        f"lost the next worker: {e}")
+            session.coordinator.close()
+
+    def _hops(self, msg: Forward, graph_s: list[float], item: _Received) -> np.ndarray:
         """The incoming rows plus this worker's; taken last before encoding, so host time covers
         everything since the frame was decoded (queueing, casts, sampling) but graph and encode."""
-        host_s = time.perf_counter() - decoded_at - sum(graph_s)
-        return with_rows(msg.hops, [s.entry.index for s in self.stages], graph_s, decode_s, host_s)
+        host_s = time.perf_counter() - item.decoded_at - sum(graph_s)
+        return with_rows(msg.hops, [s.entry.index for s in self.stages], graph_s, item.decode_s, host_s)
 
-    def _choose(self, stream: int, sampling: dict[str, Any], row: np.ndarray) -> Choice:
-        sampler = self._samplers.get(stream)
-        if sampler is None:
-            sampler = self._samplers[stream] = Sampler(SamplingConfig(**sampling))
-        return sampler.choose(row)
-
-    def _send_back(self, msg: Message, stamp: bool = False) -> None:
-        if self._reply is None:
-            raise LinkClosed("no route to the coordinator yet")
-        self._reply.send(msg, stamp)
+    @staticmethod
+    def _send(link: Link, msg: Message) -> None:
+        with contextlib.suppress(LinkClosed):  # its reader sees the end and frees the session
+            link.send(msg, stamp=not isinstance(msg, StepFailed))
 
     def stop(self) -> None:
+        self._stopping = True
         if self._server is not None:
             self._server.close()

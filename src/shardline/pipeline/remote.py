@@ -1,98 +1,120 @@
-"""The coordinator as a node: tokenizer-side loop and stage 0 here, later stages on workers.
+"""The coordinator as a node: stage 0 here, later stages on workers.
 
 Daisy chain (default): hidden states go worker to worker; only the last worker talks back, with
-the sampled token and its log-probability. Star (for comparison, as the paper's measured code):
-every worker returns its hidden states to the coordinator, which sends them to the next.
+the chosen tokens and their log-probabilities. Star (for comparison, as the paper's measured
+code): every worker returns its hidden states to the coordinator, which sends them to the next.
+
+Stage 0 runs on a thread of its own that takes the submitted steps in order: it prepares and
+runs each on stage 0 and sends it down the chain as a `Forward` (the mask as runs of ones).
+Releases go through the same thread, so a key is freed on every stage after every step sent
+before. The coordinator's chain is a session (a random id in its Hello): workers keep its
+streams apart from any other coordinator's and free them all when its link drops.
 
 A worker that lacks its shard asks for it during the handshake and the coordinator sends it
-from its own export folder (delivery.py). Every token comes back with the durations each hop
-measured; `Outcome.timing` breaks its round trip down (timing.py) and metrics.py exports it.
+from its own export folder (node/delivery.py). Every token comes back with the durations each
+hop measured; `Outcome.timing` breaks its round trip down (timing.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import secrets
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from shardline.config import RunConfig, SamplingConfig
+from shardline.config import RunConfig
 from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
+from shardline.host import parse_hostport
 from shardline.model.manifest import load_manifest, verify
 from shardline.node import delivery
 from shardline.pipeline import metrics
-from shardline.pipeline.groups import MAX_ROWS, Group, Groups, Launch, apply_merge, batch_inputs
-from shardline.pipeline.inflight import Outbox, Outcome
-from shardline.pipeline.timing import breakdown, no_hops, with_rows
-from shardline.stage.cache import Decode, KVBook, Prefill, Step, StepInputs
+from shardline.pipeline.inflight import Outbox
+from shardline.pipeline.local import prepare
+from shardline.pipeline.plan import DecodeStep, Outcome, PrefillStep, Step
+from shardline.pipeline.timing import breakdown
 from shardline.stage.runner import StageRunner
+from shardline.wire.hops import no_hops, with_rows
 from shardline.wire.link import Link, LinkClosed, Refused, client_handshake, refuse
 from shardline.wire.messages import (
     PROTOCOL,
     RELAY,
-    CloseStream,
+    Activations,
     Forward,
     Hello,
     Message,
-    OpenStream,
     Refuse,
+    Release,
+    Role,
     Route,
     Sampled,
     ShardRequest,
+    StepFailed,
+    mask_to_runs,
 )
 
 ACTIVATIONS = {"f16": np.float16, "f32": np.float32}
+RECONNECT_S = 10.0  # how long a new stream waits for a chain that broke to come back
+
+
+@dataclass
+class _Sent:
+    step: Step
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class _Release:
+    key: int
 
 
 class RemotePipeline:
     def __init__(self, folder: Path, workers: list[str], run: RunConfig | None = None,
-                 activations: str = "f16", topology: str = "chain", groups: int = 0,
-                 group_rows: int = MAX_ROWS) -> None:
+                 activations: str = "f16", topology: str = "chain") -> None:
         if activations not in ACTIVATIONS or topology not in ("chain", "star"):
             raise ShardlineError(f"bad activations {activations!r} or topology {topology!r}")
         self.folder = folder
         self.manifest = load_manifest(folder)
         entry = self.manifest.stages[0]
         verify(folder, self.manifest, only=[entry.xml, entry.bin])
-        self.stage0 = StageRunner(folder, entry, run or RunConfig())
-        self.dtype = ACTIVATIONS[activations]
+        self.stage0 = StageRunner(folder, entry, run or RunConfig(), vocab=self.manifest.arch.vocab)
+        self.n_stages = len(self.manifest.stages)
+        self.dtype, self.activations = ACTIVATIONS[activations], activations
         self.topology = topology
         self.workers = workers
         self.links: list[Link] = []
-        self._books: dict[int, KVBook] = {}
-        self._sampling: dict[int, dict[str, Any]] = {}  # per stream, as it travels in Forward
-        self._want_logits: set[int] = set()  # streams opened with SamplingConfig.logprobs > 0
-        self._started: dict[int, tuple[float, str]] = {}  # stream -> (submit() called, phase)
         self.delivered: list[tuple[str, str, int]] = []  # (worker, file, bytes) sent to workers
-        # Stream ids are global on a worker (its caches are keyed by them, whichever link a step
-        # arrives on), so each coordinator starts at a random 48-bit offset.
-        self._ids = count(secrets.randbits(48) << 8)
-        self._seq = count()
         self.outbox = Outbox()
-        self._inflight: set[int] = set()  # streams with a step between submit and outcome
+        self._seq = count()
+        self._pending: dict[int, _Sent] = {}  # by seq: steps sent and not yet answered
         # Why the chain stopped working (a link ended or a worker refused), until a reconnect.
-        # Checked under the lock with _inflight, so a step is either failed by the reader that
-        # saw the chain break, or refused at submit: never sent into a dead chain and forgotten.
+        # Checked under the lock with _pending, so a step is either failed by the reader that
+        # saw the chain break, or refused before it is sent: never sent into a dead chain.
         self._broken: str | None = None
         self._lock = threading.Lock()
-        self.groups = Groups(groups, group_rows)
+        self._inbox: queue.Queue[Step | _Release | None] = queue.Queue()
         self.connect()
+        self._thread = threading.Thread(target=self._stage0_loop, daemon=True, name="stage-0")
+        self._thread.start()
+
+    # --- the chain ---------------------------------------------------------------------------
 
     def connect(self) -> None:
-        """(Re)open every worker link, check the chain, and tell each worker where to send."""
+        """(Re)open every worker link under a new session, check the chain, and tell each worker
+        where to send. Streams of an earlier session are gone on the workers (they fail)."""
         for link in self.links:
             link.close()
         self.links = []
+        session = secrets.token_hex(16)
         last = self.manifest.stages[0].last_layer
         for addr in self.workers:
-            link, hello = self._connect_one(addr, last)
+            link, hello = self._connect_one(addr, last, session)
             self.links.append(link)
             last = hello.last_layer
         if last != self.manifest.arch.n_layers - 1:
@@ -104,18 +126,16 @@ class RemotePipeline:
         if self.topology == "chain":  # tokens come back on the last link, refusals on any
             for link in self.links:
                 threading.Thread(target=self._receive, args=(link,), daemon=True, name="receive").start()
-        # Streams opened before a reconnect have lost their worker-side caches: their next step
-        # is refused by the worker ("unknown stream") and fails; new streams are unaffected.
 
-    def _connect_one(self, addr: str, prev_last: int) -> tuple[Link, Hello]:
-        host, _, port = addr.rpartition(":")
+    def _connect_one(self, addr: str, prev_last: int, session: str) -> tuple[Link, Hello]:
         try:
-            link = Link.connect(host, int(port))
-        except (OSError, ValueError) as e:
+            link = Link.connect(*parse_hostport(addr, "worker"))
+        except OSError as e:
             raise ShardlineError(f"cannot reach worker {addr}: {e}") from None
         m = self.manifest
         # On each link the coordinator speaks for the chain up to the layer before that worker.
-        mine = Hello(PROTOCOL, "coordinator", m.model_hash, 0, prev_last, m.weights, str(np.dtype(self.dtype)))
+        mine = Hello(PROTOCOL, Role.COORDINATOR, m.model_hash, 0, prev_last, m.weights,
+                     Activations(self.activations), session)
 
         def check(peer: Hello) -> str | None:
             if peer.model_hash != m.model_hash:
@@ -143,113 +163,96 @@ class RemotePipeline:
         assert isinstance(msg, ShardRequest)
         self.delivered.append((addr, msg.name, sent))
 
-    # --- streams ---------------------------------------------------------------------------
-
-    def open(self, sampling: SamplingConfig | None = None) -> int:
-        """A new stream. A worker that went away since the last request (say, restarted) is
-        reconnected here, so a coordinator outlives its workers."""
-        if self._broken or not all(link.alive() for link in self.links):
-            self._reconnect()
-        stream = next(self._ids)
-        self.stage0.open(stream)
-        for link in self.links:
-            link.send(OpenStream(stream))
-        self._books[stream] = KVBook()
-        s = sampling or SamplingConfig()
-        self._sampling[stream] = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed}
-        if s.logprobs or s.want_logits:
-            self._want_logits.add(stream)
-        return stream
-
-    def _reconnect(self, attempts: int = 50, wait_s: float = 0.2) -> None:
-        for attempt in range(attempts):
+    def _reconnect(self) -> None:
+        deadline = time.monotonic() + RECONNECT_S
+        while True:
             try:
-                self.connect()
-                return
+                return self.connect()
             except ShardlineError:
-                if attempt == attempts - 1:
+                if time.monotonic() > deadline:
                     raise
-                time.sleep(wait_s)
+                time.sleep(0.2)
 
-    def close(self, stream: int) -> None:
-        self.stage0.close(stream)
+    # --- executing plans -----------------------------------------------------------------------
+
+    def submit(self, step: Step) -> None:
+        self._inbox.put(step)
+
+    def release(self, key: int) -> None:
+        self._inbox.put(_Release(key))
+
+    def outcomes(self, timeout: float | None = None) -> list[Outcome]:
+        return self.outbox.take(timeout)
+
+    def wake(self) -> None:
+        self.outbox.wake()
+
+    def shutdown(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
         for link in self.links:
-            with contextlib.suppress(LinkClosed):  # a dead worker holds no cache to free
-                link.send(CloseStream(stream))
-        self._books.pop(stream, None)
-        self._sampling.pop(stream, None)
-        self._want_logits.discard(stream)
-        launch, emptied = self.groups.leave(stream)
-        if launch is not None:
-            self._launch(launch)
-        if emptied is not None:  # nobody left: free the departed rows' KV now
-            self.close(emptied)
+            link.close()
 
-    def advance(self, stream: int, step: Step) -> Choice:
-        self.submit(stream, step)
-        got = self.outbox.wait_for(stream)
-        self._inflight.discard(stream)
-        if got.choice is None:
-            raise ShardlineError(got.error)
-        return got.choice
+    def _stage0_loop(self) -> None:
+        while (work := self._inbox.get()) is not None:
+            if isinstance(work, _Release):
+                self._release(work.key)
+                continue
+            try:
+                self._send(work)
+            except Exception as e:  # noqa: BLE001 - the step's rows fail; the next step goes on
+                why = str(e) if isinstance(e, ShardlineError) else f"{type(e).__name__}: {e}"
+                self._fail(work, why)
 
-    def submit(self, stream: int, step: Step) -> None:
-        """Run stage 0 here and send the step down the chain; its token comes out of `outcomes`.
-        Stage 0 is then free for another stream while the workers run this one. With decode
-        groups, a decode step waits for the rest of its group (see groups.py)."""
-        if self.groups and isinstance(step, Decode):
-            if (group := self.groups.ready(stream, step.token)) is not None:
-                self._launch(group)
-            return
-        started = time.perf_counter()
-        book = self._books[stream]
-        inputs = book.plan(step)
-        book.commit(inputs)  # the stream's next step is planned only after this one's outcome
-        self._send(Launch(stream, [stream], [], [0], []), inputs, "prefill" if isinstance(step, Prefill) else "decode",
-                   started)
+    def _release(self, key: int) -> None:
+        self.stage0.close(key)
+        for link in self.links:
+            with contextlib.suppress(LinkClosed):  # a dead worker holds nothing to free
+                link.send(Release(key))
 
-    def _launch(self, group: Group) -> None:
-        """One decode step of every member of `group`: merged here on stage 0, and by each
-        worker from the same plan (Forward.keep / merge)."""
-        started = time.perf_counter()
-        plan = group.launch()
-        apply_merge(self.stage0, plan)
-        self._send(plan, batch_inputs(self._books, plan), "decode", started)
-
-    def _send(self, plan: Launch, inputs: StepInputs, phase: str, started: float) -> None:
-        graph_start = time.perf_counter()
-        hidden = self.stage0.run(plan.key, inputs)
-        graph_s = time.perf_counter() - graph_start
+    def _send(self, step: Step) -> None:
+        """Run stage 0 here and send the step down the chain; its tokens come back on a reader
+        thread. A chain that broke is reconnected for a new stream's first step."""
+        if self._broken and isinstance(step, PrefillStep) and step.first:
+            self._reconnect()
+        sent = _Sent(step)
+        prepare(self.stage0, step)
+        start = time.perf_counter()
+        hidden = self.stage0.run(step.key, step.inputs)
+        graph_s = time.perf_counter() - start
+        fwd = self._forward(step, next(self._seq), hidden, graph_s, sent.started)
         with self._lock:
             if self._broken:
                 raise ShardlineError(self._broken)
-            self._inflight.update(plan.rows)
-        self._started[plan.key] = (started, phase)  # before the send: the token may be back at once
-        # The mask travels as u8 (it holds 0/1): 1 byte per context slot per hop instead of 8.
-        fwd = Forward(plan.key, next(self._seq), phase, plan.rows, plan.keep, plan.joiners,
-                      hidden.astype(self.dtype, copy=False), inputs.attention_mask.astype(np.uint8),
-                      inputs.position_ids, [self._sampling[s] for s in plan.rows],
-                      any(s in self._want_logits for s in plan.rows),
-                      with_rows(no_hops(), [0], [graph_s], 0.0, time.perf_counter() - started - graph_s))
-        if self.topology == "chain":
-            try:
-                self.links[0].send(fwd, stamp=True)
-            except LinkClosed as e:
-                self._inflight.difference_update(plan.rows)
-                self._started.pop(plan.key, None)
-                raise ShardlineError(f"worker {self.workers[0]}: {e}") from None
-        else:
-            for failed in self._through_star(fwd):
-                self.outbox.put(failed)
+            self._pending[fwd.seq] = sent  # before the send: the token may be back at once
+        if self.topology == "star":
+            return self._through_star(fwd)
+        try:
+            self.links[0].send(fwd, stamp=True)
+        except LinkClosed as e:
+            with self._lock:
+                self._pending.pop(fwd.seq, None)
+            raise ShardlineError(f"worker {self.workers[0]}: {e}") from None
 
-    def outcomes(self, timeout: float | None = None) -> list[Outcome]:
-        got = self.outbox.take(timeout)
-        self._inflight.difference_update(o.stream for o in got)
-        return got
+    def _forward(self, step: Step, seq: int, hidden: np.ndarray, graph_s: float, started: float) -> Forward:
+        inputs = step.inputs
+        keep, merge = (step.keep, step.merge) if isinstance(step, DecodeStep) else ((), ())
+        hops = with_rows(no_hops(), [0], [graph_s], 0.0, time.perf_counter() - started - graph_s)
+        return Forward(step.key, seq, step.phase, isinstance(step, PrefillStep) and step.first,
+                       int(inputs.attention_mask.shape[1]), step.want_logits, list(step.sampling),
+                       np.asarray(step.streams, np.int64), np.asarray(keep, np.int64), np.asarray(merge, np.int64),
+                       hidden.astype(self.dtype, copy=False), mask_to_runs(inputs.attention_mask),
+                       inputs.position_ids, step.sample_at, hops)
+
+    def _fail(self, step: Step, why: str) -> None:
+        for stream in step.streams:
+            self.outbox.put(Outcome(stream, error=why))
+
+    # --- what comes back -------------------------------------------------------------------------
 
     def _receive(self, link: Link) -> None:
-        """Chain: tokens come back on the last worker's link. A refusal or a lost link fails the
-        steps in flight (the workers' caches for them are gone or unusable)."""
+        """Chain: tokens come back on the last worker's link, failed steps and refusals on any.
+        A refusal or a lost link fails every step in flight (the chain is unusable)."""
         while True:
             try:
                 msg = link.recv()
@@ -258,6 +261,8 @@ class RemotePipeline:
                 break
             if isinstance(msg, Sampled):
                 self._done(msg, link.last_decode_s, time.perf_counter())
+            elif isinstance(msg, StepFailed):
+                self._step_failed(msg.seq, f"worker {link.name}: {msg.reason}")
             else:
                 reason = f"worker {link.name}: " + (msg.reason if isinstance(msg, Refuse) else
                                                      f"unexpected {type(msg).__name__}")
@@ -266,26 +271,37 @@ class RemotePipeline:
             return
         with self._lock:
             self._broken = reason
-            failed = list(self._inflight)
-        self._started.clear()
-        for stream in failed:
-            self.outbox.put(Outcome(stream, None, reason))
+            failed, self._pending = list(self._pending.values()), {}
+        for sent in failed:
+            self._fail(sent.step, reason)
+
+    def _step_failed(self, seq: int, why: str) -> None:
+        with self._lock:
+            sent = self._pending.pop(seq, None)
+        if sent is not None:
+            self._fail(sent.step, why)
 
     def _done(self, msg: Sampled, decode_s: float, received_at: float) -> None:
         """Tokens are back (their frame decoded at `received_at`): an outcome per row, with the
         step's breakdown."""
-        started, phase = self._started.pop(msg.stream, (received_at, "decode"))
+        with self._lock:
+            sent = self._pending.pop(msg.seq, None)
+        if sent is None:
+            return
+        step = sent.step
+        if msg.tokens.shape[0] != step.sample_at.shape[0]:
+            return self._fail(step, f"{msg.tokens.shape[0]} tokens for {step.sample_at.shape[0]} positions")
         now = time.perf_counter()
-        timing = breakdown(phase, msg.hops, decode_s, now - received_at, now - started)
-        for r, stream in enumerate(msg.rows):
-            logits = msg.logits[r] if msg.logits is not None and stream in self._want_logits else None
-            self.outbox.put(Outcome(stream, Choice(msg.tokens[r], msg.logprobs[r], logits), timing=timing))
+        timing = breakdown(step.phase.value, msg.hops, decode_s, now - received_at, now - sent.started)
+        rows = step.sample_at[:, 0].tolist()
+        for r, stream in enumerate(step.streams):
+            mine = tuple(_choice(msg, e, step.sampling[r].top_logprobs) for e, row in enumerate(rows) if row == r)
+            self.outbox.put(Outcome(stream, mine, timing=timing))
         metrics.observe(timing)  # after the puts: the consumer need not wait for it
 
-    def _through_star(self, fwd: Forward) -> list[Outcome]:
+    def _through_star(self, fwd: Forward) -> None:
         """Star (for comparison): every worker's output comes back here and goes on to the next;
-        each relay adds a coordinator row (stage RELAY) to the step's hops. Returns the outcomes
-        to post when the step failed (none when its tokens were posted)."""
+        each relay adds a coordinator row (stage RELAY) to the step's hops."""
         reply: Forward | Sampled = fwd
         received_at = time.perf_counter()
         try:
@@ -299,24 +315,25 @@ class RemotePipeline:
                 link.send(reply, stamp=True)
                 reply = self._expect(i, fwd.seq)
                 received_at = time.perf_counter()
-        except (ShardlineError, LinkClosed) as e:
-            self._started.pop(fwd.stream, None)
-            return [Outcome(s, None, str(e)) for s in fwd.rows]
+        except (ShardlineError, LinkClosed, Refused) as e:
+            return self._step_failed(fwd.seq, str(e))
         if not isinstance(reply, Sampled):
-            self._started.pop(fwd.stream, None)
-            why = f"worker {self.workers[-1]} returned hidden states, not a token"
-            return [Outcome(s, None, why) for s in fwd.rows]
+            return self._step_failed(fwd.seq, f"worker {self.workers[-1]} returned hidden states, not tokens")
         self._done(reply, self.links[-1].last_decode_s, received_at)
-        return []
 
     def _expect(self, i: int, seq: int) -> Forward | Sampled:
         reply = self.links[i].recv()
-        if isinstance(reply, Refuse):
+        if isinstance(reply, Refuse | StepFailed):
             raise ShardlineError(f"worker {self.workers[i]} refused: {reply.reason}")
         if not isinstance(reply, Forward | Sampled) or reply.seq != seq:
             raise ShardlineError(f"unexpected {type(reply).__name__} from worker {self.workers[i]}")
         return reply
 
-    def shutdown(self) -> None:
-        for link in self.links:
-            link.close()
+
+def _choice(msg: Sampled, e: int, top_n: int) -> Choice:
+    top: tuple[tuple[int, float], ...] = ()
+    if top_n and msg.top_ids is not None and msg.top_logprobs is not None:
+        ids, lps = msg.top_ids[e, :top_n].tolist(), msg.top_logprobs[e, :top_n].tolist()
+        top = tuple((int(t), float(lp)) for t, lp in zip(ids, lps, strict=True) if t >= 0)
+    logits = msg.logits[e] if msg.logits is not None else None
+    return Choice(int(msg.tokens[e]), float(msg.logprobs[e]), top, logits)

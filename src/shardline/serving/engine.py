@@ -1,49 +1,46 @@
 """The serving engine: many streams through one pipeline, each stage kept busy.
 
-One engine thread owns the pipeline. Its loop reads in three lines: admit waiting requests,
-apply cancellations, and turn every finished step into the stream's next step. Every live
-stream always has its next step in flight, so with N stages and >= N streams each stage works
-on some stream at every moment (microbatching by interleaving).
+One engine thread owns the streams. Its loop reads in a few lines: take the outcomes that came
+back and apply them to their streams, apply cancellations, admit waiting requests, then submit
+what the scheduler plans. Graph work never runs on this thread (every stage has its own), so
+planning and applying outcomes never wait for a long prompt.
 
 Invariants:
-- A stream has at most one step in flight; its KV is freed (`close`) only when none is.
+- A stream has at most one step in flight; it ends (its keys released) only when none is.
 - Events for a ticket are delivered in order, from the engine thread, ending with one
   `Event` whose `finish` is set.
+- An exception while applying one stream's outcome fails that stream alone. If the loop itself
+  dies, `failed` says why, every request gets an error event, and new ones are refused.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Protocol
 
 from shardline.config import SamplingConfig
-from shardline.decoding.sampler import top_logprobs
+from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
-from shardline.pipeline.inflight import Outbox, Outcome
+from shardline.pipeline.plan import Outcome, Pipeline, Step
 from shardline.serving.admission import Limits, accepts, to_admit
-from shardline.stage.cache import Decode, Prefill, Step
+from shardline.serving.scheduler import Scheduler, SchedulerConfig
+from shardline.serving.stream import Stream
 
 log = logging.getLogger("shardline.engine")
-WAKE = -1  # an Outcome for this stream id only wakes the engine loop
-
-
-class Pipeline(Protocol):
-    outbox: Outbox
-
-    def open(self, sampling: SamplingConfig | None = None) -> int: ...
-    def close(self, stream: int) -> None: ...
-    def submit(self, stream: int, step: Step) -> None: ...
-    def outcomes(self, timeout: float | None = None) -> list[Outcome]: ...
 
 
 class Overloaded(ShardlineError):
     """Every stream slot is busy and the waiting queue is full."""
+
+
+class EngineFailed(ShardlineError):
+    """The engine thread has stopped: nothing more can be served."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,7 @@ class Event:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass
+@dataclass(eq=False)
 class Ticket:
     """The caller's handle on one request."""
 
@@ -73,28 +70,22 @@ class Ticket:
     on_event: Callable[[Event], None]
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
-
-
-@dataclass
-class _Live:
-    ticket: Ticket
-    stream: int
-    generated: int = 0
-    in_flight: bool = False
+    stream: Stream | None = None  # once admitted
 
 
 class Engine:
-    def __init__(self, pipe: Pipeline, limits: Limits, max_context: int) -> None:
+    def __init__(self, pipe: Pipeline, limits: Limits, max_context: int,
+                 scheduling: SchedulerConfig | None = None) -> None:
         self.pipe = pipe
         self.limits = limits
         self.max_context = max_context
+        self.scheduler = Scheduler(scheduling)
         self._waiting: deque[Ticket] = deque()
-        self._live: dict[int, _Live] = {}  # by stream id
         self._cancels: deque[Ticket] = deque()
         self._lock = threading.Lock()  # guards _waiting, _cancels and _taken (callers' threads)
         # Stream slots held: admitted and not yet finished. Counted under the lock from the
-        # moment a ticket leaves the queue, so a ticket between the queue and `_live` still
-        # counts when a caller checks whether there is room.
+        # moment a ticket leaves the queue, so a ticket between the queue and the scheduler
+        # still counts when a caller checks whether there is room.
         self._taken = 0
         self._ids = count()
         self._running = True
@@ -112,19 +103,21 @@ class Engine:
             raise ShardlineError(f"prompt of {len(request.prompt)} tokens plus {request.sampling.max_tokens} "
                                  f"new tokens exceeds the context of {self.max_context}")
         with self._lock:
+            if self.failed:
+                raise EngineFailed(f"the engine has stopped: {self.failed}")
             if not accepts(len(self._waiting), self._taken, self.limits):
                 raise Overloaded(f"all {self.limits.max_streams} streams are busy and "
                                  f"{len(self._waiting)} requests are waiting")
             ticket = Ticket(next(self._ids), request, on_event)
             self._waiting.append(ticket)
-        self._wake()
+        self.pipe.wake()
         return ticket
 
     def cancel(self, ticket: Ticket) -> None:
         """Stop generating for `ticket` and free its stream (e.g. the client went away)."""
         with self._lock:
             self._cancels.append(ticket)
-        self._wake()
+        self.pipe.wake()
 
     @property
     def waiting(self) -> int:
@@ -132,27 +125,45 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return len(self._live)
+        return len(self.scheduler.streams)
 
     def stop(self) -> None:
         self._running = False
-        self._wake()
+        self.pipe.wake()
         self._thread.join(timeout=10)
-
-    def _wake(self) -> None:
-        self.pipe.outbox.put(Outcome(WAKE, None))
 
     # --- the engine thread ---------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while self._running:
-            self._apply_cancels()
-            self._admit()
-            for outcome in self.pipe.outcomes(timeout=1.0):
-                if outcome.stream != WAKE:
-                    self._on_outcome(outcome)
-        for live in list(self._live.values()):
-            self._finish(live, "cancelled")
+        try:
+            while self._running:
+                for outcome in self.pipe.outcomes(timeout=1.0):
+                    self._apply(outcome)
+                self._apply_cancels()
+                self._admit()
+                self._dispatch()
+            self._fail_all("cancelled", "")
+        except BaseException as e:  # noqa: BLE001 - the thread must not die silently
+            log.exception("the engine thread stopped")
+            with self._lock:
+                self.failed = f"{type(e).__name__}: {e}"
+            self._fail_all("error", f"the engine stopped: {self.failed}")
+
+    def _dispatch(self) -> None:
+        for step in self.scheduler.plan():
+            try:
+                self.pipe.submit(step)
+            except Exception as e:  # noqa: BLE001 - a step that cannot start fails its streams
+                self._step_failed(step, f"{type(e).__name__}: {e}")
+        for key in self.scheduler.releases():
+            self.pipe.release(key)
+
+    def _step_failed(self, step: Step, why: str) -> None:
+        for s in step.streams:
+            stream = self.scheduler.streams.get(s)
+            if stream is not None:
+                stream.in_flight = False
+                self._finish(stream, "error", why)
 
     def _admit(self) -> None:
         with self._lock:
@@ -161,66 +172,92 @@ class Engine:
             self._taken += n
         for ticket in starting:
             if ticket.cancelled:
-                self._release()
+                self._release_slot()
                 ticket.on_event(Event(None, finish="cancelled"))
                 continue
-            try:
-                stream = self.pipe.open(ticket.request.sampling)
-            except ShardlineError as e:
-                self._release()
-                ticket.on_event(Event(None, finish="error", error=str(e)))
-                continue
-            live = self._live[stream] = _Live(ticket, stream)
-            self._step(live, Prefill(ticket.request.prompt))
+            r = ticket.request
+            # A request without a seed gets one now: its tokens then depend on nothing else.
+            params = r.sampling.params(secrets.randbits(63))
+            ticket.stream = Stream(next(self._ids), list(r.prompt), params, r.sampling.max_tokens, r.stop_ids,
+                                   r.sampling.want_logits, owner=ticket)
+            self.scheduler.add(ticket.stream)
 
     def _apply_cancels(self) -> None:
         with self._lock:
             tickets, self._cancels = list(self._cancels), deque()
         for ticket in tickets:
             ticket.cancelled = True  # a waiting ticket is dropped when its turn comes
-            live = next((v for v in self._live.values() if v.ticket is ticket), None)
-            if live is not None and not live.in_flight:
-                self._finish(live, "cancelled")
+            stream = ticket.stream
+            if stream is not None and stream.id in self.scheduler.streams and not stream.in_flight:
+                self._finish(stream, "cancelled")
 
-    def _on_outcome(self, outcome: Outcome) -> None:
-        live = self._live.get(outcome.stream)
-        if live is None:
+    def _apply(self, outcome: Outcome) -> None:
+        stream = self.scheduler.streams.get(outcome.stream)
+        if stream is None:
             return
-        live.in_flight = False
-        ticket = live.ticket
-        if outcome.choice is None:
-            return self._finish(live, "error", outcome.error)
-        if ticket.cancelled:
-            return self._finish(live, "cancelled")
-        token = outcome.choice.token
-        if token in ticket.request.stop_ids:
-            return self._finish(live, "stop")
-        live.generated += 1
-        n, logits = ticket.request.sampling.logprobs, outcome.choice.logits
-        top = tuple(top_logprobs(logits, n)) if n and logits is not None else ()
-        ticket.on_event(Event(token, outcome.choice.logprob, top=top))
-        if ticket.cancelled:  # the callback may cancel (a stop string in the text)
-            return self._finish(live, "cancelled")
-        if live.generated >= ticket.request.sampling.max_tokens:
-            return self._finish(live, "length")
-        self._step(live, Decode(token))
-
-    def _step(self, live: _Live, step: Step) -> None:
+        stream.in_flight = False
         try:
-            self.pipe.submit(live.stream, step)
-        except ShardlineError as e:
-            return self._finish(live, "error", str(e))
-        except Exception as e:  # a bug or a lost device fails this stream, not the server
-            log.exception("step of stream %d failed", live.stream)
-            return self._finish(live, "error", f"internal error: {type(e).__name__}: {e}")
-        live.in_flight = True
+            if outcome.failed:
+                return self._finish(stream, "error", outcome.error)
+            for choice in outcome.choices:
+                if self._emit(stream, choice):
+                    return
+            if self._ticket(stream).cancelled:
+                self._finish(stream, "cancelled")
+        except Exception as e:  # noqa: BLE001 - a bug in one stream's handling fails it alone
+            log.exception("stream %d failed", stream.id)
+            if stream.id in self.scheduler.streams:
+                self._finish(stream, "error", f"internal error: {type(e).__name__}: {e}")
 
-    def _release(self) -> None:
+    def _emit(self, stream: Stream, choice: Choice) -> bool:
+        """Deliver one chosen token; True once the stream has ended."""
+        ticket = self._ticket(stream)
+        if ticket.cancelled:
+            self._finish(stream, "cancelled")
+            return True
+        if choice.token in stream.stop_ids:
+            self._finish(stream, "stop")
+            return True
+        stream.generated.append(choice.token)
+        ticket.on_event(Event(choice.token, choice.logprob, top=choice.top))
+        if ticket.cancelled:  # the callback may cancel (a stop string in the text)
+            self._finish(stream, "cancelled")
+            return True
+        if stream.done:
+            self._finish(stream, "length")
+            return True
+        return False
+
+    @staticmethod
+    def _ticket(stream: Stream) -> Ticket:
+        assert isinstance(stream.owner, Ticket)
+        return stream.owner
+
+    def _release_slot(self) -> None:
         with self._lock:
             self._taken -= 1
 
-    def _finish(self, live: _Live, reason: str, error: str = "") -> None:
-        if self._live.pop(live.stream, None) is not None:
-            self._release()
-        self.pipe.close(live.stream)
-        live.ticket.on_event(Event(None, finish=reason, error=error))
+    def _finish(self, stream: Stream, reason: str, error: str = "") -> None:
+        self.scheduler.remove(stream)
+        self._release_slot()
+        self._ticket(stream).on_event(Event(None, finish=reason, error=error))
+
+    def _fail_all(self, reason: str, error: str) -> None:
+        """Every admitted and waiting request ends (the loop stopped); keys are released. Each
+        step is guarded: this runs after a failure, and must reach every caller."""
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), deque()
+        def guarded(end: Callable[..., None], *args: object) -> None:
+            try:
+                end(*args)
+            except Exception:  # noqa: BLE001 - logged; the others must still be told
+                log.exception("while ending a request")
+
+        final = Event(None, finish=reason, error=error)
+        for ticket in waiting:
+            guarded(ticket.on_event, final)
+        for stream in list(self.scheduler.streams.values()):
+            stream.in_flight = False
+            guarded(self._finish, stream, reason, error)
+        for key in self.scheduler.releases():
+            guarded(self.pipe.release, key)

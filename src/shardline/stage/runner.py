@@ -1,22 +1,46 @@
-"""One compiled shard; one InferRequest (and so one in-graph KV state) per stream."""
+"""One compiled shard; one InferRequest (and so one in-graph KV state) per key (a stream, or a
+decode group whose streams are the rows of one state).
+
+The runner checks every step against what it holds before OpenVINO sees it: the mask must be
+exactly the cache's slots plus the new tokens, the rows must be the state's rows (or a Gather
+of them), hidden states must have the model's width, token ids must be in the vocabulary. A
+step that does not fit raises `StepRefused` and changes nothing: a peer's bad step fails that
+step, never the process.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import openvino as ov
 
 from shardline.config import RunConfig
-from shardline.errors import ShardlineError
+from shardline.errors import ShardlineError, StepRefused
 from shardline.model.manifest import StageEntry
 from shardline.stage.cache import StepInputs
 
 _BEAMS = [np.arange(b, dtype=np.int32) for b in range(65)]  # identity Gathers, made once
+Key = Hashable
+
+
+@dataclass
+class _Held:
+    request: ov.InferRequest
+    slots: int = 0  # physical KV entries of every row
+    rows: int = 0  # rows of the state (0: fresh, no step run yet)
+
+
+def _shown(key: Key) -> object:
+    """A key as its coordinator knows it (a worker scopes keys as (session, key))."""
+    return key[-1] if isinstance(key, tuple) else key
 
 
 class StageRunner:
-    def __init__(self, folder: Path, entry: StageEntry, run: RunConfig, core: ov.Core | None = None) -> None:
+    def __init__(self, folder: Path, entry: StageEntry, run: RunConfig, core: ov.Core | None = None,
+                 vocab: int | None = None) -> None:
         self.entry = entry
         core = core or ov.Core()
         try:
@@ -26,69 +50,115 @@ class StageRunner:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ShardlineError(f"cannot load {entry.name} from {folder} on {run.device}: {first}") from None
         self._input = "input_ids" if entry.has_embedding else "hidden_states"
+        width = self.compiled.input(self._input).partial_shape
+        self.hidden = None if entry.has_embedding else int(width[2].get_length())
+        self.vocab = vocab
         self._out = self.compiled.output(0)
-        self._streams: dict[int, ov.InferRequest] = {}
+        self._keys: dict[Key, _Held] = {}
 
-    def open(self, stream: int) -> None:
-        if stream in self._streams:
-            raise ShardlineError(f"stream {stream} is already open on {self.entry.name}")
-        self._streams[stream] = self.compiled.create_infer_request()
+    def open(self, key: Key) -> None:
+        if key in self._keys:
+            raise StepRefused(f"key {_shown(key)} is already open on {self.entry.name}")
+        self._keys[key] = _Held(self.compiled.create_infer_request())
 
-    def has(self, stream: int) -> bool:
-        return stream in self._streams
+    def has(self, key: Key) -> bool:
+        return key in self._keys
 
-    def close(self, stream: int) -> None:
-        """Drop the stream's request and with it its KV state."""
-        self._streams.pop(stream, None)
+    def keys(self) -> list[Key]:
+        return list(self._keys)
 
-    def reset(self, stream: int) -> None:
-        self._streams[stream].reset_state()
+    def close(self, key: Key) -> None:
+        """Drop the key's request and with it its KV state (an unknown key is a no-op)."""
+        self._keys.pop(key, None)
 
-    def move(self, stream: int, to: int) -> None:
-        """The request of `stream` (and its KV) is known as `to` from now on."""
-        if to in self._streams:
-            raise ShardlineError(f"stream {to} is already open on {self.entry.name}")
-        self._streams[to] = self._streams.pop(stream)
+    def reset(self, key: Key) -> None:
+        held = self._held(key)
+        held.request.reset_state()
+        held.slots = held.rows = 0
 
-    def kv(self, stream: int) -> dict[str, np.ndarray]:
-        """A copy of the stream's KV state: variable name -> [B, kv_heads, slots, head_dim]."""
-        return {s.name: s.state.data.copy() for s in self._streams[stream].query_state()}
+    def move(self, key: Key, to: Key) -> None:
+        """The request of `key` (and its KV) is known as `to` from now on."""
+        if to in self._keys:
+            raise StepRefused(f"key {_shown(to)} is already open on {self.entry.name}")
+        self._keys[to] = self._held(key)
+        del self._keys[key]
 
-    def set_kv(self, stream: int, kv: dict[str, np.ndarray]) -> None:
-        """Replace the stream's whole KV state (OpenVINO sets a variable as a whole)."""
-        for state in self._streams[stream].query_state():
+    def slots(self, key: Key) -> int:
+        return self._held(key).slots
+
+    def rows(self, key: Key) -> int:
+        return self._held(key).rows
+
+    def kv(self, key: Key) -> dict[str, np.ndarray]:
+        """A copy of the key's KV state: variable name -> [B, kv_heads, slots, head_dim]."""
+        return {s.name: s.state.data.copy() for s in self._held(key).request.query_state()}
+
+    def set_kv(self, key: Key, kv: dict[str, np.ndarray]) -> None:
+        """Replace the key's whole KV state (OpenVINO sets a variable as a whole)."""
+        held = self._held(key)
+        for state in held.request.query_state():
             state.state = ov.Tensor(kv[state.name])
+        shape = next(iter(kv.values())).shape
+        held.rows, held.slots = int(shape[0]), int(shape[2])
 
-    def run(self, stream: int, inputs: StepInputs, hidden: np.ndarray | None = None) -> np.ndarray:
-        """Run one step; returns hidden states [1, T, H] or, on the last stage, logits [1, T, V]."""
-        request = self._streams[stream]
+    def run(self, key: Key, inputs: StepInputs, hidden: np.ndarray | None = None) -> np.ndarray:
+        """Run one step; returns hidden states [B, T, H] or, on the last stage, logits [B, N, V]
+        for the positions of `inputs.logits_index`. The result is a view of the request's output
+        buffer: valid until the key's next step."""
+        held = self._held(key)
         x = inputs.input_ids if hidden is None else hidden
+        feed = {self._input: self._checked(held, inputs, x), "attention_mask": inputs.attention_mask,
+                "position_ids": inputs.position_ids, "beam_idx": self._beam(inputs)}
+        if self.entry.has_head:
+            feed["logits_index"] = self._logits_index(inputs)
         # Inputs are copied (share_inputs=False): a request keeps its last input tensors set, and
         # with shared memory it would point into numpy buffers freed after this call. Seen here:
         # heap corruption when such a request was later destroyed. The copy is a few KB per step.
         # start_async + wait rather than infer(): the step then runs on the plugin's own pinned
         # executor thread instead of the calling Python thread; measured 0.5-1 ms per token
         # faster on this 2-core VM (BENCHMARKS.md, parity), and it matches openvino_genai.
-        request.start_async(
-            {self._input: x, "attention_mask": inputs.attention_mask,
-             "position_ids": inputs.position_ids, "beam_idx": self._beam(inputs)},
-            share_inputs=False,
-        )
-        request.wait()
-        out = request.get_tensor(self._out)
-        if self.entry.has_head and out.shape[1] > 1:
-            # A request keeps its output buffer for the stream's life: after a prefill that is
-            # [1, T, vocab] f32 (196 KB per prompt token; 48 of a stream's 61 MB at 256 tokens,
-            # measured). Hand back a copy and give the request a one-row buffer for the decode
-            # steps that follow (a later multi-token step grows it again, then shrinks it here).
-            logits = out.data.copy()
-            request.set_output_tensor(0, ov.Tensor(np.zeros((1, 1, out.shape[2]), np.float32)))
-            return logits
-        return out.data
+        held.request.start_async(feed, share_inputs=False)
+        held.request.wait()
+        held.rows, held.slots = inputs.rows, int(inputs.attention_mask.shape[1])
+        return held.request.get_tensor(self._out).data
+
+    def _held(self, key: Key) -> _Held:
+        held = self._keys.get(key)
+        if held is None:
+            raise StepRefused(f"unknown key {_shown(key)} on {self.entry.name}")
+        return held
+
+    def _checked(self, held: _Held, inputs: StepInputs, x: np.ndarray) -> np.ndarray:
+        """`x` (ids or hidden states) once the step is known to fit the state; else StepRefused."""
+        b, t, width = inputs.rows, inputs.new_tokens, int(inputs.attention_mask.shape[1])
+        if inputs.position_ids.shape[0] != b or t < 1:
+            raise StepRefused(f"positions of shape {inputs.position_ids.shape} for a mask of {b} rows")
+        if width != held.slots + t:
+            raise StepRefused(f"a mask of {width} slots for a cache of {held.slots} plus {t} new tokens")
+        beam = inputs.beam_idx
+        if beam is not None and (beam.shape != (b,) or int(beam.min()) < 0 or int(beam.max()) >= held.rows):
+            raise StepRefused(f"rows {beam.tolist()} of a state of {held.rows}")
+        if beam is None and held.rows not in (0, b):
+            raise StepRefused(f"{b} rows for a state of {held.rows}")
+        if self.hidden is None:
+            if x.shape != (b, t) or (x.size and (int(x.min()) < 0 or (self.vocab and int(x.max()) >= self.vocab))):
+                raise StepRefused(f"token ids of shape {x.shape} outside the vocabulary")
+        elif x.shape != (b, t, self.hidden) or x.dtype.kind != "f":
+            raise StepRefused(f"hidden states of shape {x.shape} ({x.dtype}); expected {(b, t, self.hidden)}")
+        return x
+
+    def _logits_index(self, inputs: StepInputs) -> np.ndarray:
+        b, t = inputs.rows, inputs.new_tokens
+        index = inputs.logits_index
+        if index is None:
+            return np.full((b, 1), t - 1, np.int64)
+        if index.ndim != 2 or index.shape[0] != b or (index.size and (int(index.min()) < 0 or int(index.max()) >= t)):
+            raise StepRefused(f"logits positions of shape {index.shape} for {b} rows of {t} tokens")
+        return index.astype(np.int64, copy=False)
 
     @staticmethod
     def _beam(inputs: StepInputs) -> np.ndarray:
         if inputs.beam_idx is not None:
             return inputs.beam_idx.astype(np.int32, copy=False)
-        b = inputs.attention_mask.shape[0]
+        b = inputs.rows
         return _BEAMS[b] if b < len(_BEAMS) else np.arange(b, dtype=np.int32)

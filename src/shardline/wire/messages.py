@@ -240,7 +240,7 @@ class ShardChunk:
     data: np.ndarray  # u8
 
     def __post_init__(self) -> None:
-        _need(0 <= self.offset and self.offset + self.data.size <= self.total, "chunk outside its file")
+        _need(self.offset >= 0 and self.offset + self.data.size <= self.total, "chunk outside its file")
 
 
 @dataclass(frozen=True)

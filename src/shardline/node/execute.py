@@ -1,0 +1,74 @@
+"""One Forward through a worker's stages: the same plan every stage of the chain applies.
+
+The worker keeps no speculation, sampling or group logic of its own: the Forward says which key,
+whether it is the key's first step, which rows to keep and which streams to merge, the mask and
+positions, and which positions to sample with which settings. Keys are those of one session
+(one coordinator's chain): `scope` turns the coordinator's key into the stages' key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import replace
+
+import numpy as np
+
+from shardline.decoding.sampler import Choice, choose_at
+from shardline.stage.cache import StepInputs, logits_index
+from shardline.stage.merge import prepare
+from shardline.stage.runner import StageRunner
+from shardline.wire.messages import Forward, Sampled, runs_to_mask
+
+Scope = Callable[[int], Hashable]
+
+
+def inputs_of(msg: Forward) -> StepInputs:
+    """The stages' inputs for a Forward: the mask from its runs; rows dropped by `keep` (when
+    nothing is merged) through the graph's beam_idx."""
+    b = msg.hidden.shape[0]
+    beam = msg.keep.astype(np.int32) if msg.keep.size and not msg.merge.size else None
+    return StepInputs(np.zeros((b, 0), np.int64), runs_to_mask(msg.mask_runs, b, msg.slots), msg.position_ids, beam)
+
+
+def run_stages(stages: list[StageRunner], msg: Forward, scope: Scope,
+               graph_s: list[float], clock: Callable[[], float]) -> np.ndarray:
+    """Prepare and run every stage (raises StepRefused for a step that does not fit); returns
+    hidden states, or on the last stage the logits of the sampled positions. `graph_s` gets
+    each stage's graph time."""
+    key = scope(msg.key)
+    merge = [scope(int(m)) for m in msg.merge]
+    inputs = inputs_of(msg)
+    out = msg.hidden.astype(np.float32, copy=False)
+    for stage in stages:
+        prepare(stage, key, first=msg.first, keep=msg.keep.tolist(), merge=merge)
+        step = inputs
+        if stage.entry.has_head:
+            step = replace(inputs, logits_index=logits_index(msg.sample_at, inputs.rows)[0])
+        start = clock()
+        out = stage.run(key, step, out)
+        graph_s.append(clock() - start)
+    return out
+
+
+def sampled(msg: Forward, logits: np.ndarray, hops: Callable[[], np.ndarray]) -> Sampled:
+    """The last stage's answer: a choice for every (row, t) of `sample_at`, in that order
+    (`hops` is called once the choices are made, so the worker's host time includes them)."""
+    pick = logits_index(msg.sample_at, msg.hidden.shape[0])[1]
+    choices = choose_at(logits, msg.sample_at, pick, msg.position_ids, msg.sampling, msg.want_logits)
+    top_ids, top_lp = _tops(choices, max((p.top_logprobs for p in msg.sampling), default=0))
+    logits_out = np.stack([c.logits for c in choices if c.logits is not None]) if msg.want_logits and choices \
+        else None
+    return Sampled(msg.key, msg.seq, np.array([c.token for c in choices], np.int64),
+                   np.array([c.logprob for c in choices], np.float32), top_ids, top_lp, logits_out, hops())
+
+
+def _tops(choices: list[Choice], n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Every choice's alternatives in [E, n] arrays, padded with -1 / -inf."""
+    if not n:
+        return None, None
+    ids = np.full((len(choices), n), -1, np.int64)
+    lps = np.full((len(choices), n), -np.inf, np.float32)
+    for e, c in enumerate(choices):
+        for j, (t, lp) in enumerate(c.top[:n]):
+            ids[e, j], lps[e, j] = t, lp
+    return ids, lps

@@ -1,0 +1,126 @@
+"""What a pipeline executes: step plans made by the scheduler (serving/scheduler.py), and what
+comes back. A pipeline decides nothing: it runs each step through its stages in the order it
+was submitted and posts one `Outcome` per row.
+
+Two kinds of step, distinct in the types:
+- `PrefillStep`: a chunk of one stream's prompt. The first chunk opens the stream's request on
+  every stage (an empty cache); the last chunk samples the first generated token.
+- `DecodeStep`: generated (or, later, drafted) tokens of one stream or of a decode group's
+  rows, each row with the same number of new tokens. Before running, every stage keeps the
+  rows `keep` of the group's state and appends the `merge` streams' own states (joins).
+
+Every step names the positions whose next token is wanted (`sample_at`, (row, t) pairs): the
+last stage computes logits for those alone and the sampler chooses a token at each.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+import numpy as np
+
+from shardline.config import SamplingParams
+from shardline.decoding.sampler import Choice
+from shardline.errors import ShardlineError
+from shardline.pipeline.timing import Timing
+from shardline.stage.cache import KVBook, StepInputs
+from shardline.wire.messages import Phase
+
+
+@dataclass(frozen=True)
+class Step:
+    key: int  # what every stage holds this step's KV under: the stream, or its decode group
+    streams: tuple[int, ...]  # the stream of each row
+    sampling: tuple[SamplingParams, ...]  # per row
+    inputs: StepInputs
+    sample_at: np.ndarray  # [E, 2] i64: (row, t) whose next token is wanted, rows in order
+    want_logits: bool = False
+    made: float = field(default_factory=time.perf_counter, compare=False)  # when it was planned
+    phase: ClassVar[Phase]
+
+    def __post_init__(self) -> None:
+        b = self.inputs.rows
+        if len(self.streams) != b or len(self.sampling) != b:
+            raise ShardlineError(f"a step of {b} rows needs a stream and a sampling per row")
+
+    def entries(self, row: int) -> int:
+        """How many tokens row `row` asks for."""
+        return int((self.sample_at[:, 0] == row).sum())
+
+
+@dataclass(frozen=True)
+class PrefillStep(Step):
+    first: bool = True  # the stream's first chunk: every stage opens a fresh request for it
+    phase: ClassVar[Phase] = Phase.PREFILL
+
+
+@dataclass(frozen=True)
+class DecodeStep(Step):
+    keep: tuple[int, ...] = ()  # rows of the key's state kept, in order (empty: all, as they are)
+    merge: tuple[int, ...] = ()  # streams whose own state is appended after the kept rows
+    phase: ClassVar[Phase] = Phase.DECODE
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What came back for one row of a step: a choice per position it asked for (none for a
+    prompt chunk that is not the last), or why the step failed."""
+
+    stream: int
+    choices: tuple[Choice, ...] = ()
+    error: str = ""
+    timing: Timing | None = None
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.error)
+
+
+class Pipeline(Protocol):
+    """Runs step plans through every stage; one Outcome per row comes out of `outcomes`."""
+
+    n_stages: int
+
+    def submit(self, step: Step) -> None: ...
+    def release(self, key: int) -> None: ...
+    def outcomes(self, timeout: float | None = None) -> list[Outcome]: ...
+    def wake(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+def prefill(stream: int, book: KVBook, tokens: list[int], params: SamplingParams, *, first: bool,
+            last: bool, want_logits: bool = False) -> PrefillStep:
+    """A prompt chunk of `stream`, committed to its book (its next step is planned after this
+    one is sent): the last chunk samples the token after its last position."""
+    inputs = book.plan(tokens)
+    book.commit(inputs)
+    at = np.array([[0, len(tokens) - 1]] if last else np.zeros((0, 2)), np.int64)
+    return PrefillStep(stream, (stream,), (params,), inputs, at, want_logits, first=first)
+
+
+def decode(stream: int, book: KVBook, tokens: list[int], params: SamplingParams, *, sample_all: bool = False,
+           want_logits: bool = False) -> DecodeStep:
+    """`tokens` fed to one stream on its own state, committed to its book: the next token after
+    the last (or, with `sample_all`, after each of them, as a verify step needs)."""
+    inputs = book.plan(tokens)
+    book.commit(inputs)
+    ts = range(len(tokens)) if sample_all else [len(tokens) - 1]
+    at = np.array([[0, t] for t in ts], np.int64)
+    return DecodeStep(stream, (stream,), (params,), inputs, at, want_logits)
+
+
+def run(pipe: Pipeline, step: Step, timeout: float | None = 600.0) -> list[Outcome]:
+    """Submit `step` and wait for its rows (for a caller that is the pipeline's only consumer:
+    tests, benchmarks; the engine instead takes outcomes as they come)."""
+    pipe.submit(step)
+    want, got = set(step.streams), dict[int, Outcome]()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while want - got.keys():
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        outs = pipe.outcomes(left)
+        if not outs and left == 0.0:
+            raise ShardlineError(f"no result for step of key {step.key} within {timeout} s")
+        got.update({o.stream: o for o in outs if o.stream in want})
+    return [got[s] for s in step.streams]

@@ -1,0 +1,128 @@
+"""Decode groups: several streams' decode steps run as the rows of one infer call per stage.
+
+Why: a decode call's fixed cost (weights streamed and decompressed once per call, per-node work)
+dominates a small model's token; one call over B rows pays it once (BENCHMARKS.md, batching:
+1.7x / 2.7x / 3.2x the tokens per second of B interleaved calls at B = 2 / 4 / 8).
+
+A stream prefills alone, on a request of its own. Once its first token is chosen it becomes a
+joiner of the least loaded group (a new group when all have `max_rows` members: a join copies
+the whole state, 11.8 MB per row at 256 slots, so groups stay small). A group launches its next
+step when every member has its token and none is in flight; the step merges the joiners into
+the group's KV state first (stage/merge.py, on every stage). A stream that ends leaves by being
+left out of the next step's kept rows. With as many groups as stages, every stage has a group
+to work on at every moment (microbatching); that pays only when the stages have cores of their
+own. Stages sharing one machine's cores do best with one group (BENCHMARKS.md, decode groups).
+
+Invariants:
+- Row r of a group's KV state belongs to `held[r]` (the rows of its last step).
+- A group changes (joins, leaves) only between its steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shardline.pipeline.plan import DecodeStep
+from shardline.serving.stream import Stream
+from shardline.stage.cache import StepInputs
+
+MAX_ROWS = 8  # rows per group: past ~8 a row adds little speed, and a join copies every row
+
+
+def least_loaded(sizes: list[int], max_rows: int = MAX_ROWS) -> int | None:
+    """The group a new stream joins: the fewest members, the lowest index on a tie; None when
+    every group is full (the caller opens another group)."""
+    room = [g for g in range(len(sizes)) if sizes[g] < max_rows]
+    return min(room, key=lambda g: (sizes[g], g)) if room else None
+
+
+@dataclass
+class Group:
+    key: int  # the group's requests on every stage are open under this id (negative)
+    rows: list[int] = field(default_factory=list)  # live row streams, in KV row order
+    held: list[int] = field(default_factory=list)  # whose rows the KV state holds (last step)
+    joining: list[int] = field(default_factory=list)  # prefilled, not yet rows
+
+    def members(self) -> list[int]:
+        return self.rows + self.joining
+
+    def leave(self, stream: int) -> None:
+        """Drop `stream`; its KV row goes at the next step (it is not kept)."""
+        if stream in self.rows:
+            self.rows.remove(stream)
+        if stream in self.joining:
+            self.joining.remove(stream)
+
+    def ready(self, streams: dict[int, Stream]) -> bool:
+        """Every member has its next token and none is in flight: the group can step."""
+        return bool(self.members()) and all(streams[s].idle_decoder() for s in self.members())
+
+    def launch(self, streams: dict[int, Stream]) -> DecodeStep:
+        """The next step: every member's last token as one row, committed to each book; the
+        group then holds its rows as launched."""
+        keep = [self.held.index(s) for s in self.rows]
+        rows = self.rows + self.joining
+        joiners = list(self.joining)
+        drops = not joiners and keep != list(range(len(self.held)))
+        inputs = batch_inputs([streams[s] for s in rows], np.asarray(keep, np.int32) if drops else None)
+        self.rows, self.held, self.joining = rows, list(rows), []
+        members = [streams[s] for s in rows]
+        return DecodeStep(self.key, tuple(rows), tuple(m.params for m in members), inputs,
+                          np.array([[r, 0] for r in range(len(rows))], np.int64),
+                          any(m.want_logits for m in members),
+                          keep=tuple(keep) if (joiners or drops) else (), merge=tuple(joiners))
+
+
+def batch_inputs(members: list[Stream], beam_idx: np.ndarray | None) -> StepInputs:
+    """One row per member feeding its last token, committed to its book. Every book is first
+    left-padded to the widest (a joiner longer than the group pads every row)."""
+    width = max(m.book.slots for m in members)
+    for m in members:
+        m.book.pad_left(width - m.book.slots)
+    rows = [m.book.plan([m.generated[-1]]) for m in members]
+    for m, r in zip(members, rows, strict=True):
+        m.book.commit(r)
+    return StepInputs.stack(rows, beam_idx)
+
+
+class Groups:
+    """The decode groups and which one each stream is in."""
+
+    def __init__(self, n: int, max_rows: int = MAX_ROWS) -> None:
+        self._all = [Group(key=-1 - g) for g in range(n)]
+        self._max_rows = max_rows
+        self._of: dict[int, Group] = {}
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __iter__(self) -> Iterator[Group]:
+        return iter(self._all)
+
+    def has(self, stream: int) -> bool:
+        return stream in self._of
+
+    def join(self, stream: int) -> Group:
+        """`stream` has its first token: it joins the least loaded group (a new one if all are full)."""
+        g = least_loaded([len(x.members()) for x in self._all], self._max_rows)
+        if g is None:
+            self._all.append(Group(key=-1 - len(self._all)))
+        group = self._of[stream] = self._all[-1 if g is None else g]
+        group.joining.append(stream)
+        return group
+
+    def leave(self, stream: int) -> int | None:
+        """`stream` is gone: the key of a group it left empty (whose state holds only departed
+        rows: free it), else None."""
+        group = self._of.pop(stream, None)
+        if group is None:
+            return None
+        group.leave(stream)
+        if group.members():
+            return None
+        had_state = bool(group.held)
+        group.held = []
+        return group.key if had_state else None

@@ -1,0 +1,87 @@
+"""The scheduler decides what runs together; pipelines execute its plans.
+
+Each call of `plan()` looks at every running stream and returns the steps to submit now:
+- decode: each decode group whose members all have their next token launches one batched
+  step (joiners merged in first); with no groups, each such stream steps on its own;
+- prefill: prompts go in fixed-size chunks, the oldest `max_prefills` prompts at a time,
+  each with one chunk in flight. A chunk waits behind at most one step of each running
+  decode group at stage 0, so running streams keep their pace while a long prompt arrives
+  (whole-prompt prefill held every stream for the whole prompt: BENCHMARKS.md, prefill).
+
+Every stream has at most one step in flight, so a stream's steps reach each stage in order.
+When a stream ends, `remove` frees its own key and, if it leaves a group empty, the group's:
+`releases()` hands those keys to the pipeline. No processes, no I/O: tested as plain objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardline.config import DEFAULT_PREFILL_CHUNK
+from shardline.errors import ShardlineError
+from shardline.pipeline.plan import Step, decode, prefill
+from shardline.serving.groups import MAX_ROWS, Groups
+from shardline.serving.stream import Stream
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    chunk: int = DEFAULT_PREFILL_CHUNK
+    groups: int = 1  # decode groups; 0: every stream decodes on its own request
+    max_rows: int = MAX_ROWS  # rows per group
+    max_prefills: int = 2  # prompts prefilling at once (oldest first)
+
+    def __post_init__(self) -> None:
+        if self.chunk < 1 or self.groups < 0 or self.max_rows < 1 or self.max_prefills < 1:
+            raise ShardlineError("chunk, max rows and max prefills must be >= 1 and groups >= 0")
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig | None = None) -> None:
+        self.cfg = cfg or SchedulerConfig()
+        self.groups = Groups(self.cfg.groups, self.cfg.max_rows)
+        self.streams: dict[int, Stream] = {}  # running, in admission order
+        self._releases: list[int] = []
+
+    def add(self, stream: Stream) -> None:
+        self.streams[stream.id] = stream
+
+    def remove(self, stream: Stream) -> None:
+        """`stream` ended (none of its steps in flight): free its own key (if its KV never
+        became a group's row, it is still there) and a group it leaves empty."""
+        if stream.in_flight:
+            raise ShardlineError(f"stream {stream.id} still has a step in flight")
+        self.streams.pop(stream.id, None)
+        self._releases.append(stream.id)
+        if (emptied := self.groups.leave(stream.id)) is not None:
+            self._releases.append(emptied)
+
+    def releases(self) -> list[int]:
+        out, self._releases = self._releases, []
+        return out
+
+    def plan(self) -> list[Step]:
+        steps = self._decodes() + self._prefills()
+        for step in steps:
+            for s in step.streams:
+                self.streams[s].in_flight = True
+        return steps
+
+    def _decodes(self) -> list[Step]:
+        idle = [s for s in self.streams.values() if s.idle_decoder()]
+        if not self.cfg.groups:
+            return [decode(s.id, s.book, [s.generated[-1]], s.params, want_logits=s.want_logits) for s in idle]
+        for s in idle:
+            if not self.groups.has(s.id):
+                self.groups.join(s.id)
+        return [g.launch(self.streams) for g in self.groups if g.ready(self.streams)]
+
+    def _prefills(self) -> list[Step]:
+        waiting = [s for s in self.streams.values() if s.prefilling][: self.cfg.max_prefills]
+        return [self._chunk(s) for s in waiting if not s.in_flight]
+
+    def _chunk(self, s: Stream) -> Step:
+        start = s.prefilled
+        s.prefilled = min(len(s.prompt), start + self.cfg.chunk)
+        return prefill(s.id, s.book, s.prompt[start : s.prefilled], s.params, first=start == 0,
+                       last=not s.prefilling, want_logits=s.want_logits)

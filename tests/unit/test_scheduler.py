@@ -1,0 +1,116 @@
+"""The scheduler's decisions, as plain objects: chunks, interleaving, groups, releases."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardline.config import SamplingParams
+from shardline.errors import ShardlineError
+from shardline.pipeline.plan import DecodeStep, PrefillStep, Step
+from shardline.serving.scheduler import Scheduler, SchedulerConfig
+from shardline.serving.stream import Stream
+
+
+def _stream(i: int, prompt: int, max_tokens: int = 50) -> Stream:
+    return Stream(i, list(range(100, 100 + prompt)), SamplingParams(), max_tokens)
+
+
+def _complete(sched: Scheduler, step: Step, token: int = 7) -> None:
+    """What the engine does with a step's outcomes: each asked position gives a token."""
+    for r, s in enumerate(step.streams):
+        stream = sched.streams[s]
+        stream.in_flight = False
+        stream.generated += [token] * step.entries(r)
+
+
+def test_a_long_prompt_goes_in_chunks_one_at_a_time() -> None:
+    sched = Scheduler(SchedulerConfig(chunk=4, groups=0))
+    sched.add(_stream(1, 10))
+    seen = []
+    while True:
+        steps = sched.plan()
+        if not steps:
+            break
+        assert sched.plan() == []  # nothing more while the chunk is in flight
+        (step,) = steps
+        if isinstance(step, DecodeStep):
+            break
+        assert isinstance(step, PrefillStep)
+        seen.append((step.first, step.inputs.input_ids[0].tolist(), step.sample_at.tolist()))
+        _complete(sched, step)
+    assert seen == [(True, [100, 101, 102, 103], []), (False, [104, 105, 106, 107], []),
+                    (False, [108, 109], [[0, 1]])]
+    assert step.inputs.position_ids.tolist() == [[10]] and step.inputs.attention_mask.shape == (1, 11)
+
+
+def test_prefill_chunks_interleave_with_a_running_group() -> None:
+    sched = Scheduler(SchedulerConfig(chunk=8, groups=1))
+    sched.add(_stream(1, 3))
+    (p,) = sched.plan()
+    _complete(sched, p)
+    sched.add(_stream(2, 40))  # a long prompt arrives while stream 1 decodes
+    kinds = []
+    for _ in range(5):
+        steps = sched.plan()
+        kinds.append(sorted(type(s).__name__ for s in steps))
+        for s in steps:
+            _complete(sched, s)
+    # every round runs one decode step of the group beside one chunk of the new prompt
+    assert kinds == [["DecodeStep", "PrefillStep"]] * 5
+    assert sched.streams[1].generated == [7] * 6
+
+
+def test_at_most_max_prefills_prompts_at_once_oldest_first() -> None:
+    sched = Scheduler(SchedulerConfig(chunk=2, groups=1, max_prefills=2))
+    for i in (1, 2, 3):
+        sched.add(_stream(i, 6))
+    assert [s.streams for s in sched.plan()] == [(1,), (2,)]
+
+
+def test_without_groups_every_stream_decodes_on_its_own_key() -> None:
+    sched = Scheduler(SchedulerConfig(groups=0))
+    for i in (1, 2):
+        sched.add(_stream(i, 3))
+    for s in sched.plan():
+        _complete(sched, s)
+    steps = sched.plan()
+    assert [(s.key, s.streams) for s in steps] == [(1, (1,)), (2, (2,))]
+    assert all(isinstance(s, DecodeStep) and not s.merge for s in steps)
+
+
+def test_a_new_stream_joins_the_group_at_its_next_step() -> None:
+    sched = Scheduler(SchedulerConfig(groups=1))
+    sched.add(_stream(1, 3))
+    for s in sched.plan():
+        _complete(sched, s)
+    (first,) = sched.plan()  # stream 1's first decode: it becomes the group's first row
+    assert isinstance(first, DecodeStep) and (first.key, first.keep, first.merge) == (-1, (), (1,))
+    sched.add(_stream(2, 5))
+    (chunk,) = sched.plan()  # the group waits for stream 1's token; stream 2 prefills
+    assert chunk.streams == (2,)
+    _complete(sched, first)
+    _complete(sched, chunk)
+    (step,) = sched.plan()
+    assert isinstance(step, DecodeStep) and (step.keep, step.merge, step.streams) == ((0,), (2,), (1, 2))
+
+
+def test_ending_streams_release_their_keys_and_an_emptied_group() -> None:
+    sched = Scheduler(SchedulerConfig(groups=1))
+    a, b, c = _stream(1, 3), _stream(2, 3), _stream(3, 3)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(2):  # prefills, then one group step with both as rows
+        for s in sched.plan():
+            _complete(sched, s)
+    sched.add(c)
+    steps = sched.plan()  # the group's next step, and c's prompt
+    with pytest.raises(ShardlineError, match="in flight"):
+        sched.remove(c)
+    for s in steps:
+        _complete(sched, s)
+    sched.remove(c)
+    sched.remove(a)
+    assert sched.releases() == [3, 1]  # their own keys (no-ops on stages where they moved)
+    sched.remove(b)
+    assert sched.releases() == [2, -1]  # the group's state holds only departed rows
+    assert sched.releases() == []
