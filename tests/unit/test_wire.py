@@ -105,6 +105,11 @@ def meta_bytes(d: Any) -> bytes:
     return struct.pack("<I", len(raw)) + raw
 
 
+def text_meta(text: str) -> bytes:
+    """Raw JSON text as the JSON part of a payload."""
+    return struct.pack("<I", len(text.encode())) + text.encode()
+
+
 def array_bytes(a: np.ndarray | None, code: int | None = None) -> bytes:
     """An array as it travels, with any dtype code (by default its own)."""
     if a is None:
@@ -128,10 +133,7 @@ def rebuild(msg: Message, meta: Any = None, *, text: str | None = None, arrays: 
     fields, own = split(msg)
     arrays = arrays or {}
     body = b"".join(arrays[k] if k in arrays else array_bytes(a) for k, a in own.items())
-    if text is None:
-        head = meta_bytes(fields if meta is None else meta)
-    else:
-        head = struct.pack("<I", len(text.encode())) + text.encode()
+    head = meta_bytes(fields if meta is None else meta) if text is None else text_meta(text)
     return frame(type(msg).KIND, head + body)
 
 
@@ -256,11 +258,16 @@ def test_wrongly_typed_fields_are_refused(msg: Message, meta: dict[str, Any], me
         decode(rebuild(msg, meta))
 
 
-@pytest.mark.parametrize("text", ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"])
-def test_non_finite_numbers_are_refused_at_parse_time(text: str) -> None:
+@pytest.mark.parametrize("text,message", [("NaN", "NaN is not a number JSON allows"),
+                                          ("-Infinity", "-Infinity is not a number JSON allows"),
+                                          ("1e999", "number 1e999 is not finite"),
+                                          ("-1E400", "number -1E400 is not finite")])
+def test_non_finite_numbers_are_refused_at_parse_time(text: str, message: str) -> None:
     fields = json.dumps(_with(VERIFY, sampling=_sampling(top_p=0.5))).replace("0.5", text)
-    with pytest.raises(WireError, match="malformed Forward: .*(not a number JSON allows|not finite)"):
+    with pytest.raises(WireError, match=f"malformed Forward: {message}"):
         decode(rebuild(VERIFY, text=fields))
+    with pytest.raises(WireError, match=f"malformed Release: {message}"):  # anywhere, even where no field is
+        decode(frame(4, text_meta(f'{{"key":1,"x":[{text}]}}')))
 
 
 def _hidden(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
