@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol, get_args, get_origin, get_type_hints
@@ -115,12 +116,12 @@ class _List:
     def load(self, v: object) -> object:
         if type(v) is not list:
             raise ValueError(f"{show(v)} is not a list")
-        return [_at(self.item.load, x, f"[{i}]") for i, x in enumerate(v)]
+        return _each(self.item.load, v)
 
     def dump(self, v: object) -> object:
         if not isinstance(v, list | tuple):
             raise ValueError(f"{show(v)} is not a list")
-        return [_at(self.item.dump, x, f"[{i}]") for i, x in enumerate(v)]
+        return _each(self.item.dump, v)
 
 
 class _Object:
@@ -146,15 +147,7 @@ class _Object:
     def dump(self, v: object) -> object:
         if not isinstance(v, self.cls):
             raise ValueError(f"{show(v)} is not a {self.cls.__name__}")
-        return {name: _at(f.dump, getattr(v, name), f".{name}") for name, f in self.fields}
-
-
-def _at(convert: Any, v: object, where: str) -> object:
-    """`convert(v)`, its error prefixed with where in the value it happened."""
-    try:
-        return convert(v)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+        return _dump_each(self.fields, v, ".")
 
 
 _INT, _FLOAT, _STR, _BOOL = _Int(), _Float(), _Str(), _Bool()
@@ -244,8 +237,11 @@ def load_meta(s: Schema, meta: dict[str, object]) -> dict[str, object]:
     return _load_each(s.meta, meta, "")
 
 
-def _load_each(fields: tuple[tuple[str, Form], ...], data: dict[str, object], prefix: str) -> dict[str, object]:
-    # A plain loop (not _at per field): this runs for every field of every frame.
+# The three loops below convert each part of a value, prefixing an error with where it happened.
+# Plain loops, not a helper call per part: they run for every field of every frame.
+
+
+def _load_each(fields: tuple[tuple[str, Form], ...], data: dict[str, Any], prefix: str) -> dict[str, object]:
     out: dict[str, object] = {}
     for name, f in fields:
         try:
@@ -255,6 +251,26 @@ def _load_each(fields: tuple[tuple[str, Form], ...], data: dict[str, object], pr
     return out
 
 
+def _dump_each(fields: tuple[tuple[str, Form], ...], obj: object, prefix: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name, f in fields:
+        try:
+            out[name] = f.dump(getattr(obj, name))
+        except ValueError as e:
+            raise ValueError(f"{prefix}{name}: {e}") from None
+    return out
+
+
+def _each(convert: Callable[[object], object], items: Iterable[object]) -> list[object]:
+    out: list[object] = []
+    for i, x in enumerate(items):
+        try:
+            out.append(convert(x))
+        except ValueError as e:
+            raise ValueError(f"[{i}]: {e}") from None
+    return out
+
+
 def dump_meta(s: Schema, msg: object) -> dict[str, object]:
     """JSON-ready data of a message's JSON fields, or ValueError for a value of the wrong type."""
-    return {name: _at(f.dump, getattr(msg, name), name) for name, f in s.meta}
+    return _dump_each(s.meta, msg, "")
