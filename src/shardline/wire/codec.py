@@ -144,7 +144,7 @@ def decode_payload(kind: int, payload: bytes | memoryview, crc: int) -> Message:
         raise WireError(f"malformed {s.cls.__name__}: {e}") from None
     try:
         msg: Message = s.cls(**values)  # __post_init__: how the fields fit together
-    except Exception as e:  # noqa: BLE001 - whatever a check raises on a peer's values, the frame is refused
+    except Exception as e:  # whatever a check raises on a peer's values, the frame is refused
         why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         raise WireError(f"malformed {s.cls.__name__}: {why}") from None
     return msg

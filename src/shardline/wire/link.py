@@ -206,8 +206,13 @@ class Link:
             self.transport.close()
 
 
+_LONGEST = 1 << 20  # seconds (12 days): a longer timeout (inf too) is none at all
+
+
 def _timeval(seconds: float | None) -> bytes:
     """SO_RCVTIMEO's value: 0 is no timeout, so any wait at all is at least one unit."""
+    if seconds is not None and not seconds < _LONGEST:
+        seconds = None
     if sys.platform == "win32":  # a DWORD of milliseconds
         return struct.pack("<I", 0 if seconds is None else max(1, math.ceil(seconds * 1000)))
     micros = 0 if seconds is None else max(1, math.ceil(seconds * 1e6))
