@@ -1,25 +1,36 @@
 """The OpenAI-compatible HTTP app: /v1/chat/completions, /v1/completions, /v1/models,
-/health and /metrics. Errors use OpenAI's JSON error format."""
+/health and /metrics. Errors use OpenAI's JSON error format, whatever their source: a bad field,
+an oversized body, a prompt the template or the tokenizer cannot take, a full server or an
+engine that has stopped."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from shardline.api.generation import Generation
+from shardline.api.generation import Generation, check_alive
+from shardline.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from shardline.api.logprobs import ChatLogprobs, LegacyLogprobs, TokenLogprob, TokenText
 from shardline.api.metrics import ServerMetrics
+from shardline.api.prompt import decode, encode, encode_chat, tokenize
 from shardline.api.schemas import ApiError, ChatRequest, CompletionRequest, Sampling, now, usage
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.serving.engine import Engine
+
+log = logging.getLogger("shardline.api")
+T = TypeVar("T")
+Formatter = Callable[[list[TokenLogprob]], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -28,17 +39,36 @@ class Served:
     tok: ChatTokenizer
     model_id: str
     default_max_tokens: int = 256
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    retry_after_s: int = 1  # Retry-After of a 429 when every stream and queue slot is taken
+
+
+class Json(JSONResponse):
+    """JSON with non-ASCII escaped, so that text echoed from a request (a lone surrogate in a
+    model name) cannot fail to encode; NaN and infinities are refused, as JSON has none."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
 
 
 def build_app(served: Served) -> FastAPI:
-    app = FastAPI(title="shardline", docs_url=None, redoc_url=None)
+    app = FastAPI(title="shardline", docs_url=None, redoc_url=None, default_response_class=Json)
+    app.add_middleware(BodyLimit, max_bytes=served.max_body_bytes)
     metrics = ServerMetrics(served.engine)
+    token_text = TokenText(served.tok)
     _errors(app)
 
+    def generation(endpoint: str, prompt: list[int], body: Sampling) -> Generation:
+        return Generation(served.engine, served.tok, metrics, endpoint, prompt, body, served.default_max_tokens,
+                          served.retry_after_s)
+
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> Response:
         e = served.engine
-        return {"status": "ok", "model": served.model_id, "active_streams": e.active, "waiting": e.waiting}
+        state = {"model": served.model_id, "active_streams": e.active, "waiting": e.waiting}
+        if e.failed:
+            return Json({"status": "unhealthy", "error": e.failed, **state}, status_code=503)
+        return Json({"status": "ok", **state})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -51,69 +81,90 @@ def build_app(served: Served) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Response:
-        _check_model(served, body)
+        _admit(served, body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        gen = Generation(served.engine, served.tok, metrics, "chat", served.tok.encode_chat(messages), body,
-                         served.default_max_tokens)
-        return await _respond(gen, body, request, _ChatShape(served.model_id))
+        prompt = await tokenize(encode_chat, served.tok, messages, "messages")
+        shape = _ChatShape(served.model_id, ChatLogprobs(token_text) if body.wants_logprobs() else None)
+        return await _respond(generation("chat", prompt, body), body, request, shape)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        _check_model(served, body)
-        gen = Generation(served.engine, served.tok, metrics, "completion", served.tok.encode(body.text()), body,
-                         served.default_max_tokens)
-        return await _respond(gen, body, request, _TextShape(served.model_id))
+        _admit(served, body)
+        if isinstance(body.prompt, str):
+            prompt, prompt_text = await tokenize(encode, served.tok, body.prompt, "prompt"), body.prompt
+        else:
+            prompt = _known_ids(body.prompt, served.tok.vocab_size)
+            prompt_text = await run_in_threadpool(decode, served.tok, prompt) if body.wants_logprobs() else ""
+        fmt = LegacyLogprobs(token_text, len(prompt_text)) if body.wants_logprobs() else None
+        return await _respond(generation("completion", prompt, body), body, request, _TextShape(served.model_id, fmt))
 
     return app
 
 
-def _check_model(served: Served, body: Sampling) -> None:
+def _admit(served: Served, body: Sampling) -> None:
+    """Refuse before any work: another model, a setting we cannot honour, a dead engine."""
     if body.model != served.model_id:
-        raise ApiError(404, f"The model `{body.model}` does not exist. This server serves `{served.model_id}`.",
-                       param="model", code="model_not_found")
+        raise ApiError(404, f"The model `{body.model[:100]}` does not exist. This server serves "
+                            f"`{served.model_id}`.", param="model", code="model_not_found")
+    body.refusals()
+    check_alive(served.engine)
+
+
+def _known_ids(ids: list[int], vocab: int) -> list[int]:
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"prompt: token id {bad} is not in the vocabulary (0-{vocab - 1})", param="prompt")
+    return ids
 
 
 class _ChatShape:
     obj, chunk_obj = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, model: str) -> None:
-        self.model, self.id = model, f"chatcmpl-{secrets.token_hex(12)}"
+    def __init__(self, model: str, logprobs: Formatter | None = None) -> None:
+        self.model, self.id, self.logprobs = model, f"chatcmpl-{secrets.token_hex(12)}", logprobs
 
-    def choice(self, text: str, finish: str) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def _lp(self, entries: list[TokenLogprob], always: bool) -> dict[str, Any] | None:
+        """A whole answer always has a logprobs object when asked for; a chunk only with tokens."""
+        return self.logprobs(entries) if self.logprobs and (always or entries) else None
+
+    def choice(self, text: str, finish: str, entries: list[TokenLogprob]) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self._lp(entries, True),
                 "finish_reason": finish}
 
-    def delta(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+    def delta(self, text: str | None, finish: str | None, entries: list[TokenLogprob],
+              first: bool = False) -> dict[str, Any]:
         d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if text:
             d["content"] = text
-        return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "delta": d, "logprobs": self._lp(entries, False), "finish_reason": finish}
 
 
 class _TextShape(_ChatShape):
     obj, chunk_obj = "text_completion", "text_completion"
 
-    def __init__(self, model: str) -> None:
-        self.model, self.id = model, f"cmpl-{secrets.token_hex(12)}"
+    def __init__(self, model: str, logprobs: Formatter | None = None) -> None:
+        super().__init__(model, logprobs)
+        self.id = f"cmpl-{secrets.token_hex(12)}"
 
-    def choice(self, text: str, finish: str) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def choice(self, text: str, finish: str, entries: list[TokenLogprob]) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": self._lp(entries, True), "finish_reason": finish}
 
-    def delta(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
-        return self.choice(text or "", finish)  # type: ignore[arg-type]
+    def delta(self, text: str | None, finish: str | None, entries: list[TokenLogprob],
+              first: bool = False) -> dict[str, Any]:
+        return {"index": 0, "text": text or "", "logprobs": self._lp(entries, False), "finish_reason": finish}
 
 
 async def _respond(gen: Generation, body: Sampling, request: Request, shape: _ChatShape) -> Response:
     gen.start_engine()  # refusals (too long, overloaded) become errors before any byte is sent
     if body.stream:
         return StreamingResponse(_sse(gen, body, shape), media_type="text/event-stream")
-    text, finish = await _unless_disconnected(gen.collect(), request)
-    return JSONResponse({"id": shape.id, "object": shape.obj, "created": now(), "model": shape.model,
-                         "choices": [shape.choice(text, finish)],
-                         "usage": usage(len(gen.prompt), gen.completion_tokens)})
+    done = await _unless_disconnected(gen.collect(), request)
+    return Json({"id": shape.id, "object": shape.obj, "created": now(), "model": shape.model,
+                 "choices": [shape.choice(done.text, done.finish, done.logprobs)],
+                 "usage": usage(len(gen.prompt), gen.completion_tokens)})
 
 
-async def _unless_disconnected(work: Awaitable[tuple[str, str]], request: Request) -> tuple[str, str]:
+async def _unless_disconnected(work: Awaitable[T], request: Request) -> T:
     """Await `work`, cancelling it (and so the stream) if the client goes away meanwhile."""
     task = asyncio.ensure_future(work)
     while True:
@@ -134,14 +185,26 @@ async def _sse(gen: Generation, body: Sampling, shape: _ChatShape) -> AsyncItera
     first = True
     try:
         async for p in gen.pieces():
-            if p.text or first or p.finish:
-                yield event([shape.delta(p.text, p.finish, first)])
+            if p.text or first or p.finish or p.logprobs:
+                yield event([shape.delta(p.text, p.finish, p.logprobs, first)])
                 first = False
     except ApiError as e:  # headers are gone: the error travels as an event
         yield f"data: {json.dumps(e.body())}\n\n"
+    except Exception as e:  # a bug ends this stream with an error event, not silently
+        log.exception("stream failed")
+        yield f"data: {json.dumps(ApiError(500, f'internal error: {type(e).__name__}', 'server_error').body())}\n\n"
     if body.include_usage():
         yield event([], usage=usage(len(gen.prompt), gen.completion_tokens))
     yield "data: [DONE]\n\n"
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """A pydantic location as OpenAI names a parameter: ("body", "messages", 0, "role") ->
+    "messages[0].role"."""
+    out = ""
+    for x in loc[1:] if loc[:1] == ("body",) else loc:
+        out += f"[{x}]" if isinstance(x, int) else (f".{x}" if out else str(x))
+    return out or None
 
 
 def _errors(app: FastAPI) -> None:
@@ -149,17 +212,26 @@ def _errors(app: FastAPI) -> None:
         return app.exception_handler(kind)
 
     @handler(ApiError)
-    async def api_error(_: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    async def api_error(_: Request, e: ApiError) -> Response:
+        return Json(e.body(), status_code=e.status, headers=e.headers)
 
     @handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def invalid(_: Request, e: RequestValidationError) -> Response:
         first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        msg = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid request"))
-        return JSONResponse(ApiError(400, msg, param=where or None).body(), status_code=400)
+        if first.get("type") == "json_invalid":
+            error = ApiError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+            return Json(error.body(), status_code=400)
+        where = _param(tuple(first.get("loc", ())))
+        msg = str(first.get("msg", "invalid request"))
+        return Json(ApiError(400, f"{where or 'body'}: {msg}", param=where).body(), status_code=400)
 
     @handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+    async def http_error(_: Request, e: HTTPException) -> Response:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return JSONResponse(ApiError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
+        return Json(ApiError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code,
+                    headers=e.headers)
+
+    @handler(Exception)
+    async def crashed(_: Request, e: Exception) -> Response:
+        error = ApiError(500, f"internal error: {type(e).__name__}", "server_error")
+        return Json(error.body(), status_code=500)

@@ -2,7 +2,9 @@
 
 The engine calls back from its own thread; events cross into the event loop through
 `call_soon_threadsafe`. Text goes through the streaming detokenizer and the stop matcher, so
-what comes out is exactly what the client may see.
+what comes out is exactly what the client may see. With log-probabilities asked for, each piece
+also carries the entries of the tokens consumed since the previous piece (text held back by
+the detokenizer or the stop matcher travels later, and its tokens with it).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from shardline.api.logprobs import TokenLogprob
 from shardline.api.metrics import ServerMetrics
 from shardline.api.schemas import ApiError, Sampling
 from shardline.config import SamplingConfig
@@ -20,11 +23,32 @@ from shardline.model.tokenizer import ChatTokenizer, StreamDecoder
 from shardline.serving.engine import Engine, Event, Overloaded, Request
 from shardline.serving.stops import StopMatcher
 
+# How often a request waiting for its next token checks that the engine thread is still alive
+# (an engine that died without a final event would otherwise leave the request hanging).
+HEALTH_POLL_S = 1.0
+
 
 @dataclass
 class Piece:
     text: str
     finish: str | None = None  # "stop" | "length" on the last piece
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class Collected:
+    text: str
+    finish: str
+    logprobs: list[TokenLogprob]
+
+
+def engine_failed(engine: Engine) -> ApiError:
+    return ApiError(503, f"the engine has failed: {engine.failed}", "server_error", code="engine_failed")
+
+
+def check_alive(engine: Engine) -> None:
+    if engine.failed:
+        raise engine_failed(engine)
 
 
 @dataclass
@@ -36,18 +60,20 @@ class Generation:
     prompt: list[int]
     body: Sampling
     default_max_tokens: int
+    retry_after_s: int = 1
     completion_tokens: int = 0
     start: float = field(default_factory=time.perf_counter)
     first: float | None = None
 
     def _request(self) -> Request:
+        b = self.body
         try:
-            cfg = SamplingConfig(max_tokens=self.body.limit(self.default_max_tokens),
-                                 temperature=self.body.temperature, top_k=self.body.top_k,
-                                 top_p=self.body.top_p, seed=self.body.seed)
-        except ShardlineError as e:
+            cfg = SamplingConfig(max_tokens=b.limit(self.default_max_tokens), temperature=b.sampling_temperature(),
+                                 top_k=b.top_k or 0, top_p=1.0 if b.top_p is None else b.top_p, seed=b.seed,
+                                 logprobs=b.top_count())
+        except ShardlineError as e:  # the schema's bounds are the config's, so this is a last guard
             raise ApiError(400, str(e)) from None
-        return Request(self.prompt, cfg, frozenset() if self.body.ignore_eos else frozenset(self.tok.stop_ids))
+        return Request(self.prompt, cfg, frozenset() if b.ignore_eos else frozenset(self.tok.stop_ids))
 
     def start_engine(self) -> None:
         """Submit to the engine now, so that a refusal becomes an HTTP error before any byte
@@ -58,48 +84,95 @@ class Generation:
         def deliver(ev: Event) -> None:  # called on the engine thread
             loop.call_soon_threadsafe(self._events.put_nowait, ev)
 
+        request = self._request()
+        check_alive(self.engine)
         try:
-            self._ticket = self.engine.submit(self._request(), deliver)
+            self._ticket = self.engine.submit(request, deliver)
         except Overloaded as e:
-            raise ApiError(503, f"the server is overloaded: {e}", "server_error", code="overloaded") from None
+            self.metrics.rejected.labels("overloaded").inc()
+            raise ApiError(429, f"the server is overloaded, retry later: {e}", "server_error", code="overloaded",
+                           headers={"Retry-After": str(self.retry_after_s)}) from None
         except ShardlineError as e:
+            if self.engine.failed:  # it died between the check and the submit
+                raise engine_failed(self.engine) from None
             code = "context_length_exceeded" if "exceeds the context" in str(e) else None
             raise ApiError(400, str(e), param="messages" if code else None, code=code) from None
         self.metrics.prompt_tokens.inc(len(self.prompt))
 
+    async def _next_event(self) -> Event:
+        while True:
+            try:
+                return await asyncio.wait_for(self._events.get(), HEALTH_POLL_S)
+            except TimeoutError:
+                check_alive(self.engine)
+
     async def pieces(self) -> AsyncIterator[Piece]:
         """Text pieces; the last one carries the finish reason. Leaving early (a stop sequence,
         a client that went away) cancels the stream in the engine and frees its KV."""
-        text, stops = StreamDecoder(self.tok), StopMatcher(self.body.stops())
+        visible = _Visible(self.tok, self.body.stops(), self.body.wants_logprobs())
         finish = "cancelled"
         try:
             while True:
-                ev = await self._events.get()
+                ev = await self._next_event()
                 if ev.token is None:
                     finish = ev.finish or "stop"
-                    if finish == "error":
-                        raise ApiError(500, f"generation failed: {ev.error}", "server_error")
-                    yield Piece(stops.flush(), finish)
+                    self._check_failure(ev)
+                    yield visible.end(finish)
                     return
                 self.completion_tokens += 1
                 self.first = self.first or time.perf_counter()
-                delta = stops.push(text.push(ev.token))
-                if stops.stopped:
-                    finish = "stop"
-                    yield Piece(delta, finish)
-                    return
-                if delta:
-                    yield Piece(delta)
+                piece = visible.push(ev.token, ev.logprob, ev.top)
+                if piece is not None:
+                    finish = piece.finish or finish
+                    yield piece
+                    if piece.finish:
+                        return
         finally:
             if finish in ("stop", "cancelled"):
                 self.engine.cancel(self._ticket)  # a no-op for a stream the engine already finished
             self.metrics.observe(self.endpoint, finish, self.start, self.first, time.perf_counter(),
                                  self.completion_tokens)
 
-    async def collect(self) -> tuple[str, str]:
-        """The whole text and its finish reason (non-streaming responses)."""
-        parts, finish = [], "stop"
+    def _check_failure(self, ev: Event) -> None:
+        if ev.finish == "error":
+            check_alive(self.engine)  # a dead engine is a 503, not this request's failure
+            raise ApiError(500, f"generation failed: {ev.error}", "server_error")
+
+    async def collect(self) -> Collected:
+        """The whole text, its finish reason and every token's entry (non-streaming responses)."""
+        parts, finish, logprobs = [], "stop", []
         async for p in self.pieces():
             parts.append(p.text)
+            logprobs.extend(p.logprobs)
             finish = p.finish or finish
-        return "".join(parts), finish
+        return Collected("".join(parts), finish, logprobs)
+
+
+class _Visible:
+    """Tokens -> the text a client may see (detokenized, stop sequences held back and cut), and
+    the log-probability entries that travel with it: each piece carries the tokens consumed
+    since the previous one; tokens wholly inside a cut-off stop sequence are not shown."""
+
+    def __init__(self, tok: ChatTokenizer, stops: list[str], keep: bool) -> None:
+        self._text, self._stops, self._keep = StreamDecoder(tok), StopMatcher(stops), keep
+        self._decoded = self._shown = 0  # characters out of the detokenizer, and sent
+        self._pending: list[TokenLogprob] = []
+
+    def push(self, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> Piece | None:
+        """The piece to send after this token, if any (finish "stop" at a stop sequence)."""
+        new = self._text.push(token)
+        if self._keep:
+            self._pending.append(TokenLogprob(token, logprob, top, self._decoded))
+        self._decoded += len(new)
+        delta = self._stops.push(new)
+        self._shown += len(delta)
+        if self._stops.stopped:
+            return Piece(delta, "stop", [e for e in self._take() if e.offset < self._shown])
+        return Piece(delta, None, self._take()) if delta else None
+
+    def end(self, finish: str) -> Piece:
+        return Piece(self._stops.flush(), finish, self._take())
+
+    def _take(self) -> list[TokenLogprob]:
+        taken, self._pending = self._pending, []
+        return taken

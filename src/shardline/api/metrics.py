@@ -25,6 +25,8 @@ class ServerMetrics:
                                 registry=r)
         self.prompt_tokens = Counter("shardline_prompt_tokens", "prompt tokens admitted", registry=r)
         self.completion_tokens = Counter("shardline_completion_tokens", "tokens generated", registry=r)
+        self.rejected = Counter("shardline_rejected_requests", "requests turned away before generating",
+                                ["reason"], registry=r)
         Gauge("shardline_queue_depth", "requests waiting for a stream", registry=r).set_function(
             lambda: engine.waiting)
         Gauge("shardline_active_streams", "streams holding KV state", registry=r).set_function(
