@@ -3,12 +3,15 @@ stages of an export driven directly (for what is about OpenVINO requests themsel
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from itertools import count
 
 import numpy as np
 
-from shardline.config import SamplingParams
+from shardline.config import SamplingConfig, SamplingParams
 from shardline.pipeline.plan import Outcome, Pipeline, decode, prefill, run
+from shardline.serving.engine import Engine, Event, Request
 from shardline.stage.cache import KVBook, StepInputs
 from shardline.stage.runner import StageRunner
 
@@ -53,3 +56,31 @@ def chain(stages: list[StageRunner], key: object, inputs: StepInputs) -> np.ndar
         out = stage.run(key, inputs, out)
     assert out is not None
     return out
+
+
+def staggered(engine: Engine, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    """Stream i starts once stream i-1 has 3 tokens (so it joins running groups) and ends after
+    lengths[i] tokens (so groups lose rows mid-way)."""
+    got: list[list[int]] = [[] for _ in prompts]
+    started = [threading.Event() for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+
+    def collect(i: int) -> Callable[[Event], None]:
+        def on(ev: Event) -> None:
+            if ev.token is not None:
+                got[i].append(ev.token)
+                if len(got[i]) == 3:
+                    started[i].set()
+            else:
+                assert ev.finish == "length", ev
+                started[i].set()
+                done[i].set()
+        return on
+
+    for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+        if i:
+            assert started[i - 1].wait(120)
+        engine.submit(Request(p, SamplingConfig(max_tokens=n), frozenset()), collect(i))
+    for d in done:
+        assert d.wait(120)
+    return got

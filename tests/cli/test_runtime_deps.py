@@ -20,17 +20,18 @@ class Block:
 
 sys.meta_path.insert(0, Block())
 from pathlib import Path
-from shardline.config import RunConfig, SamplingConfig
-from shardline.decoding.generate import generate
+from shardline.config import RunConfig, SamplingConfig, ServeConfig
 from shardline.model.tokenizer import ChatTokenizer
-from shardline.pipeline.local import LocalPipeline
-import shardline.pipeline.remote, shardline.node.worker, shardline.cluster.relay, shardline.cli
+from shardline.server import open_engine
+from shardline.serving.generate import tokens
+import shardline.pipeline.remote, shardline.node.worker, shardline.cluster.relay, shardline.cli, shardline.api.app
 
 folder = Path(sys.argv[1])
 tok = ChatTokenizer(folder)
 prompt = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-pipe = LocalPipeline(folder, RunConfig())
-print(tok.decode(list(generate(pipe, prompt, SamplingConfig(max_tokens=8), tok.stop_ids, 8192))))
+engine, _ = open_engine(folder, RunConfig(), ServeConfig(max_streams=1))
+print(tok.decode(tokens(engine, prompt, SamplingConfig(max_tokens=8), tok.stop_ids)))
+engine.stop()
 """
 
 

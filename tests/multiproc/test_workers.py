@@ -1,45 +1,34 @@
-"""Real worker processes on loopback: same tokens as in-process, handshake refusals, garbage,
-and a worker killed and restarted between two requests."""
+"""Real worker processes on loopback: the in-process tokens (whole and chunked prompts, sampled,
+multi-token steps, decode groups), handshake refusals, garbage, two coordinators sharing the
+workers, a coordinator that leaves, and a worker killed and restarted."""
 
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from shardline.config import RunConfig, SamplingConfig
-from shardline.decoding.generate import generate
 from shardline.errors import ShardlineError
 from shardline.model.tokenizer import ChatTokenizer
+from shardline.node.worker import StageWorker
 from shardline.pipeline.local import LocalPipeline
+from shardline.pipeline.plan import Pipeline, decode, prefill, run
 from shardline.pipeline.remote import RemotePipeline
-from shardline.stage.cache import Decode, Prefill
+from shardline.serving.admission import Limits
+from shardline.serving.engine import Engine
+from shardline.serving.generate import tokens
+from shardline.serving.scheduler import SchedulerConfig
+from shardline.stage.cache import KVBook
 from tests.conftest import CHAT_PROMPTS
-from tests.helpers import greedy_ours, staggered
+from tests.helpers import GREEDY, greedy_ours, ok, staggered
+from tests.multiproc.procs import Proc, worker
 
-SHARDLINE = str(Path(sys.executable).parent / "shardline")
 N_NEW = 24
-
-
-class Worker:
-    def __init__(self, folder: Path, stage: str, port: int = 0) -> None:
-        self.proc = subprocess.Popen(
-            [SHARDLINE, "worker", "--shards", str(folder), "--stage", stage, "--listen", f"127.0.0.1:{port}"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # "listening on 127.0.0.1:PORT" once the stage is compiled
-        assert line.startswith("listening on "), line
-        self.addr = line.split()[-1]
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +37,25 @@ def three(shards: Callable[..., Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def workers(three: Path) -> Iterator[list[Worker]]:
-    ws = [Worker(three, "1"), Worker(three, "2")]
+def workers(three: Path) -> Iterator[list[Proc]]:
+    ws = [worker(three, "1"), worker(three, "2")]
     yield ws
     for w in ws:
         w.stop()
 
 
-def _run(pipe: LocalPipeline | RemotePipeline, prompt: list[int], cfg: SamplingConfig) -> list[int]:
-    return list(generate(pipe, prompt, cfg, set(), 8192))
+@pytest.fixture(scope="module")
+def local(three: Path) -> Iterator[LocalPipeline]:
+    with LocalPipeline(three, RunConfig()) as pipe:
+        yield pipe
+
+
+def _run(pipe: Pipeline, prompt: list[int], cfg: SamplingConfig, chunk: int = 256) -> list[int]:
+    engine = Engine(pipe, Limits(1, 1), 8192, SchedulerConfig(chunk=chunk))
+    try:
+        return tokens(engine, prompt, cfg)
+    finally:
+        engine.stop()
 
 
 def _prompts(folder: Path) -> list[list[int]]:
@@ -64,77 +63,148 @@ def _prompts(folder: Path) -> list[list[int]]:
     return [tok.encode_chat([{"role": "user", "content": t}]) for t in CHAT_PROMPTS[:3]]
 
 
+def _remote(three: Path, workers: list[Proc], **kw: str) -> RemotePipeline:
+    return RemotePipeline(three, [w.addr for w in workers], RunConfig(), **({"activations": "f32"} | kw))
+
+
 @pytest.mark.parametrize("topology", ["chain", "star"])
-def test_workers_give_the_in_process_tokens(three: Path, workers: list[Worker], topology: str) -> None:
-    local = LocalPipeline(three, RunConfig())
-    remote = RemotePipeline(three, [w.addr for w in workers], RunConfig(), activations="f32", topology=topology)
+def test_workers_give_the_in_process_tokens(three: Path, workers: list[Proc], local: LocalPipeline,
+                                            topology: str) -> None:
+    remote = _remote(three, workers, topology=topology)
     greedy = SamplingConfig(max_tokens=N_NEW)
     sampled = SamplingConfig(max_tokens=N_NEW, temperature=0.8, top_p=0.9, top_k=40, seed=11)
-    for prompt in _prompts(three):
-        assert _run(remote, prompt, greedy) == _run(local, prompt, greedy)
-        assert _run(remote, prompt, sampled) == _run(local, prompt, sampled)
-    remote.shutdown()
-
-
-@pytest.mark.parametrize("topology", ["chain", "star"])
-def test_decode_groups_through_workers_equal_alone(three: Path, workers: list[Worker], topology: str) -> None:
-    # Streams join a group at different steps (their KV merged on every worker) and leave at
-    # different steps (dropped by beam_idx); 2-row groups overflow into a second group.
-    prompts = _prompts(three)[:3] + _prompts(three)[:2]
-    lengths = [10, 14, 5, 12, 7]
-    local = LocalPipeline(three, RunConfig())
-    alone = [greedy_ours(local, p, n)[0] for p, n in zip(prompts, lengths, strict=True)]
-    remote = RemotePipeline(three, [w.addr for w in workers], RunConfig(), activations="f32", topology=topology,
-                            groups=1, group_rows=2)
     try:
-        assert staggered(remote, prompts, lengths) == alone
-        assert len(remote.groups) > 1 and all(not g.members() for g in remote.groups)
-        assert remote.stage0._streams == {}  # every row's KV freed here (and CloseStream sent on)
+        for prompt in _prompts(three):
+            want = _run(local, prompt, greedy)
+            assert _run(remote, prompt, greedy) == want
+            assert _run(remote, prompt, greedy, chunk=7) == want  # chunked through the workers
+            assert _run(remote, prompt, sampled) == _run(local, prompt, sampled)
     finally:
         remote.shutdown()
 
 
-def test_f16_activations_answer_the_same_question(three: Path, workers: list[Worker]) -> None:
+def test_k_known_tokens_in_one_step_through_workers(three: Path, workers: list[Proc], local: LocalPipeline) -> None:
+    remote = _remote(three, workers)
+    try:
+        for prompt in _prompts(three)[:2]:
+            greedy = greedy_ours(local, prompt, 9)[0]
+            book = KVBook()
+            ok(run(remote, prefill(1, book, prompt, GREEDY, first=True, last=True)))
+            (out,) = ok(run(remote, decode(1, book, greedy[:8], GREEDY, sample_all=True)))
+            remote.release(1)
+            assert [c.token for c in out.choices] == greedy[1:9]
+    finally:
+        remote.shutdown()
+
+
+@pytest.mark.parametrize("topology", ["chain", "star"])
+def test_decode_groups_through_workers_equal_alone(three: Path, workers: list[Proc], local: LocalPipeline,
+                                                   topology: str) -> None:
+    # Streams join a group at different steps (their KV merged on every worker) and leave at
+    # different steps (dropped by the kept rows); 2-row groups overflow into a second group.
+    prompts = _prompts(three)[:3] + _prompts(three)[:2]
+    lengths = [20, 24, 5, 12, 7]  # the first two still run when the third joins: 2-row groups overflow
+    alone = [greedy_ours(local, p, n)[0] for p, n in zip(prompts, lengths, strict=True)]
+    remote = _remote(three, workers, topology=topology)
+    engine = Engine(remote, Limits(8, 8), 8192, SchedulerConfig(groups=1, max_rows=2, chunk=16))
+    try:
+        assert staggered(engine, prompts, lengths) == alone
+        assert len(engine.scheduler.groups) > 1 and all(not g.members() for g in engine.scheduler.groups)
+    finally:
+        engine.stop()
+        remote.shutdown()
+    assert remote.stage0.keys() == []  # every row's KV freed here (and Release sent on)
+
+
+def test_f16_activations_answer_the_same_question(three: Path, workers: list[Proc]) -> None:
     remote = RemotePipeline(three, [w.addr for w in workers], RunConfig())
     tok = ChatTokenizer(three)
     prompt = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    assert "Paris" in tok.decode(_run(remote, prompt, SamplingConfig(max_tokens=12)))
-    remote.shutdown()
+    try:
+        assert "Paris" in tok.decode(_run(remote, prompt, SamplingConfig(max_tokens=12)))
+    finally:
+        remote.shutdown()
 
 
-def test_out_of_order_workers_are_refused(three: Path, workers: list[Worker]) -> None:
+def test_two_coordinators_share_the_workers(three: Path, workers: list[Proc], local: LocalPipeline) -> None:
+    """Each coordinator is its own session on the workers: their streams (with the same keys,
+    at the same time) never meet, and each gets its own answers."""
+    prompts = _prompts(three)
+    want = [_run(local, p, SamplingConfig(max_tokens=N_NEW)) for p in prompts[:2]]
+    got: list[list[int]] = [[], []]
+
+    def drive(i: int) -> None:
+        remote = _remote(three, workers)
+        try:
+            for _ in range(2):
+                got[i] = _run(remote, prompts[i], SamplingConfig(max_tokens=N_NEW))
+        finally:
+            remote.shutdown()
+
+    threads = [threading.Thread(target=drive, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert got == want
+
+
+def test_a_coordinator_that_leaves_frees_its_streams(three: Path, shards: Callable[..., Path]) -> None:
+    """In-process workers on real sockets, to look at what they hold."""
+    w1, w2 = StageWorker(three, 1, 1), StageWorker(three, 2, 2)
+    for w in (w1, w2):
+        w.listen("127.0.0.1", 0)
+        threading.Thread(target=w.serve_forever, daemon=True).start()
+    remote = RemotePipeline(three, [f"127.0.0.1:{w1.port}", f"127.0.0.1:{w2.port}"], RunConfig(), "f32")
+    try:
+        for key, prompt in enumerate(_prompts(three)):
+            ok(run(remote, prefill(key, KVBook(), prompt, GREEDY, first=True, last=True)))
+        assert len(w1.stages[0].keys()) == len(w2.stages[0].keys()) == 3 and len(w1.sessions) == 1
+    finally:
+        remote.shutdown()  # closes its links without a word: the workers must notice
+    deadline = time.monotonic() + 10
+    while (w1.stages[0].keys() or w2.stages[0].keys() or w1.sessions) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert w1.stages[0].keys() == w2.stages[0].keys() == [] and not w1.sessions and not w2.sessions
+    w1.stop()
+    w2.stop()
+
+
+def test_out_of_order_workers_are_refused(three: Path, workers: list[Proc]) -> None:
     with pytest.raises(ShardlineError, match=r"worker 127.0.0.1:\d+: layer order: the coordinator's chain ends "
                                              r"at layer 9, but this worker serves layers 20-29"):
         RemotePipeline(three, [workers[1].addr, workers[0].addr])
 
 
-def test_mismatched_shard_is_refused_naming_both_sides(shards: Callable[..., Path], workers: list[Worker]) -> None:
+def test_mismatched_shard_is_refused_naming_both_sides(shards: Callable[..., Path], workers: list[Proc]) -> None:
     other = shards("gguf", stages=3)  # same model, other weights
     with pytest.raises(ShardlineError, match="precision mismatch: worker has fp32 weights, coordinator has gguf"):
         RemotePipeline(other, [workers[0].addr, workers[1].addr])
 
 
-def test_garbage_on_one_connection_does_not_stop_the_worker(three: Path, workers: list[Worker]) -> None:
-    remote = RemotePipeline(three, [w.addr for w in workers], RunConfig(), activations="f32")
+def test_garbage_on_one_connection_does_not_stop_the_worker(three: Path, workers: list[Proc],
+                                                           local: LocalPipeline) -> None:
+    remote = _remote(three, workers)
     host, port = workers[0].addr.split(":")
     with socket.create_connection((host, int(port))) as junk:
         junk.sendall(b"\x00garbage that is not a frame\xff" * 10)
         time.sleep(0.2)
     prompt = _prompts(three)[0]
-    assert _run(remote, prompt, SamplingConfig(max_tokens=8)) == _run(LocalPipeline(three), prompt,
-                                                                        SamplingConfig(max_tokens=8))
-    remote.shutdown()
+    try:
+        assert _run(remote, prompt, SamplingConfig(max_tokens=8)) == _run(local, prompt, SamplingConfig(max_tokens=8))
+    finally:
+        remote.shutdown()
 
 
 def test_killed_and_restarted_worker_is_reconnected(three: Path) -> None:
-    first, last = Worker(three, "1"), Worker(three, "2")
+    first, last = worker(three, "1"), worker(three, "2")
     try:
-        remote = RemotePipeline(three, [first.addr, last.addr], RunConfig(), activations="f32")
+        remote = _remote(three, [first, last])
         prompt = _prompts(three)[1]
         before = _run(remote, prompt, SamplingConfig(max_tokens=8))
-        port = int(last.addr.split(":")[1])
+        port = last.port
         last.stop()
-        last = Worker(three, "2", port=port)
+        last = worker(three, "2", port=port)
         assert _run(remote, prompt, SamplingConfig(max_tokens=8)) == before
         remote.shutdown()
     finally:
@@ -143,14 +213,14 @@ def test_killed_and_restarted_worker_is_reconnected(three: Path) -> None:
 
 
 def test_worker_dying_mid_stream_fails_the_step_not_hangs(three: Path) -> None:
-    first, last = Worker(three, "1"), Worker(three, "2")
+    first, last = worker(three, "1"), worker(three, "2")
     try:
-        remote = RemotePipeline(three, [first.addr, last.addr], RunConfig(), activations="f32")
-        stream = remote.open(SamplingConfig())
-        token = remote.advance(stream, Prefill(_prompts(three)[0])).token
+        remote = _remote(three, [first, last])
+        book = KVBook()
+        (out,) = ok(run(remote, prefill(1, book, _prompts(three)[0], GREEDY, first=True, last=True)))
         last.stop()
-        with ThreadPoolExecutor(1) as pool, pytest.raises(ShardlineError, match=r"lost (worker|the next worker)"):
-            pool.submit(remote.advance, stream, Decode(token)).result(timeout=60)
+        (failed,) = run(remote, decode(1, book, [out.choices[0].token], GREEDY), timeout=60)
+        assert failed.failed and ("lost worker" in failed.error or "lost the next worker" in failed.error)
         remote.shutdown()
     finally:
         first.stop()

@@ -17,9 +17,11 @@ import openai
 import pytest
 
 from shardline.config import RunConfig, SamplingConfig
-from shardline.decoding.generate import generate
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
+from shardline.serving.admission import Limits
+from shardline.serving.engine import Engine
+from shardline.serving.generate import tokens
 from tests.conftest import CHAT_PROMPTS
 
 SHARDLINE = str(Path(sys.executable).parent / "shardline")
@@ -73,10 +75,15 @@ def tok(two: Path) -> ChatTokenizer:
 def alone(two: Path, tok: ChatTokenizer) -> dict[str, str]:
     """Greedy answers computed in-process: what each request must return over HTTP."""
     pipe = LocalPipeline(two, RunConfig())
+    engine = Engine(pipe, Limits(1, 1), 8192)
     out = {}
-    for p in CHAT_PROMPTS:
-        ids = tok.encode_chat([{"role": "user", "content": p}])
-        out[p] = tok.decode(list(generate(pipe, ids, SamplingConfig(max_tokens=N_NEW), tok.stop_ids, 8192)))
+    try:
+        for p in CHAT_PROMPTS:
+            ids = tok.encode_chat([{"role": "user", "content": p}])
+            out[p] = tok.decode(tokens(engine, ids, SamplingConfig(max_tokens=N_NEW), tok.stop_ids))
+    finally:
+        engine.stop()
+        pipe.shutdown()
     return out
 
 

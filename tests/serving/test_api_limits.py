@@ -24,7 +24,6 @@ import pytest
 
 from shardline.api.app import Served, build_app
 from shardline.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
-from shardline.api.prompt import decode, encode, encode_chat
 from shardline.config import RunConfig
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
@@ -456,12 +455,3 @@ def test_configured_body_limit(engine: Engine, two: Path) -> None:
 
     r = _call(served, "POST", "/v1/chat/completions", content=chunked())
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-
-
-@pytest.mark.parametrize("text", ["", "The capital of France is", "hello " * 1000, "日本語 café 🙂 <|im_end|>\n\t x"])
-def test_gil_free_encoding_equals_the_tokenizer(two: Path, text: str) -> None:
-    tok = ChatTokenizer(two)
-    assert encode(tok, text) == tok.encode(text)
-    messages = [{"role": "user", "content": text}]
-    assert encode_chat(tok, messages) == tok.encode_chat(messages)
-    assert decode(tok, tok.encode(text)) == tok.decode(tok.encode(text))

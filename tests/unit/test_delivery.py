@@ -18,7 +18,7 @@ from shardline.model.manifest import MANIFEST, Manifest, StageEntry, hash_files
 from shardline.node import delivery
 from shardline.node.delivery import DeliveryError, chunks, fetch, lacking, safe_name, stage_files
 from shardline.wire.link import Link, Refused, client_handshake, refuse, server_handshake
-from shardline.wire.messages import PROTOCOL, Hello, Message, Refuse, ShardRequest
+from shardline.wire.messages import PROTOCOL, Activations, Hello, Message, Refuse, ShardRequest
 
 MODEL = "ab" * 32
 SMALL_CHUNK = 4096  # several chunks per file, as a 4 MiB chunk does with real shards
@@ -41,7 +41,7 @@ def _export(folder: Path, model: str = MODEL) -> Manifest:
 
 
 def _hello(role: str, model: str = MODEL, first: int = 0, last: int = 0) -> Hello:
-    return Hello(PROTOCOL, role, model, first, last, "gguf", "f16")
+    return Hello(PROTOCOL, role, model, first, last, "gguf", Activations.F16, "ab" * 16)
 
 
 class Exchange:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from shardline.config import MAX_SEED, SamplingConfig, SamplingParams
-from shardline.decoding.sampler import BadLogits, choose, choose_at, probabilities
+from shardline.decoding.sampler import BadLogits, choose, choose_at, log_softmax, probabilities, top_logprobs
 from shardline.errors import ShardlineError
 from shardline.stage.cache import logits_index
 
@@ -104,3 +104,12 @@ def test_choose_at_maps_every_asked_position_to_its_logits() -> None:
     got = choose_at(logits, sample_at, pick, positions, [SamplingParams(), SamplingParams()])
     assert [c.token for c in got] == [3, 4, 2]
     assert logits_index(np.zeros((0, 2), np.int64), 3)[0].shape == (3, 0)  # a chunk that samples nothing
+
+
+def test_top_logprobs_are_sorted_and_agree_with_log_softmax() -> None:
+    logits = np.random.default_rng(3).standard_normal(1000).astype(np.float32)
+    logp = log_softmax(logits)
+    top = top_logprobs(logp, 5)
+    assert [t for t, _ in top] == list(np.argsort(-logits)[:5])
+    assert all(lp == pytest.approx(logp[t]) for t, lp in top)
+    assert len(top_logprobs(logp[:3], 10)) == 3

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shardline.decoding.sampler import log_softmax_at, top_logprobs
 from shardline.pipeline.timing import breakdown
 from shardline.wire.hops import DECODE, ENCODE, GRAPH, HOST, STAGE, no_hops, with_rows
 from shardline.wire.messages import HOP_COLUMNS, RELAY
@@ -42,11 +41,3 @@ def test_breakdown_attributes_every_row_and_leaves_the_wire_as_remainder() -> No
     assert t.wire_s == pytest.approx(0.060 - 0.052 - 0.00035 - 0.0008 - 0.0013 - 0.0011)
     assert sum(t.parts().values()) == pytest.approx(t.total_s)
     assert list(t.parts())[:3] == ["graph stage 0", "graph stage 1", "graph stage 2"]
-
-
-def test_top_logprobs_are_sorted_and_agree_with_log_softmax() -> None:
-    logits = np.random.default_rng(3).standard_normal(1000).astype(np.float32)
-    top = top_logprobs(logits, 5)
-    assert [t for t, _ in top] == list(np.argsort(-logits)[:5])
-    assert all(lp == pytest.approx(log_softmax_at(logits, t)) for t, lp in top)
-    assert len(top_logprobs(logits[:3], 10)) == 3

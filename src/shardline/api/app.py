@@ -23,7 +23,7 @@ from shardline.api.generation import Generation, check_alive
 from shardline.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from shardline.api.logprobs import ChatLogprobs, LegacyLogprobs, TokenLogprob, TokenText
 from shardline.api.metrics import ServerMetrics
-from shardline.api.prompt import decode, encode, encode_chat, tokenize
+from shardline.api.prompt import tokenize
 from shardline.api.schemas import ApiError, ChatRequest, CompletionRequest, Sampling, now, usage
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.serving.engine import Engine
@@ -83,7 +83,7 @@ def build_app(served: Served) -> FastAPI:
     async def chat(body: ChatRequest, request: Request) -> Response:
         _admit(served, body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = await tokenize(encode_chat, served.tok, messages, "messages")
+        prompt = await tokenize(ChatTokenizer.encode_chat, served.tok, messages, "messages")
         shape = _ChatShape(served.model_id, ChatLogprobs(token_text) if body.wants_logprobs() else None)
         return await _respond(generation("chat", prompt, body), body, request, shape)
 
@@ -91,10 +91,10 @@ def build_app(served: Served) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _admit(served, body)
         if isinstance(body.prompt, str):
-            prompt, prompt_text = await tokenize(encode, served.tok, body.prompt, "prompt"), body.prompt
+            prompt, prompt_text = await tokenize(ChatTokenizer.encode, served.tok, body.prompt, "prompt"), body.prompt
         else:
             prompt = _known_ids(body.prompt, served.tok.vocab_size)
-            prompt_text = await run_in_threadpool(decode, served.tok, prompt) if body.wants_logprobs() else ""
+            prompt_text = await run_in_threadpool(served.tok.decode, prompt) if body.wants_logprobs() else ""
         fmt = LegacyLogprobs(token_text, len(prompt_text)) if body.wants_logprobs() else None
         return await _respond(generation("completion", prompt, body), body, request, _TextShape(served.model_id, fmt))
 

@@ -61,7 +61,7 @@ class TokenText:
     """Each token's own bytes and text (cached: a server sees the same tokens again and again)."""
 
     def __init__(self, tok: ChatTokenizer) -> None:
-        self._raw: Tokenizer = tok._tok  # the vocabulary itself; ChatTokenizer has no accessor for it
+        self._raw: Tokenizer = tok.raw  # the vocabulary itself
         self._byte_level = _is_byte_level(json.loads(self._raw.to_str()).get("decoder"))
         self._alphabet = byte_alphabet()
         self._added = {i: t.content for i, t in self._raw.get_added_tokens_decoder().items()}

@@ -38,8 +38,16 @@ class ChatTokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size())
 
+    @property
+    def raw(self) -> Tokenizer:
+        """The `tokenizers` Tokenizer itself (its vocabulary: token strings and bytes)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
-        ids = list(self._tok.encode(text, add_special_tokens=False).ids)
+        # encode_batch, not encode: it releases the GIL while it works, so a long prompt being
+        # tokenized on a worker thread does not stall the server's event loop (measured 1-1.7 s
+        # for a 1.9 MB prompt with encode).
+        ids = list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
         if self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
@@ -53,7 +61,7 @@ class ChatTokenizer:
         return self.encode(self.chat_prompt(messages))
 
     def decode(self, ids: list[int]) -> str:
-        return str(self._tok.decode(ids, skip_special_tokens=True))
+        return str(self._tok.decode_batch([ids], skip_special_tokens=True)[0])
 
 
 class StreamDecoder:
@@ -61,7 +69,7 @@ class StreamDecoder:
     incomplete UTF-8 sequences held back until a later token completes them)."""
 
     def __init__(self, tok: ChatTokenizer) -> None:
-        self._tok = tok._tok
+        self._tok = tok.raw
         self._stream = DecodeStream(skip_special_tokens=True)
 
     def push(self, token: int) -> str:

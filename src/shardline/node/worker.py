@@ -39,12 +39,12 @@ from shardline.config import RunConfig
 from shardline.errors import ShardlineError, StepRefused
 from shardline.host import parse_hostport
 from shardline.model.manifest import Manifest, load_manifest, verify
-from shardline.node.delivery import DeliveryError, fetch, stage_files
+from shardline.node.delivery import CHUNK, DeliveryError, fetch, stage_files
 from shardline.node.execute import run_stages, sampled
 from shardline.stage.runner import StageRunner
 from shardline.wire.codec import WireError
 from shardline.wire.hops import with_rows
-from shardline.wire.link import Link, LinkClosed, Refused, client_handshake, refuse, server_handshake
+from shardline.wire.link import Link, LinkClosed, Refused, chunk_payload, client_handshake, refuse, server_handshake
 from shardline.wire.messages import (
     PROTOCOL,
     Activations,
@@ -173,6 +173,7 @@ class StageWorker:
                 if peer.role != Role.COORDINATOR:
                     raise refuse(link, f"the worker for stages {self.first}-{self.last} has no shard yet: "
                                        f"only a coordinator can deliver it")
+                link.max_payload = chunk_payload(CHUNK)  # shard chunks are bigger than handshake frames
                 manifest, self.received_bytes = fetch(link, self.folder, peer, self.first, self.last)
                 try:
                     self._load(manifest)
@@ -293,7 +294,9 @@ class StageWorker:
 
     def serve_forever(self) -> None:
         while True:
-            self.handle_next(None)
+            # Bounded: a signal that lands while this thread is on its way into an unbounded
+            # wait (handing the GIL over) would not interrupt it, and Ctrl-C would be lost.
+            self.handle_next(0.2)
 
     def handle_next(self, timeout: float | None) -> bool:
         """Handle one queued item (False when none came within `timeout`). Never raises."""

@@ -40,6 +40,7 @@ from shardline.pipeline.local import prepare
 from shardline.pipeline.plan import DecodeStep, Outcome, PrefillStep, Step
 from shardline.pipeline.timing import breakdown
 from shardline.stage.runner import StageRunner
+from shardline.wire.codec import WireError
 from shardline.wire.hops import no_hops, with_rows
 from shardline.wire.link import Link, LinkClosed, Refused, client_handshake, refuse
 from shardline.wire.messages import (
@@ -61,6 +62,7 @@ from shardline.wire.messages import (
 
 ACTIVATIONS = {"f16": np.float16, "f32": np.float32}
 RECONNECT_S = 10.0  # how long a new stream waits for a chain that broke to come back
+HANDSHAKE_S = 600.0  # how long a worker may take to answer (delivery, verification, compilation)
 
 
 @dataclass
@@ -129,7 +131,9 @@ class RemotePipeline:
 
     def _connect_one(self, addr: str, prev_last: int, session: str) -> tuple[Link, Hello]:
         try:
-            link = Link.connect(*parse_hostport(addr, "worker"))
+            # A worker may hash its files, receive its shard and compile its stages before it
+            # answers our Hello: give it minutes, not the default seconds.
+            link = Link.connect(*parse_hostport(addr, "worker"), handshake_timeout=HANDSHAKE_S)
         except OSError as e:
             raise ShardlineError(f"cannot reach worker {addr}: {e}") from None
         m = self.manifest
@@ -150,7 +154,7 @@ class RemotePipeline:
 
         try:
             return link, client_handshake(link, mine, check, lambda msg: self._deliver(addr, link, msg))
-        except (Refused, LinkClosed) as e:
+        except (Refused, LinkClosed, WireError) as e:
             link.close()
             raise ShardlineError(f"worker {addr}: {e}") from None
 
