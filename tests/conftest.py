@@ -1,11 +1,14 @@
-"""Session fixtures: the default model is exported once per configuration per test session."""
+"""Session fixtures: the default model is exported once per configuration per test session, and
+the session fails if a test left a process running."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from shardline.config import ExportConfig
@@ -39,3 +42,39 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         return made[key]
 
     return exported
+
+
+# Children the test process keeps until it exits, by design: multiprocessing's resource tracker,
+# started by the first spawn-context pool (the exporter's per-stage processes, `isolate=True`),
+# shared by every later pool and stopped only when this process exits. Nothing else is tolerated.
+NOT_LEAKS = ("from multiprocessing.resource_tracker import main",)
+LEAK_GRACE_S = 3.0  # for a process a test signalled but did not wait for
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    """After the last test, once every other fixture is torn down (this one is set up first):
+    kill any process the tests left running and fail the session, naming each by command line."""
+    yield
+    if left := _kill_leftovers():
+        named = "\n".join(f"  pid {pid}: {cmd}" for pid, cmd in sorted(left.items()))
+        pytest.fail(f"{len(left)} process(es) left running by the tests (now killed):\n{named}", pytrace=False)
+
+
+def _kill_leftovers() -> dict[int, str]:
+    """This process's descendants still running after a grace period (now killed), by pid."""
+    listed = {p: _command(p) for p in psutil.Process().children(recursive=True)}
+    suspects = [p for p, cmd in listed.items() if not any(ok in cmd for ok in NOT_LEAKS)]
+    _, alive = psutil.wait_procs(suspects, timeout=LEAK_GRACE_S)  # reaps those that are exiting
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=10)
+    return {p.pid: listed[p] for p in alive}
+
+
+def _command(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline()) or p.name()
+    except psutil.Error:  # exited (or a zombie) since it was listed
+        return f"<exited, pid {p.pid}>"

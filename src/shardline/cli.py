@@ -12,6 +12,7 @@ from shardline.config import DEFAULT_PREFILL_CHUNK, WEIGHTS, ExportConfig, RunCo
 from shardline.errors import ShardlineError
 from shardline.export.defaults import default_shards
 from shardline.host import parse_hostport
+from shardline.signals import interrupted_exit_code, stop_on_signals
 
 if TYPE_CHECKING:
     pass
@@ -122,6 +123,8 @@ def _relay(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("relay", "worker", "serve"):  # they run until stopped by a signal
+        stop_on_signals()
     try:
         if args.command == "export":
             return _export(args)
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardline: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        return 130
+        return interrupted_exit_code()
 
 
 def _on_ray(args: argparse.Namespace, command: Callable[[argparse.Namespace], int]) -> int:
