@@ -49,6 +49,19 @@ def greedy_ours(pipe: Pipeline, prompt: list[int], n: int, chunk: int | None = N
     return tokens, np.stack([np.asarray(r) for r in rows])
 
 
+def engine_tokens(pipe: Pipeline, prompt: list[int], cfg: SamplingConfig | None = None, chunk: int = 256) -> list[int]:
+    """One request's tokens through an engine over `pipe` (stop tokens not honoured)."""
+    from shardline.serving.admission import Limits
+    from shardline.serving.generate import tokens
+    from shardline.serving.scheduler import SchedulerConfig
+
+    engine = Engine(pipe, Limits(1, 1), 8192, SchedulerConfig(chunk=chunk))
+    try:
+        return tokens(engine, prompt, cfg or SamplingConfig(max_tokens=24))
+    finally:
+        engine.stop()
+
+
 def chain(stages: list[StageRunner], key: object, inputs: StepInputs) -> np.ndarray:
     """One step through `stages` in this thread: logits [B, N, V] of the last position."""
     out = None

@@ -20,14 +20,15 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from shardline.config import RunConfig, SamplingConfig
+from shardline.config import RunConfig, SamplingParams
 from shardline.decoding.sampler import Choice
 from shardline.model.tokenizer import ChatTokenizer
-from shardline.pipeline.inflight import Outcome
 from shardline.pipeline.local import LocalPipeline
+from shardline.pipeline.plan import Outcome, Step, decode, prefill, run
 from shardline.pipeline.remote import RemotePipeline
 from shardline.pipeline.timing import Timing
-from shardline.stage.cache import Decode, Prefill, Step
+from shardline.stage.cache import KVBook
+from tests.helpers import GREEDY, ok
 from tests.multiproc.procs import SHARDLINE, Proc, relay, worker
 
 N_STEPS = 10
@@ -51,18 +52,16 @@ def _prompt(folder: Path) -> list[int]:
 
 
 def _steps(remote: RemotePipeline, prompt: list[int], n: int) -> list[tuple[Outcome, float]]:
-    """n greedy steps through submit/outcomes, each with its round trip as timed from outside."""
-    stream = remote.open(SamplingConfig(max_tokens=n))
-    step: Step = Prefill(prompt)
-    got = []
+    """n greedy steps through submit/outcomes, each with its round trip as timed from outside
+    (from the step's submission: its plan is made before)."""
+    book, got = KVBook(), []
+    step: Step = prefill(1, book, prompt, GREEDY, first=True, last=True)
     for _ in range(n):
         start = time.perf_counter()
-        remote.submit(stream, step)
-        (outcome,) = remote.outcomes(timeout=60)
+        (outcome,) = ok(run(remote, step))
         got.append((outcome, time.perf_counter() - start))
-        assert outcome.choice is not None, outcome.error
-        step = Decode(outcome.choice.token)
-    remote.close(stream)
+        step = decode(1, book, [outcome.choices[0].token], GREEDY)
+    remote.release(1)
     return got
 
 
@@ -118,14 +117,16 @@ def test_a_delay_on_every_hop_is_wire_time_and_nothing_else(three: Path, workers
         assert abs(median(delayed, part) - median(direct, part)) < 0.003  # none of the delay lands here
 
 
-def _advance_all(pipe: LocalPipeline | RemotePipeline, prompt: list[int], cfg: SamplingConfig) -> list[Choice]:
-    stream = pipe.open(cfg)
-    step: Step = Prefill(prompt)
-    choices = []
-    for _ in range(cfg.max_tokens):
-        choices.append(pipe.advance(stream, step))
-        step = Decode(choices[-1].token)
-    pipe.close(stream)
+def _advance_all(pipe: LocalPipeline | RemotePipeline, prompt: list[int], n: int, want_logits: bool = False,
+                 top: int = 0) -> list[Choice]:
+    params = SamplingParams(top_logprobs=top)
+    book, choices = KVBook(), []
+    step: Step = prefill(1, book, prompt, params, first=True, last=True, want_logits=want_logits)
+    for _ in range(n):
+        (outcome,) = ok(run(pipe, step))
+        choices.append(outcome.choices[0])
+        step = decode(1, book, [choices[-1].token], params, want_logits=want_logits)
+    pipe.release(1)
     return choices
 
 
@@ -135,24 +136,33 @@ def test_full_logits_travel_only_on_request_and_equal_the_in_process_logits(
     prompt, last = _prompt(three), remote.links[-1]
 
     before = last.bytes_received
-    plain = _advance_all(remote, prompt, SamplingConfig(max_tokens=6))
+    plain = _advance_all(remote, prompt, 6)
     top1_bytes = (last.bytes_received - before) / len(plain)
     assert all(c.logits is None for c in plain)
 
     before = last.bytes_received
-    full = _advance_all(remote, prompt, SamplingConfig(max_tokens=6, logprobs=5))
+    full = _advance_all(remote, prompt, 6, want_logits=True)
     full_bytes = (last.bytes_received - before) / len(full)
+    before = last.bytes_received
+    tops = _advance_all(remote, prompt, 6, top=5)
+    top5_bytes = (last.bytes_received - before) / len(tops)
     remote.shutdown()
 
     vocab = full[0].logits.shape[0] if full[0].logits is not None else 0
     assert top1_bytes < 300  # token, logprob, the hops: no logits
+    assert top5_bytes < top1_bytes + 5 * 12 + 64  # five ids and logprobs more, not the logits
     assert full_bytes > 4 * vocab
-    local = _advance_all(LocalPipeline(three, RunConfig()), prompt, SamplingConfig(max_tokens=6, logprobs=5))
+    with LocalPipeline(three, RunConfig()) as pipe:
+        local = _advance_all(pipe, prompt, 6, want_logits=True)
     assert [c.token for c in full] == [c.token for c in local] == [c.token for c in plain]
     for r, ref in zip(full, local, strict=True):
         assert r.logits is not None and ref.logits is not None
         np.testing.assert_allclose(r.logits, ref.logits, atol=1e-4, rtol=0)
         assert r.logprob == pytest.approx(ref.logprob, abs=1e-5)
+    for t, ref in zip(tops, local, strict=True):  # the top 5 the last worker computed
+        assert ref.logits is not None and len(t.top) == 5
+        order = np.argsort(-ref.logits)[:5].tolist()
+        assert [i for i, _ in t.top] == order and t.top[0] == (t.token, pytest.approx(t.logprob, abs=1e-6))
 
 
 def test_generate_prints_top_logprobs_to_stderr(three: Path, workers: list[Proc]) -> None:

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from shardline.config import RunConfig, SamplingConfig
-from shardline.decoding.generate import generate
 from shardline.errors import ShardlineError
 from shardline.model.manifest import MANIFEST, load_manifest, verify
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.remote import RemotePipeline
+from tests.helpers import engine_tokens
 from tests.multiproc.procs import Proc, worker
 
 GREEDY = SamplingConfig(max_tokens=6)
@@ -44,7 +44,7 @@ def reference(export: Path) -> list[int]:
 
 def _tokens(pipe: LocalPipeline | RemotePipeline, export: Path) -> list[int]:
     prompt = ChatTokenizer(export).encode_chat([{"role": "user", "content": "Name a large mammal."}])
-    return list(generate(pipe, prompt, GREEDY, set(), 8192))
+    return engine_tokens(pipe, prompt, GREEDY)
 
 
 def _files(folder: Path) -> list[str]:
@@ -124,7 +124,7 @@ def test_a_corrupt_transfer_is_refused_on_both_sides_and_nothing_invalid_is_kept
 def test_an_empty_worker_refuses_to_start_from_another_worker(export: Path, tmp_path: Path) -> None:
     """Only a coordinator can deliver a shard: a worker that asks an empty worker is told so."""
     from shardline.wire.link import Link, Refused, client_handshake
-    from shardline.wire.messages import PROTOCOL, Hello
+    from shardline.wire.messages import PROTOCOL, Activations, Hello, Role
 
     empty = worker(tmp_path / "w", "2")
     try:
@@ -132,7 +132,8 @@ def test_an_empty_worker_refuses_to_start_from_another_worker(export: Path, tmp_
         m = load_manifest(export)
         with pytest.raises(Refused, match="^the worker for stages 2-2 has no shard yet: only a coordinator can "
                                           "deliver it$"):
-            client_handshake(link, Hello(PROTOCOL, "worker", m.model_hash, 10, 19, m.weights, "any"), lambda _: None)
+            client_handshake(link, Hello(PROTOCOL, Role.WORKER, m.model_hash, 10, 19, m.weights, Activations.ANY,
+                                         "ab" * 16), lambda _: None)
         link.close()
     finally:
         empty.stop()

@@ -20,13 +20,13 @@ from ray.cluster_utils import Cluster
 
 from shardline.cluster.fleet import Fleet, FleetConfig
 from shardline.config import RunConfig, SamplingConfig
-from shardline.decoding.generate import generate
 from shardline.errors import ShardlineError
 from shardline.export.defaults import planned_folder
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.remote import RemotePipeline
 from tests.conftest import CHAT_PROMPTS
+from tests.helpers import engine_tokens
 
 SHARDLINE = str(Path(sys.executable).parent / "shardline")
 GIB = 1 << 30
@@ -81,7 +81,7 @@ def _prompts(folder: Path) -> list[list[int]]:
 
 
 def _tokens(pipe: LocalPipeline | RemotePipeline, prompt: list[int]) -> list[int]:
-    return list(generate(pipe, prompt, SamplingConfig(max_tokens=N_NEW), set(), 8192))
+    return engine_tokens(pipe, prompt, SamplingConfig(max_tokens=N_NEW))
 
 
 def _assert_gone(addresses: list[str], pids: list[int]) -> None:

@@ -21,11 +21,10 @@ from shardline.pipeline.plan import Pipeline, decode, prefill, run
 from shardline.pipeline.remote import RemotePipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine
-from shardline.serving.generate import tokens
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.stage.cache import KVBook
 from tests.conftest import CHAT_PROMPTS
-from tests.helpers import GREEDY, greedy_ours, ok, staggered
+from tests.helpers import GREEDY, engine_tokens, greedy_ours, ok, staggered
 from tests.multiproc.procs import Proc, worker
 
 N_NEW = 24
@@ -51,11 +50,7 @@ def local(three: Path) -> Iterator[LocalPipeline]:
 
 
 def _run(pipe: Pipeline, prompt: list[int], cfg: SamplingConfig, chunk: int = 256) -> list[int]:
-    engine = Engine(pipe, Limits(1, 1), 8192, SchedulerConfig(chunk=chunk))
-    try:
-        return tokens(engine, prompt, cfg)
-    finally:
-        engine.stop()
+    return engine_tokens(pipe, prompt, cfg, chunk)
 
 
 def _prompts(folder: Path) -> list[list[int]]:

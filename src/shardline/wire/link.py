@@ -202,6 +202,13 @@ class Link:
             return False
 
     def close(self) -> None:
+        """End the connection now. shutdown() first: while another thread is blocked reading
+        this socket, close() alone neither wakes it nor sends the FIN (the kernel keeps the
+        socket open for that read), so the peer would never learn we left."""
+        shutdown = getattr(self.transport, "shutdown", None)
+        if shutdown is not None:
+            with contextlib.suppress(OSError):
+                shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.transport.close()
 
