@@ -41,6 +41,7 @@ from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Request
+from shardline.serving.scheduler import SchedulerConfig
 
 PROMPTS = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
            "Explain how a bicycle stays upright.", "List five uses of a paperclip.",
@@ -102,7 +103,8 @@ def main() -> int:
     folder = shard_folder(args.work, 2, balance=True)
     tok = ChatTokenizer(folder)
     chats = [tok.encode_chat([{"role": "user", "content": t}]) for t in PROMPTS]
-    systems = {g: Engine(LocalPipeline(folder, RunConfig(), groups=g), Limits(8, 8), 8192) for g in (0, 1, 2)}
+    systems = {g: Engine(LocalPipeline(folder, RunConfig()), Limits(8, 8), 8192, SchedulerConfig(groups=g))
+               for g in (0, 1, 2)}
     for engine in systems.values():  # warm-up: first calls of each shape, a first join
         run(engine, chats[:2], 4)
     alone = {i: run(systems[0], [c], n)[1][0] for i, c in enumerate(chats)}
@@ -120,6 +122,7 @@ def main() -> int:
                 print(f"rep {r + 1}/{reps} groups {g}, {s} streams: {rate:.1f} tok/s", file=sys.stderr)
     for engine in systems.values():
         engine.stop()
+        engine.pipe.shutdown()
     rates = [float(r) for r in args.rates.split(",") if r] if not args.quick else [2.0]
     served = http(folder, rates, 8 if args.quick else args.requests, n) if rates else {}
     med = {k: statistics.median(v) for k, v in tps.items()}

@@ -7,6 +7,9 @@ A round trip is two hops: encode, socket, decode, twice. Per hop = round trip / 
 What a worker does between receiving and sending (its graph, building its output frame) is
 not transport: the pipeline's per-token breakdown reports it as worker host time.
 
+Also the mask's bytes per hop at 4096 columns (issue 9): runs of ones (protocol 4) against the
+u8 row protocol 3 sent and the i64 row the graph takes, with and without holes.
+
 Cases: each process pinned to its own core (as on two machines), both on one core (a woken
 process waits for the other to yield it), and, to split the figure, the bare socket round trip
 of the same bytes and the codec alone in one process.
@@ -30,20 +33,59 @@ from typing import Any
 
 import numpy as np
 
+from shardline.config import SamplingParams
 from shardline.wire.codec import decode, encode
 from shardline.wire.link import Link, LinkClosed
-from shardline.wire.messages import HOP_COLUMNS, Forward
+from shardline.wire.messages import HOP_COLUMNS, Forward, Phase, mask_to_runs, runs_to_mask
 
 HIDDEN, SLOTS = 576, 200  # the default model's hidden size; a mid-conversation cache
+LONG = 4096  # mask width (cached slots + the new token) of the bytes-per-hop comparison
+_ARRAY_HEAD_2D = 3 + 2 * 4  # present, dtype, ndim, then two u32 dims (codec.py)
 
 
-def forward(rows: int = 1) -> Forward:
+def mask_with_holes(width: int, holes: list[tuple[int, int]]) -> np.ndarray:
+    """A one-row [1, width] i64 mask of ones with (start, length) holes masked out (rejected drafts)."""
+    mask = np.ones((1, width), np.int64)
+    for start, n in holes:
+        mask[0, start : start + n] = 0
+    return mask
+
+
+def forward(slots: int = SLOTS, rows: int = 1, mask: np.ndarray | None = None) -> Forward:
+    """A decode step's Forward of one stream: one new token over `slots` cached ones."""
     rng = np.random.default_rng(0)
-    return Forward(stream=1, seq=7, phase="decode", rows=[1], keep=[0], merge=[],
-                   hidden=rng.standard_normal((1, 1, HIDDEN)).astype(np.float16),
-                   attention_mask=np.ones((1, SLOTS + 1), np.uint8), position_ids=np.array([[SLOTS]], np.int64),
-                   sampling=[{"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}], want_logits=False,
-                   hops=np.zeros((rows, len(HOP_COLUMNS)), np.float64))
+    mask = np.ones((1, slots + 1), np.int64) if mask is None else mask
+    width = int(mask.shape[1])
+    return Forward(key=1, seq=7, phase=Phase.DECODE, first=False, slots=width, want_logits=False,
+                   sampling=[SamplingParams()], rows=np.array([1], np.int64), keep=np.array([0], np.int64),
+                   merge=np.zeros(0, np.int64), hidden=rng.standard_normal((1, 1, HIDDEN)).astype(np.float16),
+                   mask_runs=mask_to_runs(mask), position_ids=np.array([[width - 1]], np.int64),
+                   sample_at=np.zeros((1, 2), np.int64), hops=np.zeros((rows, len(HOP_COLUMNS)), np.float64))
+
+
+def mask_bytes(holes: list[tuple[int, int]], width: int = LONG, reps: int = 2000) -> dict[str, Any]:
+    """What the mask weighs in one decode step's Forward at `width` columns, three ways: runs of
+    ones (protocol 4), the u8 row protocol 3 sent, the i64 row the graph takes; and the whole
+    frame in each case (the same frame with only the mask array swapped: each array is a
+    3 + 4 * ndim byte header and its raw bytes). Also the time to make the runs from the mask
+    (coordinator) and the mask from the runs (each worker)."""
+    mask = mask_with_holes(width, holes)
+    runs = mask_to_runs(mask)
+    frame = len(encode(forward(mask=mask), stamp=True))
+    as_runs = _ARRAY_HEAD_2D + runs.nbytes
+    as_u8, as_i64 = _ARRAY_HEAD_2D + width, _ARRAY_HEAD_2D + 8 * width
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        mask_to_runs(mask)
+    t1 = time.perf_counter()
+    for _ in range(reps):
+        runs_to_mask(runs, 1, width)
+    t2 = time.perf_counter()
+    return {"width": width, "holes": len(holes), "runs": int(runs.shape[0]),
+            "mask_bytes": {"runs (protocol 4)": as_runs, "u8 row (protocol 3)": as_u8, "i64 row (graph input)": as_i64},
+            "frame_bytes": {"runs (protocol 4)": frame, "u8 row (protocol 3)": frame - as_runs + as_u8,
+                            "i64 row (graph input)": frame - as_runs + as_i64},
+            "mask_to_runs_us": round((t1 - t0) / reps * 1e6, 2), "runs_to_mask_us": round((t2 - t1) / reps * 1e6, 2)}
 
 
 def _pin(cpu: int | None) -> None:
@@ -166,15 +208,42 @@ def print_table(figures: dict[str, Any]) -> None:
           f"frame {c['frame_bytes']} B")
 
 
+# Holes as speculation leaves them: rejected drafts masked out here and there in a long cache.
+HOLES = [(1000, 3), (2200, 5), (3100, 2), (3900, 4), (4050, 1)]
+
+
+def masks() -> dict[str, dict[str, Any]]:
+    return {"no holes": mask_bytes([]), f"{len(HOLES)} holes": mask_bytes(HOLES)}
+
+
+def print_masks(figures: dict[str, dict[str, Any]]) -> None:
+    print(f"\nbytes per hop at {LONG} mask columns: a decode step's Forward (1 row, f16 hidden {HIDDEN}, "
+          "one hops row); the mask array (header + data) and the whole frame")
+    print(f"{'mask':<10}{'sent as':<24}{'runs':>6}{'mask B':>9}{'frame B':>9}{'frame / runs':>14}")
+    for name, m in figures.items():
+        base = m["frame_bytes"]["runs (protocol 4)"]
+        for way, size in m["mask_bytes"].items():
+            frame = m["frame_bytes"][way]
+            print(f"{name:<10}{way:<24}{m['runs']:>6}{size:>9}{frame:>9}{frame / base:>14.2f}")
+    for name, m in figures.items():
+        print(f"{name}: mask -> runs {m['mask_to_runs_us']:.1f} us (coordinator), runs -> i64 mask "
+              f"{m['runs_to_mask_us']:.1f} us (each worker)")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trips", type=int, default=3000)
     args = p.parse_args()
+    mask_figures = masks()
     figures = measure(args.trips)
     print_table(figures)
+    print_masks(mask_figures)
     own = figures["own core each"]["median_us"]
-    print(json.dumps({"hop_us_median_own_core": own, "target_us": 100, "load_avg_1m": round(os.getloadavg()[0], 2),
-                      **figures}))
+    plain = mask_figures["no holes"]["frame_bytes"]
+    ratios = {"frame_u8_vs_runs_4096": round(plain["u8 row (protocol 3)"] / plain["runs (protocol 4)"], 2),
+              "frame_i64_vs_runs_4096": round(plain["i64 row (graph input)"] / plain["runs (protocol 4)"], 2)}
+    print(json.dumps({**ratios, "hop_us_median_own_core": own, "target_us": 100,
+                      "load_avg_1m": round(os.getloadavg()[0], 2), **figures, "mask_bytes_4096": mask_figures}))
     return 0
 
 

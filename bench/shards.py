@@ -6,13 +6,15 @@ import sys
 from pathlib import Path
 
 from shardline.config import ExportConfig
+from shardline.model.manifest import FORMAT_VERSION
 
 
 def shard_folder(work: Path, stages: int, balance: bool = False) -> Path:
-    """Named alike by every script, so each reuses the others' exports."""
+    """Named alike by every script, so each reuses the others' exports. The name carries the
+    manifest format: an export made by an older shardline is never picked up (it would be refused)."""
     from shardline.export.exporter import export
 
-    folder = work / f"smollm2-135m-gguf-{stages}stages{'-balanced' if balance else ''}"
+    folder = work / f"smollm2-135m-gguf-{stages}stages{'-balanced' if balance else ''}-f{FORMAT_VERSION}"
     if not (folder / "manifest.json").is_file():
         print(f"exporting {folder} ...", file=sys.stderr)
         work.mkdir(parents=True, exist_ok=True)
