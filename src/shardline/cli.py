@@ -78,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                    help="prompt tokens per prefill step; chunks interleave with running streams' decode steps")
     s.add_argument("--max-prefills", type=int, default=2, help="prompts prefilling at once (oldest first)")
+    s.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get 413")
     s.add_argument("--threads", type=int, help="OpenVINO threads per stage")
     s.add_argument("--device", default="CPU")
     s.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact")
@@ -196,7 +197,7 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(host=args.host, port=args.port, max_streams=args.max_streams, max_queue=args.max_queue,
                       default_max_tokens=args.max_tokens, model_id=args.model_id,
                       decode_groups=args.decode_groups, prefill_chunk=args.prefill_chunk,
-                      max_prefills=args.max_prefills)
+                      max_prefills=args.max_prefills, max_body_bytes=args.max_body_bytes)
     run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
     serve(args.shards or default_shards(), run, cfg, args.workers.split(",") if args.workers else None)
     return 0

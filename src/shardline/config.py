@@ -165,6 +165,7 @@ class ServeConfig:
     # (the default is the knee measured by bench/prefill.py, BENCHMARKS.md).
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     max_prefills: int = 2  # prompts prefilling at once, oldest first
+    max_body_bytes: int = 2 << 20  # larger request bodies get 413
 
     def __post_init__(self) -> None:
         if self.decode_groups is not None and self.decode_groups < 0:
@@ -173,6 +174,8 @@ class ServeConfig:
             raise ShardlineError(f"--prefill-chunk must be in 1-65536, got {self.prefill_chunk}")
         if self.max_prefills < 1:
             raise ShardlineError("--max-prefills must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise ShardlineError("--max-body-bytes must be >= 1024")
         if not 0 <= self.port < 65536:
             raise ShardlineError(f"--port must be in 0-65535, got {self.port}")
         if self.max_streams is not None and self.max_streams < 1:

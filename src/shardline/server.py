@@ -15,6 +15,7 @@ from shardline.serving.engine import Engine
 from shardline.serving.scheduler import SchedulerConfig
 
 STREAM_CAP = 64
+SHUTDOWN_GRACE_S = 3
 # What one open stream costs beyond its KV, per stage (its InferRequest's buffers). Measured
 # on the default model, 2 stages, 257 tokens: 14.1 MB per stream of which 11.8 MB is KV
 # (BENCHMARKS.md); rounded up.
@@ -78,12 +79,15 @@ def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | N
     from shardline.model.tokenizer import ChatTokenizer
 
     engine, manifest = open_engine(folder, run, cfg, workers)
-    served = Served(engine, ChatTokenizer(folder), model_id(manifest, cfg), cfg.default_max_tokens)
+    served = Served(engine, ChatTokenizer(folder), model_id(manifest, cfg), cfg.default_max_tokens,
+                    cfg.max_body_bytes)
     sock = socket.create_server((cfg.host, cfg.port))  # bound here, so port 0 reports its real port
     host, port = sock.getsockname()[:2]
     print(f"serving {served.model_id} ({len(manifest.stages)} stages, up to {engine.limits.max_streams} streams) "
           f"on http://{host}:{port}/v1", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(build_app(served), log_level="warning"))
+    # A stop (Ctrl-C, SIGTERM) waits for open streams at most this long, then ends them.
+    server = uvicorn.Server(uvicorn.Config(build_app(served), log_level="warning",
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     try:
         server.run(sockets=[sock])
     finally:

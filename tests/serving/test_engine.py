@@ -173,6 +173,20 @@ def test_seeded_sampling_does_not_depend_on_batching_chunks_or_split(
         eng.stop()
 
 
+def test_a_replayed_stream_continues_with_the_same_tokens(pipe: LocalPipeline, prompts: list[list[int]]) -> None:
+    """Replay after a fault: the prompt plus the tokens already made, prefilled again with the
+    same seed, continue exactly as the stream would have (each token's randomness comes from
+    its position, which the replay keeps)."""
+    eng = Engine(pipe, Limits(2, 2), 8192, SchedulerConfig(chunk=16))
+    try:
+        cfg = SamplingConfig(max_tokens=30, temperature=0.9, seed=5)
+        whole = tokens(eng, prompts[2], cfg)
+        replay = tokens(eng, prompts[2] + whole[:12], SamplingConfig(max_tokens=18, temperature=0.9, seed=5))
+        assert len(whole) == 30 and replay == whole[12:]
+    finally:
+        eng.stop()
+
+
 def test_queue_bound_and_context_limit(pipe: LocalPipeline, prompts: list[list[int]]) -> None:
     eng = Engine(pipe, Limits(max_streams=1, max_queue=1), max_context=64)
     try:

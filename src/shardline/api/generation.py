@@ -10,6 +10,7 @@ the detokenizer or the stop matcher travels later, and its tokens with it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -82,7 +83,10 @@ class Generation:
         self._events: asyncio.Queue[Event] = asyncio.Queue()
 
         def deliver(ev: Event) -> None:  # called on the engine thread
-            loop.call_soon_threadsafe(self._events.put_nowait, ev)
+            if loop.is_closed():  # the server has shut down: nobody is listening any more
+                return
+            with contextlib.suppress(RuntimeError):  # closed between the check and the call
+                loop.call_soon_threadsafe(self._events.put_nowait, ev)
 
         request = self._request()
         check_alive(self.engine)

@@ -13,7 +13,9 @@ link drops, everything the session held is freed.
 
 Nothing a peer sends ends the process: a frame the codec refuses or a message that has no
 business on a link closes that link; a step that does not fit the state fails that step alone
-(StepFailed to its coordinator); any other exception while handling an item is logged.
+(StepFailed to its coordinator); any other exception while handling an item is logged. Nor does
+it stall the others: a peer that stops reading loses its link once a send to it has made no
+progress for the frame timeout (the one executor would otherwise wait on it for ever).
 
 A worker may start without its shard (`fetch=True`, as `shardline worker` does): the first
 coordinator that connects delivers whatever the folder lacks during the handshake
@@ -44,7 +46,18 @@ from shardline.node.execute import run_stages, sampled
 from shardline.stage.runner import StageRunner
 from shardline.wire.codec import WireError
 from shardline.wire.hops import with_rows
-from shardline.wire.link import Link, LinkClosed, Refused, chunk_payload, client_handshake, refuse, server_handshake
+from shardline.wire.link import (
+    FRAME_TIMEOUT,
+    HANDSHAKE_TIMEOUT,
+    Link,
+    LinkClosed,
+    Refused,
+    _timeval,
+    chunk_payload,
+    client_handshake,
+    refuse,
+    server_handshake,
+)
 from shardline.wire.messages import (
     PROTOCOL,
     Activations,
@@ -121,11 +134,15 @@ def stage_count(folder: Path) -> int | None:
 
 class StageWorker:
     def __init__(self, folder: Path, first: int, last: int, run: RunConfig | None = None, *,
-                 fetch: bool = False) -> None:
+                 fetch: bool = False, frame_timeout: float = FRAME_TIMEOUT,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
         """Serve stages first-last of the export in `folder`. Without `fetch` the folder must hold
         them, verified now (else ShardlineError); with `fetch` whatever is missing or corrupt is
-        received from the first coordinator that connects (the folder may be empty or absent)."""
+        received from the first coordinator that connects (the folder may be empty or absent).
+        `frame_timeout` and `handshake_timeout` apply to every link (wire/link.py; tests make
+        them short); `frame_timeout` also bounds how long a send may make no progress."""
         self.folder, self.first, self.last = folder, first, last
+        self.frame_timeout, self.handshake_timeout = frame_timeout, handshake_timeout
         self.run = run or RunConfig()
         self.stages: list[StageRunner] = []
         self.is_last = False
@@ -203,9 +220,23 @@ class StageWorker:
                 log.warning("accept failed (%s); still accepting", e)
                 time.sleep(_ACCEPT_RETRY_S)  # e.g. out of file descriptors: the others go on
                 continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            link = Link(sock, f"{addr[0]}:{addr[1]}")
-            threading.Thread(target=self._read, args=(link,), daemon=True, name="read").start()
+            # Whatever goes wrong setting up one connection (a reset socket, no thread to read it:
+            # out of threads or memory) costs that connection only: the acceptor must not die.
+            try:
+                link = self._link(sock, f"{addr[0]}:{addr[1]}")
+                threading.Thread(target=self._read, args=(link,), daemon=True, name="read").start()
+            except Exception as e:  # noqa: BLE001
+                log.warning("cannot serve %s:%s (%s); still accepting", addr[0], addr[1], e)
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    def _link(self, sock: socket.socket, name: str) -> Link:
+        """A link on a connected socket, with this worker's timeouts. A send that makes no
+        progress for the frame timeout fails (SO_SNDTIMEO, which leaves the reader's receive
+        timeout alone): Link.send raises LinkClosed, and the link is closed (see _send)."""
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.frame_timeout))
+        return Link(sock, name, frame_timeout=self.frame_timeout, handshake_timeout=self.handshake_timeout)
 
     def _check_peer(self, peer: Hello) -> str | None:
         me = self.hello
@@ -254,11 +285,11 @@ class StageWorker:
         if peer.role == Role.COORDINATOR:
             session = Session(peer.session, next(self._session_nos), link)
             if self.sessions.setdefault(peer.session, session) is not session:
-                raise Refused(f"session {peer.session[:8]} is already connected")
+                raise refuse(link, f"session {peer.session[:8]} is already connected")  # the peer hears why
             return session
         known = self.sessions.get(peer.session)
         if known is None:
-            raise Refused(f"no coordinator of session {peer.session[:8]} is connected here")
+            raise refuse(link, f"no coordinator of session {peer.session[:8]} is connected here")
         return known
 
     def _route(self, link: Link, session: Session, msg: Route) -> None:
@@ -270,11 +301,18 @@ class StageWorker:
             me = self.hello
             assert me is not None  # a Route comes only after this worker's Hello
             try:
-                nxt = Link.connect(*parse_hostport(msg.next, "the next worker"))
+                host, port = parse_hostport(msg.next, "the next worker")
+                nxt = Link.connect(host, port, frame_timeout=self.frame_timeout,
+                                   handshake_timeout=self.handshake_timeout)
+                assert isinstance(nxt.transport, socket.socket)
+                # As on accepted links: a next worker that stops reading cannot hold the executor.
+                nxt.transport.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.frame_timeout))
                 mine = replace(me, session=session.id)
                 client_handshake(nxt, mine, lambda peer: None if peer.first_layer == me.last_layer + 1 else
                                  f"next worker starts at layer {peer.first_layer}, expected {me.last_layer + 1}")
-            except (OSError, ShardlineError, Refused, LinkClosed, WireError) as e:
+            # ValueError: a host name the resolver cannot even encode (UnicodeError from the IDNA
+            # codec, e.g. "..:7001"); before, it escaped as a traceback and the coordinator heard nothing.
+            except (OSError, ValueError, ShardlineError, Refused, LinkClosed, WireError) as e:
                 if nxt is not None:
                     nxt.close()
                 raise refuse(link, f"cannot reach the next worker {msg.next}: {e}") from None
@@ -312,6 +350,8 @@ class StageWorker:
 
     def _handle(self, item: _Item) -> None:
         if isinstance(item, _Routed):
+            if item.session.next is not None and item.session.next is not item.next:
+                item.session.next.close()  # a Route again: the link it replaces goes (else kept until the end)
             item.session.next, item.session.routed = item.next, True
             for held in item.session.held:
                 self._handle(held)
@@ -362,6 +402,7 @@ class StageWorker:
         try:
             session.next.send(reply, stamp=True)
         except LinkClosed as e:  # tell the coordinator now, rather than leave its step hanging
+            session.next.close()  # it may end in the middle of a frame (a send that timed out)
             session.next = None
             me = self.hello
             assert me is not None
@@ -377,8 +418,12 @@ class StageWorker:
 
     @staticmethod
     def _send(link: Link, msg: Message) -> None:
-        with contextlib.suppress(LinkClosed):  # its reader sees the end and frees the session
+        try:
             link.send(msg, stamp=not isinstance(msg, StepFailed))
+        except LinkClosed:
+            # Gone, or not reading (the send timed out, perhaps half way through a frame): close
+            # it either way; its reader sees the end and frees the session.
+            link.close()
 
     def stop(self) -> None:
         self._stopping = True
