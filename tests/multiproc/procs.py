@@ -34,17 +34,34 @@ def with_dispositions(command: list[str], ignore: Iterable[signal.Signals] = ())
     return [sys.executable, "-c", _EXEC_WITH_DISPOSITIONS, ",".join(str(int(s)) for s in ignore), *command]
 
 
+# Sets RLIMIT_NOFILE (soft and hard) to argv[1], then execs argv[2:]: the same pid, with at most
+# that many file descriptors open (no preexec_fn: unsafe once the test has threads).
+_EXEC_WITH_NOFILE = """
+import os, resource, sys
+n = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def with_nofile(command: list[str], nofile: int) -> list[str]:
+    """`command`, allowed at most `nofile` open file descriptors."""
+    return [sys.executable, "-c", _EXEC_WITH_NOFILE, str(nofile), *command]
+
+
 class Proc:
     """A shardline subcommand, ready once a line of its stdout (or stderr, for `serve`) starts with
     `ready`; its address is that line's word `word`. stderr goes to a file (a pipe nobody reads
     could fill and block). Signals in `ignore` start ignored; SIGINT and SIGTERM otherwise start at
-    their defaults, whatever the test process inherited. Stopped (killed) on leaving a `with`."""
+    their defaults, whatever the test process inherited. `nofile`: its limit of open file
+    descriptors (the pid stays the command's own). Stopped (killed) on leaving a `with`."""
 
     def __init__(self, args: list[str], ready: str, word: int = -1, *, ignore: Iterable[signal.Signals] = (),
                  ready_on_stderr: bool = False, env: Mapping[str, str] | None = None,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, nofile: int | None = None) -> None:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="shardline-", suffix=".log")  # noqa: SIM115
-        self.proc = subprocess.Popen(with_dispositions([SHARDLINE, *args], ignore), env=env, text=True,
+        command = [SHARDLINE, *args] if nofile is None else with_nofile([SHARDLINE, *args], nofile)
+        self.proc = subprocess.Popen(with_dispositions(command, ignore), env=env, text=True,
                                      stdout=subprocess.DEVNULL if ready_on_stderr else subprocess.PIPE,
                                      stderr=self.log)
         try:
@@ -99,9 +116,10 @@ class Proc:
         self.stop()
 
 
-def worker(folder: Path, stage: str, port: int = 0, ignore: Iterable[signal.Signals] = ()) -> Proc:
+def worker(folder: Path, stage: str, port: int = 0, ignore: Iterable[signal.Signals] = (),
+           nofile: int | None = None) -> Proc:
     return Proc(["worker", "--shards", str(folder), "--stage", stage, "--listen", f"127.0.0.1:{port}"],
-                "listening on ", ignore=ignore)
+                "listening on ", ignore=ignore, nofile=nofile)
 
 
 def relay(to: str, delay_ms: float, ignore: Iterable[signal.Signals] = ()) -> Proc:
