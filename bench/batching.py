@@ -69,7 +69,12 @@ def compile_stages(folder: Path, run: RunConfig) -> list[ov.CompiledModel]:
 
 
 def infer(request: ov.InferRequest, inputs: Inputs) -> np.ndarray:
-    # Copied inputs, as StageRunner does (a request keeps its last input tensors set).
+    """Copied inputs, as StageRunner does (a request keeps its last input tensors set). A last
+    stage (manifest format 2) also takes `logits_index`: the last position of every row here,
+    so its output is [B, 1, vocab]."""
+    if "logits_index" not in inputs and any(p.any_name == "logits_index" for p in request.model_inputs):
+        b, t = inputs["position_ids"].shape
+        inputs = inputs | {"logits_index": np.full((b, 1), t - 1, np.int64)}
     request.infer(inputs, share_inputs=False)
     return request.get_output_tensor(0).data
 

@@ -19,7 +19,6 @@ import argparse
 import importlib
 import json
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -55,7 +54,10 @@ def _imports_peak_mb(modules: tuple[str, ...], open_model: bool) -> float:
         from shardline.model.source import open_source
 
         open_source(None)
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    # VmHWM, not getrusage's ru_maxrss: Linux keeps ru_maxrss across execve, so a spawned child
+    # would start from its parent's peak.
+    with open("/proc/self/status") as f:
+        return round(next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024, 1)
 
 
 def baseline_mb(modules: tuple[str, ...], open_model: bool = False, reps: int = 3) -> float:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import count
 from pathlib import Path
 
 import hop
@@ -35,14 +36,18 @@ import numpy as np
 from procs import Proc  # bench/ is on sys.path when this script runs
 from shards import shard_folder
 
-from shardline.config import RunConfig, SamplingConfig
+from shardline.config import RunConfig, SamplingParams
 from shardline.model.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
+from shardline.pipeline.plan import Outcome, Step, decode, prefill
+from shardline.pipeline.plan import run as run_step
 from shardline.pipeline.remote import RemotePipeline
 from shardline.pipeline.timing import Timing
-from shardline.stage.cache import Decode, Prefill, Step
+from shardline.stage.cache import KVBook
 
+GREEDY = SamplingParams()
+KEYS = count(1)
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 Pipe = LocalPipeline | RemotePipeline
 
@@ -92,39 +97,35 @@ class Sample:
     timings: list[Timing] = field(default_factory=list)  # per decode step (workers only)
 
 
-def step_once(pipe: Pipe, stream: int, step: Step) -> tuple[int, Timing | None]:
-    """One step: advance() in process; submit() and its outcome through workers (with its timing)."""
-    if isinstance(pipe, LocalPipeline):
-        return pipe.advance(stream, step).token, None
-    pipe.submit(stream, step)
-    (got,) = pipe.outcomes(timeout=120)
-    if got.choice is None:
-        raise RuntimeError(got.error)
-    return got.choice.token, got.timing
+def step_once(pipe: Pipe, step: Step) -> tuple[Outcome, Timing | None]:
+    """One planned step through the pipeline, waited for; its timing through workers only (in
+    process it has graph time alone)."""
+    (out,) = run_step(pipe, step, timeout=120)
+    if out.failed:
+        raise RuntimeError(out.error)
+    return out, out.timing if isinstance(pipe, RemotePipeline) else None
 
 
-def generate(pipe: Pipe, prompt: list[int], n: int, logprobs: int = 0) -> Sample:
-    """Exactly n greedy tokens: one prefill, n-1 decode steps, each timed."""
-    if isinstance(pipe, RemotePipeline):
-        pipe.connect()  # the workers are shared between pipelines: re-route them to this one
+def generate(pipe: Pipe, prompt: list[int], n: int, want_logits: bool = False) -> Sample:
+    """Exactly n greedy tokens: one prefill step, n-1 decode steps, each timed."""
     s = Sample(0.0, [], [])
-    stream = pipe.open(SamplingConfig(max_tokens=n, logprobs=logprobs))
+    key, book = next(KEYS), KVBook()
     links = pipe.links if isinstance(pipe, RemotePipeline) else []
     try:
-        s.tokens.append(step_once(pipe, stream, Prefill(prompt))[0])
+        out, _ = step_once(pipe, prefill(key, book, prompt, GREEDY, first=True, last=True))
+        s.tokens.append(out.choices[0].token)
         for _ in range(n - 1):
-            step: Step = Decode(s.tokens[-1])
             out0, in0 = sum(k.bytes_sent for k in links), sum(k.bytes_received for k in links)
             t = time.perf_counter()
-            token, timing = step_once(pipe, stream, step)
+            out, timing = step_once(pipe, decode(key, book, [s.tokens[-1]], GREEDY, want_logits=want_logits))
             s.step_s.append(time.perf_counter() - t)
-            s.tokens.append(token)
+            s.tokens.append(out.choices[0].token)
             if timing is not None:
                 s.timings.append(timing)
             s.sent.append(sum(k.bytes_sent for k in links) - out0)
             s.received.append(sum(k.bytes_received for k in links) - in0)
     finally:
-        pipe.close(stream)
+        pipe.release(key)
     s.decode_s = sum(s.step_s)
     return s
 
@@ -222,10 +223,9 @@ def main() -> int:
                 samples[name].append(s := generate(pipe, prompt, n))
                 print(f"rep {r + 1}/{reps} {name}: {len(s.step_s) / s.decode_s:.1f} tok/s", file=sys.stderr)
         # Full logits, measured: the same chain with a stream that asks for them.
-        logits_run = generate(pipes["workers-2-chain-f16"], prompt, min(n, 16), logprobs=1)
+        logits_run = generate(pipes["workers-2-chain-f16"], prompt, min(n, 16), want_logits=True)
         for pipe in pipes.values():
-            if isinstance(pipe, RemotePipeline):
-                pipe.shutdown()
+            pipe.shutdown()
 
         sweep: dict[str, dict[str, float]] = {}
         sweep_wire: dict[str, dict[str, float]] = {}  # median wire ms per token
@@ -265,7 +265,7 @@ def main() -> int:
         print(f"{k:<22}{v:>14.1f}{1e3 / v:>10.2f}{ratio(v, tps[ref[k]]) or 0:>15.3f}{same:>13}")
 
     overhead: dict[str, dict[str, float]] = {}
-    print("\nper-hop transport overhead, us: (worker advance() - in-process advance()) / hops, paired by step")
+    print("\nper-hop transport overhead, us: (worker step - in-process step) / hops, paired by step index")
     for k in tps:
         if not k.startswith("workers-"):
             continue
@@ -312,7 +312,7 @@ def main() -> int:
                    "all_hops_top1": total, "all_hops_full_logits": logits_total}
         print(f"{k:<22}{fwd:>9.0f}{sent:>11.0f}{back:>10.0f}{total:>16.0f}{logits_total:>18.0f}")
     print(f"* the last worker's Sampled frame measured with full logits (vocab {vocab}, f32): {full:.0f} B "
-          f"instead of {top1:.0f} B (SamplingConfig.logprobs > 0; the other frames as measured top-1)")
+          f"instead of {top1:.0f} B (a step with want_logits; the other frames as measured top-1)")
 
     if sweep:
         print("\nlatency sweep, 2 workers, f16, relay on every hop (chain 3 delays per token, star 4): tok/s, "

@@ -42,6 +42,7 @@ from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.remote import RemotePipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Request
+from shardline.serving.scheduler import SchedulerConfig
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -89,16 +90,16 @@ def part1(folder: Path, prompt: list[int], n: int, reps: int, pin: bool,
     worker = Proc(worker_cmd, "listening on ", cpus="1" if pin else None)
     try:
         addr = [worker.line.split()[-1]]
-        pipes = {g: RemotePipeline(folder, addr, RunConfig(threads=threads), groups=g) for g in groups}
-        engines = {g: Engine(p, Limits(max_streams=8, max_queue=8), max_context=8192) for g, p in pipes.items()}
+        # One coordinator per setting, all on the same worker: each is a session of its own there.
+        pipes = {g: RemotePipeline(folder, addr, RunConfig(threads=threads)) for g in groups}
+        engines = {g: Engine(p, Limits(max_streams=8, max_queue=8), 8192, SchedulerConfig(groups=g))
+                   for g, p in pipes.items()}
         runs: dict[str, list[float]] = {}
-        for g, engine in engines.items():
-            pipes[g].connect()  # the worker answers the coordinator that routed it last
+        for engine in engines.values():
             concurrency_run(engine, prompt, 2, 8)  # warm-up (and a first merge)
         for r in range(reps):
             for streams in (1, 2, 4, 8):
                 for g, engine in engines.items():
-                    pipes[g].connect()
                     runs.setdefault(f"groups{g}-streams{streams}", []).append(
                         concurrency_run(engine, prompt, streams, n))
                     print(f"  rep {r + 1}: groups {g}, {streams} streams: {runs[f'groups{g}-streams{streams}'][-1]:.1f}"
