@@ -5,9 +5,9 @@ each RunConfig precision: "exact" (f32 compute and KV, no int8 activations), "fa
 int8 activations for compressed weights, u8 KV) and "plugin" (the CPU plugin's defaults: bf16), and
 compared with the reference (transformers, fp32, the very same dequantized weights):
   prefix agreement    share of the N greedy tokens identical up to the first divergence (mean over prompts)
-  teacher-forced      the reference's prompt + greedy tokens fed as one Prefill: share of the N positions
+  teacher-forced      the reference's prompt + greedy tokens fed as one prompt step: share of the N positions
                       whose argmax equals the reference's argmax there
-  perplexity          of a fixed English text (no chat template), from the logits of one Prefill
+  perplexity          of a fixed English text (no chat template), from the logits of one prompt step
 Prefix agreement is all-or-nothing at near-ties (a reference top-2 margin of a few hundredths of a
 logit flips on any perturbation); teacher-forced agreement is the steadier figure.
 
@@ -24,16 +24,20 @@ import json
 import os
 import sys
 import time
+from itertools import count
 from pathlib import Path
 
 import numpy as np
 
-from shardline.config import WEIGHTS, ExportConfig, RunConfig
+from shardline.config import WEIGHTS, ExportConfig, RunConfig, SamplingParams
+from shardline.model.manifest import FORMAT_VERSION
 from shardline.model.source import open_source
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
-from shardline.stage.cache import Prefill
+from shardline.pipeline.plan import PrefillStep, run
+from shardline.stage.cache import KVBook
 
+_KEYS = count(1)
 REPO = Path(__file__).resolve().parents[1]  # for tests.helpers and tests.model.reference (torch, transformers)
 
 PROMPTS = [
@@ -74,7 +78,7 @@ def shard_folder(work: Path, weights: str) -> Path:
     """A 1-stage export (named as bench/parity.py names its own, so either script reuses the other's)."""
     from shardline.export.exporter import export
 
-    folder = work / f"smollm2-135m-{weights}-1stages"
+    folder = work / f"smollm2-135m-{weights}-1stages-f{FORMAT_VERSION}"
     if not (folder / "manifest.json").is_file():
         print(f"exporting {folder} ...", file=sys.stderr)
         export(ExportConfig(out=folder, stages=1, weights=weights, isolate=False, progress=False))
@@ -89,12 +93,18 @@ def perplexity(logits: np.ndarray, ids: list[int]) -> float:
 
 
 def prefill_logits(pipe: LocalPipeline, ids: list[int]) -> np.ndarray:
-    stream = pipe.open()
+    """The logits at every position of `ids`, fed as one prompt step that samples every position."""
+    key, book = next(_KEYS), KVBook()
+    inputs = book.plan(ids)
+    book.commit(inputs)
+    at = np.stack([np.zeros(len(ids), np.int64), np.arange(len(ids), dtype=np.int64)], axis=1)
     try:
-        logits: np.ndarray = pipe.step(stream, Prefill(ids)).copy()  # a view into the request's buffer
-        return logits
+        (out,) = run(pipe, PrefillStep(key, (key,), (SamplingParams(),), inputs, at, True, first=True))
     finally:
-        pipe.close(stream)
+        pipe.release(key)
+    if out.failed:
+        raise RuntimeError(out.error)
+    return np.stack([np.asarray(c.logits) for c in out.choices])
 
 
 def prefix_len(a: list[int], b: list[int]) -> int:
@@ -156,6 +166,7 @@ def main() -> int:
                 "kv": compiled.get_property("KV_CACHE_PRECISION").get_type_name(),
             }
             print(f"{w} {mode}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            pipe.shutdown()
             del pipe, compiled
 
     print(f"\n{len(chats)} chat prompts x {n} greedy tokens, text {len(text_ids)} tokens, "
