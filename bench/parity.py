@@ -22,16 +22,22 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import count
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from shardline.config import ExportConfig, RunConfig
+from shardline.config import ExportConfig, RunConfig, SamplingParams
+from shardline.model.manifest import FORMAT_VERSION
 from shardline.model.source import default_model_path
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
-from shardline.stage.cache import Decode, Prefill, Step
+from shardline.pipeline.plan import Outcome, Step, decode, prefill
+from shardline.pipeline.plan import run as run_step
+from shardline.stage.cache import KVBook
 
+GREEDY = SamplingParams()
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -54,7 +60,7 @@ Runner = Callable[[list[int], int], Sample]
 def shard_folder(work: Path, weights: str, stages: int) -> Path:
     from shardline.export.exporter import export
 
-    folder = work / f"smollm2-135m-{weights}-{stages}stages"
+    folder = work / f"smollm2-135m-{weights}-{stages}stages-f{FORMAT_VERSION}"
     if not (folder / "manifest.json").is_file():
         print(f"exporting {folder} ...", file=sys.stderr)
         export(ExportConfig(out=folder, stages=stages, weights=weights, progress=False))
@@ -62,34 +68,34 @@ def shard_folder(work: Path, weights: str, stages: int) -> Path:
 
 
 def shardline_runner(folder: Path, run_cfg: RunConfig) -> Runner:
+    """The in-process pipeline as shardline runs it (every stage on its own thread): one
+    prefill step, then one decode step per token, each waited for. Graph time per stage comes
+    from each outcome's timing; host is the rest (planning, thread hand-offs, sampling)."""
     pipe = LocalPipeline(folder, run_cfg)
+    keys = count(1)
+
+    def one(step: Step) -> Outcome:
+        (out,) = run_step(pipe, step)
+        if out.failed:
+            raise RuntimeError(out.error)
+        return out
 
     def run(prompt: list[int], n: int) -> Sample:
-        """LocalPipeline.step, unrolled so that each stage.run is timed (graph) apart from the rest (host)."""
-        graph = [0.0] * len(pipe.stages)
-        tokens: list[int] = []
-        stream = pipe.open()
-        book = pipe.book(stream)
+        graph = [0.0] * pipe.n_stages
+        key, book = next(keys), KVBook()
         t0 = time.perf_counter()
-        ttft = 0.0
-        step: Step = Prefill(prompt)
         try:
-            for i in range(n):
-                inputs = book.plan(step)
-                hidden = None
-                for k, stage in enumerate(pipe.stages):
-                    a = time.perf_counter()
-                    hidden = stage.run(stream, inputs, hidden)
-                    if i:
-                        graph[k] += time.perf_counter() - a
-                book.commit(inputs)
-                assert hidden is not None
-                tokens.append(int(np.argmax(hidden[0][-1])))
-                if i == 0:
-                    ttft = time.perf_counter() - t0
-                step = Decode(tokens[-1])
+            out = one(prefill(key, book, prompt, GREEDY, first=True, last=True))
+            tokens = [out.choices[0].token]
+            ttft = time.perf_counter() - t0
+            for _ in range(n - 1):
+                out = one(decode(key, book, [tokens[-1]], GREEDY))
+                tokens.append(out.choices[0].token)
+                assert out.timing is not None
+                for k, g in out.timing.graph_s.items():
+                    graph[k] += g
         finally:
-            pipe.close(stream)
+            pipe.release(key)
         return Sample(ttft, time.perf_counter() - t0 - ttft, tokens, graph)
 
     return run
@@ -103,6 +109,7 @@ def genai_ir_folder(work: Path, shards: Path) -> Path:
     folder = work / f"genai-ir-{shards.name}"
     if (folder / "openvino_detokenizer.xml").is_file():
         return folder
+    import openvino as ov
     from openvino import save_model
     from openvino_tokenizers import convert_tokenizer
     from transformers import PreTrainedTokenizerFast
@@ -114,8 +121,8 @@ def genai_ir_folder(work: Path, shards: Path) -> Path:
     tmp.mkdir(parents=True)
     manifest = load_manifest(shards)
     (stage,) = manifest.stages
-    shutil.copyfile(shards / stage.xml, tmp / "openvino_model.xml")
-    shutil.copyfile(shards / stage.bin, tmp / "openvino_model.bin")
+    save_model(last_position_logits(ov.Core().read_model(shards / stage.xml)), tmp / "openvino_model.xml",
+               compress_to_fp16=False)
     cfg = json.loads((shards / "tokenizer_config.json").read_text())
     hf = PreTrainedTokenizerFast(
         tokenizer_file=str(shards / "tokenizer.json"), eos_token=cfg.get("eos_token"),
@@ -140,6 +147,28 @@ def genai_ir_folder(work: Path, shards: Path) -> Path:
     (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
     tmp.rename(folder)
     return folder
+
+
+def last_position_logits(model: Any) -> Any:
+    """The 1-stage graph with its `logits_index` input (manifest format 2: which positions get
+    logits) replaced by the last position of every row, computed from the shape of input_ids:
+    what openvino_genai feeds is input_ids, attention_mask, position_ids and beam_idx only, and
+    it reads the logits of the last position. Same graph otherwise (same weights, same nodes)."""
+    import numpy as np
+    import openvino.opset15 as ops
+
+    (index,) = [p for p in model.get_parameters() if p.get_friendly_name() == "logits_index"]
+    ids = next(p for p in model.get_parameters() if p.get_friendly_name() == "input_ids")
+    shape = ops.shape_of(ids, "i64")
+    b = ops.gather(shape, np.array([0], np.int64), np.int64(0))
+    last = ops.subtract(ops.gather(shape, np.array([1], np.int64), np.int64(0)), np.array([1], np.int64))
+    rows = ops.broadcast(ops.reshape(last, np.array([1, 1], np.int64), False),
+                         ops.concat([b, np.array([1], np.int64)], 0))
+    for target in list(index.output(0).get_target_inputs()):
+        target.replace_source_output(rows.output(0))
+    model.remove_parameter(index)
+    model.validate_nodes_and_infer_types()
+    return model
 
 
 def genai_runner(model: Path, props: dict[str, str]) -> Runner:
@@ -234,7 +263,8 @@ def print_table(samples: dict[str, list[Sample]], tps: dict[str, float], ttft: d
 def print_breakdown(samples: dict[str, list[Sample]], n: int) -> dict[str, dict[str, float]]:
     """Per decode token: time in each stage.run (graph) and everything else (host), medians over reps."""
     out: dict[str, dict[str, float]] = {}
-    print("\nshardline decode, ms per token: graph (stage.run, per stage) + host (all the rest)")
+    print("\nshardline decode, ms per token: graph (stage.run, per stage) + host (all the rest: planning, "
+          "thread hand-offs, sampling)")
     for key, runs in samples.items():
         if not key.startswith("shardline-"):
             continue
