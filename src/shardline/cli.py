@@ -177,7 +177,8 @@ def _export(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     import logging
 
-    from shardline.node.worker import StageWorker, parse_stage_range, stage_count
+    from shardline.node.shard import parse_stage_range, stage_count
+    from shardline.node.worker import StageWorker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     first, last = parse_stage_range(args.stage, stage_count(args.shards))

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from shardline.config import SamplingParams
-from shardline.node.worker import Session, StageWorker, _Ended, _Received
+from shardline.node.session import Ended, Received, Session
+from shardline.node.worker import StageWorker
 from shardline.wire.hops import no_hops
 from shardline.wire.messages import Forward, Message, Phase, Release, Sampled, StepFailed, mask_to_runs
 
@@ -58,7 +59,7 @@ def _session(worker: StageWorker, no: int) -> tuple[Session, Recorder]:
 def _send(worker: StageWorker, session: Session, msg: Message, link: Any = None) -> Message:
     coordinator: Any = session.coordinator
     before = len(coordinator.sent)
-    worker._handle(_Received(link or coordinator, session, msg, 0.0, 0.0))
+    worker._handle(Received(link or coordinator, session, msg, 0.0, 0.0))
     return coordinator.sent[before] if len(coordinator.sent) > before else None  # type: ignore[no-any-return]
 
 
@@ -76,7 +77,7 @@ def test_first_step_opens_and_bad_steps_fail_alone(worker: StageWorker) -> None:
         reply = _send(worker, s, msg)
         assert isinstance(reply, StepFailed) and why in reply.reason, (why, reply)
     assert isinstance(_send(worker, s, _forward(5, 4, 1)), Sampled)  # the stream goes on
-    worker._handle(_Ended(s))
+    worker._handle(Ended(s))
 
 
 def test_two_sessions_never_see_each_others_keys(worker: StageWorker) -> None:
@@ -88,11 +89,11 @@ def test_two_sessions_never_see_each_others_keys(worker: StageWorker) -> None:
     assert isinstance(_send(worker, a, _forward(5, 3, 1)), Sampled)  # a's cache still has 3 slots
     assert isinstance(_send(worker, b, _forward(5, 6, 1)), Sampled)
     assert sorted(worker.stages[0].keys()) == [(2, 5), (3, 5)]  # type: ignore[type-var]
-    worker._handle(_Ended(a))  # a's coordinator went away: only a's keys go
+    worker._handle(Ended(a))  # a's coordinator went away: only a's keys go
     assert worker.stages[0].keys() == [(3, 5)] and a.id not in worker.sessions
     assert isinstance(_send(worker, b, Release(5)), type(None))
     assert worker.stages[0].keys() == []
-    worker._handle(_Ended(b))
+    worker._handle(Ended(b))
 
 
 def test_a_release_or_a_step_for_another_session_does_nothing_to_it(worker: StageWorker) -> None:
@@ -106,6 +107,6 @@ def test_a_release_or_a_step_for_another_session_does_nothing_to_it(worker: Stag
     stranger = Recorder("upstream")
     _send(worker, a, Release(5), link=stranger)  # a Release only counts from the session's coordinator
     assert worker.stages[0].keys() == [(4, 5)] and stranger.closed
-    worker._handle(_Ended(a))
-    worker._handle(_Ended(b))
+    worker._handle(Ended(a))
+    worker._handle(Ended(b))
     assert worker.stages[0].keys() == []

@@ -532,6 +532,36 @@ def test_a_header_announcing_a_gigabyte_is_refused_at_once(chain: list[Proc], be
     assert proc.memory_info().rss - rss < 64 << 20
 
 
+def test_after_the_handshake_an_announced_gigabyte_costs_only_what_arrives(
+        chain: list[Proc], manifest: Manifest, before: list[int]) -> None:
+    """A handshaken peer may announce up to MAX_PAYLOAD, but the worker's buffer grows only
+    with the bytes that really come (it used to allocate the whole announced frame at once)."""
+    w = chain[1]
+    proc = psutil.Process(w.proc.pid)
+    rss = proc.memory_info().rss
+    peers = [_coordinator(w.addr, manifest, 2) for _ in range(3)]
+    try:
+        for p in peers:
+            p.raw(HEADER.pack(MAGIC, PROTOCOL, Forward.KIND, (1 << 30) - 1, 0) + b"x" * 13)
+        time.sleep(0.5)
+        assert proc.memory_info().rss - rss < 64 << 20
+    finally:
+        for p in peers:
+            p.close()
+
+
+def test_a_coordinator_that_floods_steps_before_its_route_is_dropped(chain: list[Proc], manifest: Manifest,
+                                                                    before: list[int]) -> None:
+    """Steps that arrive before their session's Route are held, at most MAX_QUEUED of them."""
+    w = chain[1]
+    with Peer(w.addr, _hello(manifest, 2)) as p:
+        for key in range(worker_module.MAX_QUEUED + 8):
+            p.send(_step(key, 0, 1, first=True))
+        got = p.until_closed()
+        assert [type(m) for m in got] == [Refuse]
+        assert got[0].reason == f"more than {worker_module.MAX_QUEUED} steps before a Route"  # type: ignore[union-attr]
+
+
 @pytest.fixture(scope="module")
 def inproc(three: Path) -> Iterator[StageWorker]:
     """An in-process worker for the last stage, with timeouts short enough to wait for."""

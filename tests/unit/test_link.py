@@ -136,6 +136,24 @@ def test_a_header_announcing_a_huge_frame_allocates_nothing() -> None:
     assert len(link._buf) <= 1 << 16
 
 
+def test_after_the_handshake_a_huge_frame_costs_memory_only_as_its_bytes_arrive() -> None:
+    """A peer past the handshake may announce up to MAX_PAYLOAD; the buffer grows (at most
+    doubling) with what really arrives, not with what was announced."""
+    c, d = socket.socketpair()
+    link = Link(d, "d")
+    link.max_payload = MAX_PAYLOAD
+
+    def send() -> None:
+        c.sendall(HEADER.pack(MAGIC, PROTOCOL, 8, MAX_PAYLOAD, 0) + b"x" * 300_000)
+        c.close()
+
+    sender, _ = _in_thread(send)
+    with pytest.raises(WireError, match="truncated frame"):
+        link.recv()
+    sender.join(timeout=10)
+    assert len(link._buf) <= 1 << 20
+
+
 def test_a_limit_that_fits_a_shard_chunk() -> None:
     a, b = _pair()
     chunk = ShardChunk("stage1.bin", 0, 1 << 20, "cd" * 32, np.zeros(1 << 17, np.uint8))

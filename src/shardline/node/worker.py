@@ -18,8 +18,8 @@ it stall the others: a peer that stops reading loses its link once a send to it 
 progress for the frame timeout (the one executor would otherwise wait on it for ever).
 
 A worker may start without its shard (`fetch=True`, as `shardline worker` does): the first
-coordinator that connects delivers whatever the folder lacks during the handshake
-(delivery.py); the stages load then and the files stay cached for the next start.
+coordinator that connects delivers whatever the folder lacks during the handshake (shard.py,
+delivery.py); the stages load then and the files stay cached for the next start.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import queue
 import socket
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from itertools import count
 from pathlib import Path
 
@@ -40,9 +40,9 @@ import numpy as np
 from shardline.config import RunConfig
 from shardline.errors import ShardlineError, StepRefused
 from shardline.host import parse_hostport
-from shardline.model.manifest import Manifest, load_manifest, verify
-from shardline.node.delivery import CHUNK, DeliveryError, fetch, stage_files
 from shardline.node.execute import run_stages, sampled
+from shardline.node.session import MAX_QUEUED, Ended, Item, Received, Routed, Session, check_peer
+from shardline.node.shard import Shard
 from shardline.stage.runner import StageRunner
 from shardline.wire.codec import WireError
 from shardline.wire.hops import with_rows
@@ -53,14 +53,11 @@ from shardline.wire.link import (
     LinkClosed,
     Refused,
     _timeval,
-    chunk_payload,
     client_handshake,
     refuse,
     server_handshake,
 )
 from shardline.wire.messages import (
-    PROTOCOL,
-    Activations,
     Forward,
     Hello,
     Message,
@@ -75,131 +72,40 @@ log = logging.getLogger("shardline.worker")
 _ACCEPT_RETRY_S = 0.1  # out of file descriptors: wait a moment, keep accepting
 
 
-@dataclass(eq=False)
-class Session:
-    """One coordinator's chain through this worker."""
-
-    id: str
-    no: int  # the first part of every key this session holds on the stages
-    coordinator: Link
-    next: Link | None = None  # the next worker (daisy chain); None: replies go to the coordinator
-    routed: bool = False  # its Route has been applied
-    held: list[_Received] = field(default_factory=list)  # Forwards that came before the Route
-
-
-@dataclass(frozen=True)
-class _Received:
-    link: Link
-    session: Session
-    msg: Message
-    decode_s: float
-    decoded_at: float
-
-
-@dataclass(frozen=True)
-class _Routed:
-    session: Session
-    next: Link | None
-
-
-@dataclass(frozen=True)
-class _Ended:
-    session: Session
-
-
-_Item = _Received | _Routed | _Ended
-
-
-def parse_stage_range(spec: str, n_stages: int | None) -> tuple[int, int]:
-    """K or K-L; checked against the export's stage count when known (a worker that waits for its
-    shard learns it from the delivered manifest, and refuses a range the model does not have)."""
-    lo, _, hi = spec.partition("-")
-    try:
-        first, last = int(lo), int(hi or lo)
-    except ValueError:
-        raise ShardlineError(f"bad --stage {spec!r} (expected K or K-L)") from None
-    if not 1 <= first <= last < (n_stages if n_stages is not None else last + 1):
-        bound = f"1-{n_stages - 1}" if n_stages is not None else "1 and up"
-        raise ShardlineError(f"--stage {spec!r}: workers host stages {bound} (stage 0 is the coordinator's)")
-    return first, last
-
-
-def stage_count(folder: Path) -> int | None:
-    """Stages of the export in `folder`, or None when it has no readable manifest (yet)."""
-    try:
-        return len(load_manifest(folder).stages)
-    except ShardlineError:
-        return None
-
-
 class StageWorker:
     def __init__(self, folder: Path, first: int, last: int, run: RunConfig | None = None, *,
                  fetch: bool = False, frame_timeout: float = FRAME_TIMEOUT,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
-        """Serve stages first-last of the export in `folder`. Without `fetch` the folder must hold
-        them, verified now (else ShardlineError); with `fetch` whatever is missing or corrupt is
-        received from the first coordinator that connects (the folder may be empty or absent).
-        `frame_timeout` and `handshake_timeout` apply to every link (wire/link.py; tests make
-        them short); `frame_timeout` also bounds how long a send may make no progress."""
-        self.folder, self.first, self.last = folder, first, last
+        """Serve stages first-last of the export in `folder` (shard.py: present, or fetched from
+        the first coordinator with `fetch`). `frame_timeout` and `handshake_timeout` apply to
+        every link (wire/link.py; tests make them short); `frame_timeout` also bounds how long a
+        send may make no progress."""
+        self.shard = Shard(folder, first, last, run or RunConfig(), fetch)
         self.frame_timeout, self.handshake_timeout = frame_timeout, handshake_timeout
-        self.run = run or RunConfig()
-        self.stages: list[StageRunner] = []
-        self.is_last = False
-        self.hello: Hello | None = None  # set once the stages are loaded: the worker is ready
-        self.received_bytes = 0  # shard bytes delivered by a coordinator since this start
         # By id: a reader adds its coordinator's (setdefault: atomic), the executor removes it.
         self.sessions: dict[str, Session] = {}
         self._session_nos = count()
-        self._loading = threading.Lock()
-        self._inbox: queue.Queue[_Item] = queue.Queue()
+        self._inbox: queue.Queue[Item] = queue.Queue()
         self._server: socket.socket | None = None
         self._stopping = False
         self.port = 0
-        if (manifest := self._cached(fetch)) is not None:
-            self._load(manifest)
 
     @classmethod
     def empty(cls, folder: Path, first: int, last: int, run: RunConfig | None = None) -> StageWorker:
         """A worker that takes its shard from the first coordinator unless `folder` holds it."""
         return cls(folder, first, last, run, fetch=True)
 
-    def _cached(self, fetch: bool) -> Manifest | None:
-        """The manifest when the folder holds this worker's stages, verified; else None (fetch)."""
-        try:
-            manifest = load_manifest(self.folder)
-            verify(self.folder, manifest, only=stage_files(manifest, self.first, self.last))
-            return manifest
-        except (ShardlineError, DeliveryError) as e:
-            if not fetch:
-                raise ShardlineError(str(e)) from None
-            log.info("%s; waiting for a coordinator to deliver stages %d-%d", e, self.first, self.last)
-            return None
+    @property
+    def stages(self) -> list[StageRunner]:
+        return self.shard.stages
 
-    def _load(self, manifest: Manifest) -> None:
-        entries = manifest.stages[self.first : self.last + 1]
-        self.stages = [StageRunner(self.folder, e, self.run, vocab=manifest.arch.vocab) for e in entries]
-        self.is_last = entries[-1].has_head
-        self.hello = Hello(PROTOCOL, Role.WORKER, manifest.model_hash, entries[0].first_layer,
-                           entries[-1].last_layer, manifest.weights, Activations.ANY, "")
+    @property
+    def hello(self) -> Hello | None:
+        return self.shard.hello
 
-    def _ready_for(self, link: Link, peer: Hello) -> Hello:
-        """This worker's Hello for `peer`, fetching and loading the shard first if need be."""
-        with self._loading:  # one delivery at a time; later connections find the stages loaded
-            if self.hello is None:
-                if peer.role != Role.COORDINATOR:
-                    raise refuse(link, f"the worker for stages {self.first}-{self.last} has no shard yet: "
-                                       f"only a coordinator can deliver it")
-                link.max_payload = chunk_payload(CHUNK)  # shard chunks are bigger than handshake frames
-                manifest, self.received_bytes = fetch(link, self.folder, peer, self.first, self.last)
-                try:
-                    self._load(manifest)
-                except ShardlineError as e:
-                    raise refuse(link, str(e)) from None
-                log.info("stages %d-%d loaded from %s (%d bytes delivered)", self.first, self.last,
-                         self.folder, self.received_bytes)
-            assert self.hello is not None
-            return self.hello
+    @property
+    def received_bytes(self) -> int:
+        return self.shard.received_bytes
 
     # --- connections ---------------------------------------------------------------------
 
@@ -239,36 +145,23 @@ class StageWorker:
         return Link(sock, name, frame_timeout=self.frame_timeout, handshake_timeout=self.handshake_timeout)
 
     def _check_peer(self, peer: Hello) -> str | None:
-        me = self.hello
-        assert me is not None  # checked after _ready_for
-        if peer.model_hash != me.model_hash:
-            return (f"model hash mismatch: worker (layers {me.first_layer}-{me.last_layer}) has "
-                    f"{me.model_hash[:12]}, {peer.role} has {peer.model_hash[:12]}")
-        if peer.weights != me.weights:
-            return f"precision mismatch: worker has {me.weights} weights, {peer.role} has {peer.weights}"
-        if peer.last_layer + 1 != me.first_layer:
-            return (f"layer order: the {peer.role}'s chain ends at layer {peer.last_layer}, "
-                    f"but this worker serves layers {me.first_layer}-{me.last_layer}")
-        if len(peer.session) != 32:
-            return "a session id of 32 hex digits is required"
-        if peer.role == Role.COORDINATOR and peer.session in self.sessions:
-            return f"session {peer.session[:8]} is already connected"
-        if peer.role == Role.WORKER and peer.session not in self.sessions:
-            return f"no coordinator of session {peer.session[:8]} is connected here"
-        return None
+        assert self.shard.hello is not None  # checked after _ready_for
+        return check_peer(self.shard.hello, peer, self.sessions)
 
     def _read(self, link: Link) -> None:
         """Per connection: handshake, then queue every message; a bad peer loses only its link."""
         session: Session | None = None
         try:
-            peer = server_handshake(link, lambda p: self._ready_for(link, p), self._check_peer)
+            peer = server_handshake(link, lambda p: self.shard.ready_for(link, p), self._check_peer)
             session = self._attach(link, peer)
+            slot = threading.Semaphore(MAX_QUEUED)  # this link's items not yet taken by the executor
             while True:
                 msg = link.recv()
                 if isinstance(msg, Route):
                     self._route(link, session, msg)
-                else:
-                    self._inbox.put(_Received(link, session, msg, link.last_decode_s, time.perf_counter()))
+                    continue
+                slot.acquire()  # bounded: the executor takes items as fast as it can
+                self._inbox.put(Received(link, session, msg, link.last_decode_s, time.perf_counter(), slot))
         except (WireError, Refused, ShardlineError) as e:
             log.warning("dropping %s: %s", link.name, e)
         except LinkClosed:
@@ -277,7 +170,7 @@ class StageWorker:
             log.exception("dropping %s", link.name)
         link.close()
         if session is not None and session.coordinator is link:
-            self._inbox.put(_Ended(session))
+            self._inbox.put(Ended(session))
 
     def _attach(self, link: Link, peer: Hello) -> Session:
         """The session this link belongs to: a new one for a coordinator, its coordinator's for
@@ -317,7 +210,7 @@ class StageWorker:
                     nxt.close()
                 raise refuse(link, f"cannot reach the next worker {msg.next}: {e}") from None
             threading.Thread(target=self._drain, args=(nxt,), daemon=True, name="next").start()
-        self._inbox.put(_Routed(session, nxt))
+        self._inbox.put(Routed(session, nxt))
 
     def _drain(self, nxt: Link) -> None:
         """The next worker never answers on our link, but a refusal or garbage ends it."""
@@ -342,29 +235,34 @@ class StageWorker:
             item = self._inbox.get(timeout=timeout)
         except queue.Empty:
             return False
+        if isinstance(item, Received) and item.slot is not None:
+            item.slot.release()
         try:
             self._handle(item)
         except Exception:  # noqa: BLE001 - the worker outlives any item
             log.exception("while handling %s", type(item).__name__)
         return True
 
-    def _handle(self, item: _Item) -> None:
-        if isinstance(item, _Routed):
+    def _handle(self, item: Item) -> None:
+        if isinstance(item, Routed):
             if item.session.next is not None and item.session.next is not item.next:
                 item.session.next.close()  # a Route again: the link it replaces goes (else kept until the end)
             item.session.next, item.session.routed = item.next, True
             for held in item.session.held:
                 self._handle(held)
             item.session.held = []
-        elif isinstance(item, _Ended):
+        elif isinstance(item, Ended):
             self._end(item.session)
         elif item.session.id not in self.sessions:
             return  # a message of a session that has ended
         elif isinstance(item.msg, Forward):
             if item.session.routed:
                 self._forward(item)
-            else:
+            elif len(item.session.held) < MAX_QUEUED:
                 item.session.held.append(item)
+            else:  # a coordinator that floods steps before its Route: drop it
+                refuse(item.session.coordinator, f"more than {MAX_QUEUED} steps before a Route")
+                item.session.coordinator.close()
         elif isinstance(item.msg, Release) and item.link is item.session.coordinator:
             for stage in self.stages:
                 stage.close((item.session.no, item.msg.key))
@@ -386,18 +284,18 @@ class StageWorker:
         if session.next is not None:
             session.next.close()
 
-    def _forward(self, item: _Received) -> None:
+    def _forward(self, item: Received) -> None:
         msg, session = item.msg, item.session
         assert isinstance(msg, Forward)
         graph_s: list[float] = []
         try:
             out = run_stages(self.stages, msg, lambda k: (session.no, k), graph_s, time.perf_counter)
-            reply: Message = sampled(msg, out, lambda: self._hops(msg, graph_s, item)) if self.is_last else \
+            reply: Message = sampled(msg, out, lambda: self._hops(msg, graph_s, item)) if self.shard.is_last else \
                 replace(msg, hidden=out.astype(msg.hidden.dtype, copy=False), hops=self._hops(msg, graph_s, item))
         except Exception as e:  # noqa: BLE001 - the step fails alone, and its coordinator hears why
             why = str(e) if isinstance(e, StepRefused) else f"{type(e).__name__}: {e}"
             return self._send(session.coordinator, StepFailed(msg.key, msg.seq, why))
-        if self.is_last or session.next is None:  # end of chain, or a star: back to the coordinator
+        if self.shard.is_last or session.next is None:  # end of chain, or a star: back to the coordinator
             return self._send(session.coordinator, reply)
         try:
             session.next.send(reply, stamp=True)
@@ -410,7 +308,7 @@ class StageWorker:
                                         f"lost the next worker: {e}")
             session.coordinator.close()
 
-    def _hops(self, msg: Forward, graph_s: list[float], item: _Received) -> np.ndarray:
+    def _hops(self, msg: Forward, graph_s: list[float], item: Received) -> np.ndarray:
         """The incoming rows plus this worker's; taken last before encoding, so host time covers
         everything since the frame was decoded (queueing, casts, sampling) but graph and encode."""
         host_s = time.perf_counter() - item.decoded_at - sum(graph_s)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import secrets
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -31,38 +30,28 @@ import numpy as np
 from shardline.config import RunConfig
 from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
-from shardline.host import parse_hostport
 from shardline.model.manifest import load_manifest, verify
-from shardline.node import delivery
 from shardline.pipeline import metrics
+from shardline.pipeline.chain import Delivered, open_chain
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.local import prepare
 from shardline.pipeline.plan import DecodeStep, Outcome, PrefillStep, Step
 from shardline.pipeline.timing import breakdown
 from shardline.stage.runner import StageRunner
-from shardline.wire.codec import WireError
 from shardline.wire.hops import no_hops, with_rows
-from shardline.wire.link import Link, LinkClosed, Refused, client_handshake, refuse
+from shardline.wire.link import Link, LinkClosed, Refused
 from shardline.wire.messages import (
-    PROTOCOL,
     RELAY,
-    Activations,
     Forward,
-    Hello,
-    Message,
     Refuse,
     Release,
-    Role,
-    Route,
     Sampled,
-    ShardRequest,
     StepFailed,
     mask_to_runs,
 )
 
 ACTIVATIONS = {"f16": np.float16, "f32": np.float32}
 RECONNECT_S = 10.0  # how long a new stream waits for a chain that broke to come back
-HANDSHAKE_S = 600.0  # how long a worker may take to answer (delivery, verification, compilation)
 
 
 @dataclass
@@ -91,7 +80,7 @@ class RemotePipeline:
         self.topology = topology
         self.workers = workers
         self.links: list[Link] = []
-        self.delivered: list[tuple[str, str, int]] = []  # (worker, file, bytes) sent to workers
+        self.delivered: Delivered = []  # (worker, file, bytes) sent to workers
         self.outbox = Outbox()
         self._seq = count()
         self._pending: dict[int, _Sent] = {}  # by seq: steps sent and not yet answered
@@ -108,64 +97,17 @@ class RemotePipeline:
     # --- the chain ---------------------------------------------------------------------------
 
     def connect(self) -> None:
-        """(Re)open every worker link under a new session, check the chain, and tell each worker
-        where to send. Streams of an earlier session are gone on the workers (they fail)."""
+        """(Re)open every worker link under a new session (chain.py) and read what comes back.
+        Streams of an earlier session are gone on the workers (their next steps fail)."""
         for link in self.links:
             link.close()
         self.links = []
-        session = secrets.token_hex(16)
-        last = self.manifest.stages[0].last_layer
-        for addr in self.workers:
-            link, hello = self._connect_one(addr, last, session)
-            self.links.append(link)
-            last = hello.last_layer
-        if last != self.manifest.arch.n_layers - 1:
-            raise ShardlineError(f"the workers end at layer {last}; the model has {self.manifest.arch.n_layers} layers")
-        for i, link in enumerate(self.links):
-            chained = self.topology == "chain" and i + 1 < len(self.links)
-            link.send(Route(self.workers[i + 1] if chained else ""))
+        self.links = open_chain(self.folder, self.manifest, self.workers, self.activations, self.topology,
+                                self.delivered)
         self._broken = None
         if self.topology == "chain":  # tokens come back on the last link, refusals on any
             for link in self.links:
                 threading.Thread(target=self._receive, args=(link,), daemon=True, name="receive").start()
-
-    def _connect_one(self, addr: str, prev_last: int, session: str) -> tuple[Link, Hello]:
-        try:
-            # A worker may hash its files, receive its shard and compile its stages before it
-            # answers our Hello: give it minutes, not the default seconds.
-            link = Link.connect(*parse_hostport(addr, "worker"), handshake_timeout=HANDSHAKE_S)
-        except OSError as e:
-            raise ShardlineError(f"cannot reach worker {addr}: {e}") from None
-        m = self.manifest
-        # On each link the coordinator speaks for the chain up to the layer before that worker.
-        mine = Hello(PROTOCOL, Role.COORDINATOR, m.model_hash, 0, prev_last, m.weights,
-                     Activations(self.activations), session)
-
-        def check(peer: Hello) -> str | None:
-            if peer.model_hash != m.model_hash:
-                return (f"model hash mismatch: coordinator has {m.model_hash[:12]}, "
-                        f"worker {addr} has {peer.model_hash[:12]}")
-            if peer.first_layer != prev_last + 1:
-                return (f"worker {addr} serves layers {peer.first_layer}-{peer.last_layer}, "
-                        f"but the chain needs layer {prev_last + 1} next")
-            if peer.weights != m.weights:
-                return f"precision mismatch: coordinator has {m.weights} weights, worker {addr} has {peer.weights}"
-            return None
-
-        try:
-            return link, client_handshake(link, mine, check, lambda msg: self._deliver(addr, link, msg))
-        except (Refused, LinkClosed, WireError) as e:
-            link.close()
-            raise ShardlineError(f"worker {addr}: {e}") from None
-
-    def _deliver(self, addr: str, link: Link, msg: Message) -> None:
-        """A worker without its shard asks for a file before its Hello: send it, or refuse."""
-        try:
-            sent = delivery.serve(link, self.folder, self.manifest, msg)
-        except delivery.DeliveryError as e:
-            raise refuse(link, str(e)) from None
-        assert isinstance(msg, ShardRequest)
-        self.delivered.append((addr, msg.name, sent))
 
     def _reconnect(self) -> None:
         deadline = time.monotonic() + RECONNECT_S

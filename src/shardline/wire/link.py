@@ -131,8 +131,10 @@ class Link:
         if self._start and len(self._buf) - self._start < n:
             self._buf[:have] = self._buf[self._start : self._end]
             self._start, self._end = 0, have
-        if len(self._buf) < n:
-            self._buf.extend(bytes(n - len(self._buf)))
+        if self._end == len(self._buf) < n:
+            # Grow only as bytes arrive (at most doubling): a header that announces a large
+            # frame costs memory only as fast as the peer really sends it.
+            self._buf.extend(bytes(min(n, 2 * len(self._buf)) - len(self._buf)))
         if have:
             self._begun()
         try:
