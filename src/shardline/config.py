@@ -12,9 +12,9 @@ WEIGHTS = ("fp32", "fp16", "int8", "int4", "gguf")
 # bench/prefill.py (BENCHMARKS.md, chunked prefill; default model, 2 stages, 2 threads, exact).
 # 128 is the smallest chunk within 5% of the best prefill tok/s at 1024-4096-token prompts
 # (0.98 / 0.97 / 1.00 of the best; 0.90 at 512), and it halves the stall of running streams
-# while a 2048-token prompt arrives: longest gap 0.54 s (1.10 s at 256, 5.6 s whole), for a
-# time to first token 1.10x the whole prompt's in one step. 64 stalls less (0.31 s) but costs
-# up to 10% of prefill speed at 1024-4096 tokens and 15-17% at 128-512.
+# while a 2048-token prompt arrives: longest gap 0.54-0.60 s (1.10 s at 256, 5.6-5.8 s whole),
+# for a time to first token 1.10-1.21x the whole prompt's in one step (two runs). 64 stalls
+# less (0.31-0.35 s) but costs up to 10% of prefill speed at 1024-4096 tokens, 15-17% at 128-512.
 DEFAULT_PREFILL_CHUNK = 128
 
 
