@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import os
-import resource
 import shutil
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -115,7 +114,7 @@ def _export_one(model: Path, plan: StagePlan, weights: str, group_size: int, tmp
         xml=xml.name, bin=xml.with_suffix(".bin").name,
         inputs=[_port(p) for p in graph.inputs], outputs=[_port(p) for p in graph.outputs],
         state=sorted(s.get_variable_id() for s in graph.get_sinks()),
-        export_peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        export_peak_rss_mb=round(_peak_rss() / 2**20, 1),
     )
     del graph, source
     gc.collect()
@@ -125,3 +124,15 @@ def _export_one(model: Path, plan: StagePlan, weights: str, group_size: int, tmp
 def _port(p: ov.Output) -> PortSpec:
     shape = [d.get_length() if d.is_static else None for d in p.get_partial_shape()]
     return PortSpec(p.get_any_name(), p.get_element_type().get_type_name(), shape)
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory in bytes (VmHWM). Not ru_maxrss: a process started by
+    exec keeps its parent's ru_maxrss, so a stage exported in a spawned process would report
+    its parent's peak whenever that was larger."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    import resource  # not Linux: the best there is
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
