@@ -376,11 +376,14 @@ def test_steps_that_do_not_fit_fail_alone(chain: list[Proc], manifest: Manifest,
     assert "Traceback" not in last.stderr()
 
 
+POSITIONS = f"malformed Forward: positions out of range 0-{MAX_SLOTS - 1}"
+
+
 @pytest.mark.parametrize("change,why", [
     ({"sample_at": np.array([[0, 1]], np.int64)}, "malformed Forward: sample position out of range 0-0"),
     ({"sample_at": np.array([[1, 0]], np.int64)}, "malformed Forward: sample row out of range 0-0"),
-    ({"position_ids": np.array([[MAX_SLOTS]], np.int64)}, "malformed Forward: positions out of range"),
-    ({"position_ids": np.array([[1 << 62]], np.int64)}, "malformed Forward: positions out of range"),
+    ({"position_ids": np.array([[MAX_SLOTS]], np.int64)}, POSITIONS),
+    ({"position_ids": np.array([[1 << 62]], np.int64)}, POSITIONS),
 ], ids=["sample-position", "sample-row", "position-max-slots", "position-huge"])
 def test_steps_the_codec_refuses_close_their_link(chain: list[Proc], manifest: Manifest, before: list[int],
                                                    change: dict[str, np.ndarray], why: str) -> None:
