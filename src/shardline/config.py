@@ -29,6 +29,9 @@ class ExportConfig:
     group_size: int = 64  # int4 only; must divide the hidden size
     isolate: bool = True  # export each stage in its own process (memory per stage, measured)
     progress: bool = True
+    # Keep only the first N decoder layers, then the final norm and head: a self-speculation
+    # draft. The upper bound (the model's layer count) is checked by the exporter.
+    truncate: int | None = None
 
     def __post_init__(self) -> None:
         if (self.stages is None) == (self.layers is None):
@@ -39,6 +42,8 @@ class ExportConfig:
             raise ShardlineError(f"--weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.group_size < 1:
             raise ShardlineError("--group-size must be positive")
+        if self.truncate is not None and self.truncate < 1:
+            raise ShardlineError(f"--truncate must be at least 1 (layers kept), got {self.truncate}")
 
 
 PRECISIONS = ("exact", "fast", "plugin")
