@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--weights", choices=WEIGHTS, default="int8")
     e.add_argument("--group-size", type=int, default=64, help="int4 group size (must divide hidden size)")
     e.add_argument("--no-isolate", action="store_true", help="export all stages in this process")
+    e.add_argument("--truncate", type=int, metavar="N",
+                   help="keep only the first N decoder layers, then the final norm and head (a self-speculation draft)")
     e.add_argument("--out", type=Path, required=True)
 
     i = sub.add_parser("inspect", help="print a shard folder's manifest and verify every checksum")
@@ -167,7 +169,7 @@ def _export(args: argparse.Namespace) -> int:
     cfg = ExportConfig(
         out=args.out, model=args.model, stages=args.stages, layers=args.layers, balance=args.balance,
         weights=args.weights,
-        group_size=args.group_size, isolate=not args.no_isolate,
+        group_size=args.group_size, isolate=not args.no_isolate, truncate=args.truncate,
     )
     out = export(cfg)
     print(out)

@@ -39,13 +39,22 @@ def planned_shards(spec: str) -> Path:
     return _cached(folder, " for this plan", ExportConfig(out=folder, layers=spec, weights=DEFAULT_WEIGHTS))
 
 
+def self_draft_shards(layers: int, progress: bool = True) -> Path:
+    """The default model's first `layers` decoder layers, then its final norm and head, as one
+    stage (a self-speculation draft for the default model), exported once and cached."""
+    folder = cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-first{layers}-f{FORMAT_VERSION}"
+    return _cached(folder, f" (first {layers} layers)", ExportConfig(out=folder, stages=1, weights=DEFAULT_WEIGHTS,
+                                                                     truncate=layers, progress=progress))
+
+
 def default_model_layers() -> int:
     """The default model's layer count: from a cached export of it when there is one, since
     reading the GGUF takes seconds (and without a cached export, an export follows anyway)."""
     from shardline.model.source import open_source
 
     for manifest in sorted(cache_dir().glob(f"{DEFAULT_PREFIX}*-f{FORMAT_VERSION}/{MANIFEST}")):
-        return load_manifest(manifest.parent).arch.n_layers
+        m = load_manifest(manifest.parent)
+        return int(m.extra.get("truncated_from", m.arch.n_layers))  # a self draft keeps fewer
     return open_source(None).arch.n_layers
 
 

@@ -9,6 +9,7 @@ a partial export.
 from __future__ import annotations
 
 import gc
+import hashlib
 import os
 import shutil
 import sys
@@ -42,7 +43,10 @@ def plan_for(cfg: ExportConfig, arch: Arch) -> list[StagePlan]:
 
 def export(cfg: ExportConfig) -> Path:
     source = open_source(cfg.model)
-    arch = source.arch
+    # With --truncate N the exported model is the source's first N layers, then its final norm
+    # and head: planning, graphs and the manifest all see an N-layer arch, so no stage reads
+    # (and no run time sizes KV for) a layer >= N.
+    arch = source.arch if cfg.truncate is None else _truncated(source.arch, cfg.truncate)
     plans = plan_for(cfg, arch)
     if cfg.weights == "int4":
         check_group_size(arch.hidden, arch.intermediate, cfg.group_size)
@@ -52,9 +56,11 @@ def export(cfg: ExportConfig) -> Path:
     tmp = _make_temp(out)
     try:
         source.tokenizer_files(tmp)  # first: cheap, and it fails fast on an incomplete model folder
-        entries = _export_stages(cfg, source.path, plans, tmp)
+        entries = _export_stages(cfg, source.path, arch, plans, tmp)
+        file_sha256 = source_sha256(source.path)
         manifest = Manifest(
-            source={"path": str(source.path), "format": source.format, "sha256": source_sha256(source.path)},
+            source={"path": str(source.path), "format": source.format,
+                    "sha256": _model_identity(file_sha256, source.arch, arch)},
             arch=arch,
             weights=cfg.weights,
             group_size=cfg.group_size if cfg.weights == "int4" else None,
@@ -62,6 +68,7 @@ def export(cfg: ExportConfig) -> Path:
             files=hash_files(tmp),
             versions={"shardline": shardline.__version__, "openvino": ov.get_version(),
                       "python": sys.version.split()[0]},
+            extra=_truncation(file_sha256, source.arch, arch),
         )
         (tmp / MANIFEST).write_text(manifest.to_json())
         os.replace(tmp, out)
@@ -69,6 +76,28 @@ def export(cfg: ExportConfig) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _truncated(full: Arch, n: int) -> Arch:
+    if n > full.n_layers:
+        raise ShardlineError(f"--truncate {n}: the model has only {full.n_layers} layers")
+    return full.truncated(n)
+
+
+def _model_identity(file_sha256: str, full: Arch, arch: Arch) -> str:
+    """The manifest's model hash. A truncated export is another model (its head reads layer N's
+    output): its hash differs from the full model's, so that workers holding stages of one are
+    never chained with a coordinator of the other."""
+    if arch.n_layers == full.n_layers:
+        return file_sha256
+    return hashlib.sha256(f"{file_sha256}:first{arch.n_layers}".encode()).hexdigest()
+
+
+def _truncation(file_sha256: str, full: Arch, arch: Arch) -> dict[str, object]:
+    """What the manifest's `extra` records of a truncation: the source's layer count and hash."""
+    if arch.n_layers == full.n_layers:
+        return {}
+    return {"truncated_from": full.n_layers, "source_sha256": file_sha256}
 
 
 def _make_temp(out: Path) -> Path:
@@ -82,10 +111,11 @@ def _make_temp(out: Path) -> Path:
     return tmp
 
 
-def _export_stages(cfg: ExportConfig, model: Path, plans: list[StagePlan], tmp: Path) -> list[StageEntry]:
+def _export_stages(cfg: ExportConfig, model: Path, arch: Arch, plans: list[StagePlan],
+                   tmp: Path) -> list[StageEntry]:
     from tqdm import tqdm
 
-    jobs = [(model, plan, cfg.weights, cfg.group_size, tmp) for plan in plans]
+    jobs = [(model, arch, plan, cfg.weights, cfg.group_size, tmp) for plan in plans]
     entries = []
     with tqdm(total=len(plans), desc="export", unit="stage", disable=not cfg.progress, file=sys.stderr) as bar:
         if cfg.isolate:
@@ -102,9 +132,10 @@ def _export_stages(cfg: ExportConfig, model: Path, plans: list[StagePlan], tmp: 
     return entries
 
 
-def _export_one(model: Path, plan: StagePlan, weights: str, group_size: int, tmp: Path) -> StageEntry:
+def _export_one(model: Path, arch: Arch, plan: StagePlan, weights: str, group_size: int, tmp: Path) -> StageEntry:
+    """`arch` is the exported model's (the source's, or its first layers with --truncate)."""
     source = open_source(model)
-    graph = make_stateful(build_stage(source.arch, plan, Weights(source, weights)))
+    graph = make_stateful(build_stage(arch, plan, Weights(source, weights)))
     graph = compress(graph, weights, group_size)
     xml = tmp / f"{plan.name}.xml"
     ov.save_model(graph, xml, compress_to_fp16=False)

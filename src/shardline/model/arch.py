@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from shardline.errors import ShardlineError
@@ -50,6 +50,13 @@ class Arch:
         """The lm_head's weight in decoder layers (for balancing stages by work per token)."""
         attn = 2 * self.hidden * self.n_heads * self.head_dim + 2 * self.hidden * self.n_kv_heads * self.head_dim
         return self.vocab * self.hidden / (attn + 3 * self.hidden * self.intermediate)
+
+    def truncated(self, n: int) -> Arch:
+        """The model made of the first `n` decoder layers, then the final norm and head (a
+        self-speculation draft): the same architecture with `n` layers."""
+        if not 1 <= n <= self.n_layers:
+            raise ShardlineError(f"cannot keep {n} of {self.n_layers} layers")
+        return replace(self, n_layers=n)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
