@@ -78,3 +78,25 @@ def _command(p: psutil.Process) -> str:
         return " ".join(p.cmdline()) or p.name()
     except psutil.Error:  # exited (or a zombie) since it was listed
         return f"<exited, pid {p.pid}>"
+
+
+@pytest.fixture(scope="session")
+def tiny_sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(target, draft): the tiny Hugging Face folders of tests/tiny.py (shared SmolLM2 tokenizer)."""
+    from tests.tiny import tiny_pair
+
+    return tiny_pair(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_sources: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(target_shards, draft_shards): the tiny pair exported once per session, one fp32 stage each."""
+    from shardline.export.exporter import export
+
+    root = tmp_path_factory.mktemp("tiny-shards")
+    return (
+        export(ExportConfig(out=root / "target", model=tiny_sources[0], stages=1, weights="fp32",
+                            isolate=False, progress=False)),
+        export(ExportConfig(out=root / "draft", model=tiny_sources[1], stages=1, weights="fp32",
+                            isolate=False, progress=False)),
+    )
