@@ -56,11 +56,12 @@ def forward(slots: int = SLOTS, rows: int = 1, mask: np.ndarray | None = None) -
     rng = np.random.default_rng(0)
     mask = np.ones((1, slots + 1), np.int64) if mask is None else mask
     width = int(mask.shape[1])
-    return Forward(key=1, seq=7, phase=Phase.DECODE, first=False, slots=width, want_logits=False,
+    return Forward(key=1, seq=7, phase=Phase.DECODE, first=False, slots=width, want_logits=False, compact=False,
                    sampling=[SamplingParams()], rows=np.array([1], np.int64), keep=np.array([0], np.int64),
                    merge=np.zeros(0, np.int64), hidden=rng.standard_normal((1, 1, HIDDEN)).astype(np.float16),
                    mask_runs=mask_to_runs(mask), position_ids=np.array([[width - 1]], np.int64),
-                   sample_at=np.zeros((1, 2), np.int64), hops=np.zeros((rows, len(HOP_COLUMNS)), np.float64))
+                   sample_at=np.zeros((1, 2), np.int64), drafts=None, q_ids=None, q_probs=None,
+                   hops=np.zeros((rows, len(HOP_COLUMNS)), np.float64))
 
 
 def mask_bytes(holes: list[tuple[int, int]], width: int = LONG, reps: int = 2000) -> dict[str, Any]:

@@ -9,9 +9,10 @@ from itertools import count
 
 import numpy as np
 
-from shardline.config import SamplingConfig, SamplingParams
+from shardline.config import COMPACT_AT, SamplingConfig, SamplingParams
 from shardline.pipeline.plan import Outcome, Pipeline, decode, prefill, run
 from shardline.serving.engine import Engine, Event, Request
+from shardline.serving.speculation import Drafts
 from shardline.stage.cache import KVBook, StepInputs
 from shardline.stage.runner import StageRunner
 
@@ -49,13 +50,16 @@ def greedy_ours(pipe: Pipeline, prompt: list[int], n: int, chunk: int | None = N
     return tokens, np.stack([np.asarray(r) for r in rows])
 
 
-def engine_tokens(pipe: Pipeline, prompt: list[int], cfg: SamplingConfig | None = None, chunk: int = 256) -> list[int]:
-    """One request's tokens through an engine over `pipe` (stop tokens not honoured)."""
+def engine_tokens(pipe: Pipeline, prompt: list[int], cfg: SamplingConfig | None = None, chunk: int = 256,
+                  drafts: Drafts | None = None, groups: int = 1, compact_at: int = COMPACT_AT) -> list[int]:
+    """One request's tokens through an engine over `pipe` (stop tokens not honoured), with
+    speculation when `drafts` is given."""
     from shardline.serving.admission import Limits
     from shardline.serving.generate import tokens
     from shardline.serving.scheduler import SchedulerConfig
 
-    engine = Engine(pipe, Limits(1, 1), 8192, SchedulerConfig(chunk=chunk))
+    engine = Engine(pipe, Limits(1, 1), 8192, SchedulerConfig(chunk=chunk, groups=groups, compact_at=compact_at),
+                    drafts)
     try:
         return tokens(engine, prompt, cfg or SamplingConfig(max_tokens=24))
     finally:

@@ -196,3 +196,46 @@ class ServeConfig:
             raise ShardlineError("--max-tokens must be >= 1")
         if not 0 < self.memory_fraction <= 1:
             raise ShardlineError("--memory-fraction must be in (0, 1]")
+
+
+DRAFT_K_MAX = 8  # drafts per verify step at most (auto K stays within it)
+COMPACT_AT = 64  # masked slots a stream's cache may hold before it is compacted
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Speculative decoding: where drafts come from and how many a verify step carries.
+
+    `draft`: "" (off), "ngram" (prompt lookup: n-gram matches in the text so far, no model),
+    "layers:L" (self-speculation: the target's first L layers with its norm and head, exported
+    once as a shard of its own), or the path of a draft model's export folder (sharing the
+    target's tokenizer). `k`: drafts per step, or None for auto: per stream, from its measured
+    acceptance and the measured time of a step (serving/speculation.py)."""
+
+    draft: str = ""
+    k: int | None = None
+    k_max: int = DRAFT_K_MAX
+    compact_at: int = COMPACT_AT
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.k_max <= 32:
+            raise ShardlineError(f"the most drafts per step must be in 1-32, got {self.k_max}")
+        if self.k is not None and not 1 <= self.k <= self.k_max:
+            raise ShardlineError(f"--draft-k must be 'auto' or in 1-{self.k_max}, got {self.k}")
+        if self.compact_at < 1:
+            raise ShardlineError("the compaction threshold must be >= 1 masked slot")
+        if self.kind == "layers" and not (self.draft[7:].isdigit() and int(self.draft[7:]) >= 1):
+            raise ShardlineError(f"--draft layers:L needs a layer count L >= 1, got {self.draft!r}")
+
+    @property
+    def kind(self) -> str:
+        """"off", "ngram", "layers" or "model"."""
+        if not self.draft:
+            return "off"
+        if self.draft == "ngram":
+            return "ngram"
+        return "layers" if self.draft.startswith("layers:") else "model"
+
+    @property
+    def layers(self) -> int:
+        return int(self.draft[7:]) if self.kind == "layers" else 0

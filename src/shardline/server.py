@@ -6,13 +6,16 @@ import socket
 import sys
 from pathlib import Path
 
-from shardline.config import RunConfig, ServeConfig
+from shardline.config import RunConfig, ServeConfig, SpeculationConfig
+from shardline.errors import ShardlineError
 from shardline.host import available_memory
 from shardline.model.manifest import Manifest, load_manifest
 from shardline.pipeline.plan import Pipeline
 from shardline.serving.admission import Limits, kv_bytes_per_token, max_streams_for_memory
+from shardline.serving.drafters import DraftModel, LookupDrafter
 from shardline.serving.engine import Engine
 from shardline.serving.scheduler import SchedulerConfig
+from shardline.serving.speculation import Drafts
 
 STREAM_CAP = 64
 SHUTDOWN_GRACE_S = 3
@@ -22,11 +25,18 @@ SHUTDOWN_GRACE_S = 3
 STREAM_OVERHEAD_BYTES = 2 * 2**20
 
 
-def stream_limits(manifest: Manifest, cfg: ServeConfig, local_layers: int) -> Limits:
-    """As many streams as this node's memory holds at the longest context (KV in f32)."""
+def stream_limits(manifest: Manifest, cfg: ServeConfig, local_layers: int,
+                  spec: SpeculationConfig | None = None, draft: Manifest | None = None) -> Limits:
+    """As many streams as this node's memory holds at the longest context (KV in f32). With
+    speculation a stream's cache also holds up to `compact_at` masked slots (then it is
+    compacted) and a step's drafts, and its draft model's own cache."""
     a = manifest.arch
-    per_stream = (kv_bytes_per_token(local_layers, a.n_kv_heads, a.head_dim) * a.max_context
+    slots = a.max_context + (spec.compact_at + spec.k_max + 1 if spec and spec.kind != "off" else 0)
+    per_stream = (kv_bytes_per_token(local_layers, a.n_kv_heads, a.head_dim) * slots
                   + STREAM_OVERHEAD_BYTES * len(manifest.stages))
+    if draft is not None and spec is not None:
+        d = draft.arch
+        per_stream += kv_bytes_per_token(d.n_layers, d.n_kv_heads, d.head_dim) * slots + STREAM_OVERHEAD_BYTES
     fits = max_streams_for_memory(int(available_memory() * cfg.memory_fraction), per_stream, STREAM_CAP)
     return Limits(min(fits, cfg.max_streams or fits), cfg.max_queue)
 
@@ -57,28 +67,46 @@ def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None = None
     return LocalPipeline(folder, run), manifest.arch.n_layers
 
 
-def scheduling(cfg: ServeConfig, stages: int, remote: bool) -> SchedulerConfig:
+def scheduling(cfg: ServeConfig, stages: int, remote: bool, spec: SpeculationConfig | None = None) -> SchedulerConfig:
     return SchedulerConfig(chunk=cfg.prefill_chunk, groups=decode_groups(cfg.decode_groups, stages, remote),
-                           max_prefills=cfg.max_prefills)
+                           max_prefills=cfg.max_prefills, compact_at=(spec or SpeculationConfig()).compact_at)
+
+
+def open_drafts(spec: SpeculationConfig, target: Manifest, run: RunConfig) -> tuple[Drafts | None, Manifest | None]:
+    """Where drafts come from (None: no speculation), and the draft model's manifest if any.
+    `layers:L` must have been resolved to its export folder (the CLI exports it on first use)."""
+    if spec.kind == "off":
+        return None, None
+    if spec.kind == "ngram":
+        return Drafts(LookupDrafter, spec.k, spec.k_max), None
+    if spec.kind == "layers":
+        raise ShardlineError("--draft layers:L must be resolved to its export folder first")
+    model = DraftModel(Path(spec.draft), target, run)
+    return Drafts(model.drafter, spec.k, spec.k_max), model.manifest
 
 
 def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None,
-                activations: str = "f16", topology: str = "chain") -> tuple[Engine, Manifest]:
+                activations: str = "f16", topology: str = "chain",
+                spec: SpeculationConfig | None = None) -> tuple[Engine, Manifest]:
     """Pipeline, scheduler and engine: what `serve` and `generate` both run requests through."""
     manifest = load_manifest(folder)
+    spec = spec or SpeculationConfig()
+    drafts, draft = open_drafts(spec, manifest, run)
     pipe, local_layers = open_pipeline(folder, run, workers, activations, topology)
-    limits = stream_limits(manifest, cfg, local_layers)
-    engine = Engine(pipe, limits, manifest.arch.max_context, scheduling(cfg, len(manifest.stages), bool(workers)))
+    limits = stream_limits(manifest, cfg, local_layers, spec, draft)
+    engine = Engine(pipe, limits, manifest.arch.max_context,
+                    scheduling(cfg, len(manifest.stages), bool(workers), spec), drafts)
     return engine, manifest
 
 
-def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None) -> None:
+def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None,
+          spec: SpeculationConfig | None = None) -> None:
     import uvicorn
 
     from shardline.api.app import Served, build_app
     from shardline.model.tokenizer import ChatTokenizer
 
-    engine, manifest = open_engine(folder, run, cfg, workers)
+    engine, manifest = open_engine(folder, run, cfg, workers, spec=spec)
     served = Served(engine, ChatTokenizer(folder), model_id(manifest, cfg), cfg.default_max_tokens,
                     cfg.max_body_bytes)
     sock = socket.create_server((cfg.host, cfg.port))  # bound here, so port 0 reports its real port

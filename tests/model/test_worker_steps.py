@@ -38,10 +38,11 @@ def _forward(key: int, slots: int, t: int, first: bool = False, width: int = 576
     b = max(1, len(keep) + len(merge))
     hidden = np.random.default_rng(seed).standard_normal((b, t, width)).astype(np.float16)
     mask = np.ones((b, slots + t), np.int64)
-    return Forward(key, 0, Phase.PREFILL if first else Phase.DECODE, first, slots + t, False, [SamplingParams()] * b,
+    return Forward(key, 0, Phase.PREFILL if first else Phase.DECODE, first, slots + t, False, False,
+                   [SamplingParams()] * b,
                    np.arange(key, key + b, dtype=np.int64), np.asarray(keep, np.int64), np.asarray(merge, np.int64),
                    hidden, mask_to_runs(mask), np.tile(np.arange(slots, slots + t, dtype=np.int64), (b, 1)),
-                   np.array([[r, t - 1] for r in range(b)], np.int64), no_hops())
+                   np.array([[r, t - 1] for r in range(b)], np.int64), None, None, None, no_hops())
 
 
 @pytest.fixture(scope="module")

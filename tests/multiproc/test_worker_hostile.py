@@ -213,11 +213,11 @@ def _step(key: int, cache: int, t: int = 1, *, first: bool = False, seq: int = 0
     if positions is None:
         positions = np.tile(np.arange(cache, cache + t, dtype=np.int64), (b, 1))
     sample_at = [[r, i] for r in range(b) for i in range(t)] if sample_all else [[r, t - 1] for r in range(b)]
-    return Forward(key, seq, Phase.PREFILL if first else Phase.DECODE, first, width_s, want_logits,
+    return Forward(key, seq, Phase.PREFILL if first else Phase.DECODE, first, width_s, want_logits, False,
                    [SamplingParams()] * b, np.arange(1000, 1000 + b, dtype=np.int64),
                    np.asarray(keep, np.int64), np.asarray(merge, np.int64), hidden,
                    mask_to_runs(np.ones((b, width_s), np.int64)), positions, np.array(sample_at, np.int64),
-                   no_hops())
+                   None, None, None, no_hops())
 
 
 def _dropped(w: Proc, p: Peer) -> str:

@@ -44,21 +44,25 @@ def _mask(*rows: str) -> np.ndarray:
     return np.array([[int(c) for c in r] for r in rows], I64)
 
 
-PREFILL = Forward(7, 3, Phase.PREFILL, True, 5, False, [SamplingParams(0.0, 0, 1.0, 1, 0)], np.array([7], I64),
+PREFILL = Forward(7, 3, Phase.PREFILL, True, 5, False, False, [SamplingParams(0.0, 0, 1.0, 1, 0)], np.array([7], I64),
                   np.zeros(0, I64), np.zeros(0, I64), rng.standard_normal((1, 5, 576)).astype(np.float16),
-                  mask_to_runs(np.ones((1, 5))), np.arange(5, dtype=I64)[None], np.zeros((0, 2), I64), HOPS[:1])
-# A correction and three drafts verified in one step; two earlier rejected drafts are masked out.
-VERIFY = Forward(7, 4, Phase.DECODE, False, 12, True, [SamplingParams(0.7, 40, 0.9, 5, 3)], np.array([7], I64),
+                  mask_to_runs(np.ones((1, 5))), np.arange(5, dtype=I64)[None], np.zeros((0, 2), I64), None, None,
+                  None, HOPS[:1])
+# A correction and three drafts verified in one step; two earlier rejected drafts are masked out
+# (and dropped first: compact); the drafts were drawn from distributions whose supports travel.
+VERIFY = Forward(7, 4, Phase.DECODE, False, 12, True, True, [SamplingParams(0.7, 40, 0.9, 5, 3)], np.array([7], I64),
                  np.zeros(0, I64), np.zeros(0, I64), rng.standard_normal((1, 4, 576)).astype(np.float32),
                  mask_to_runs(_mask("111111001111")), np.arange(6, 10, dtype=I64)[None],
-                 np.array([[0, 0], [0, 1], [0, 2], [0, 3]], I64), np.zeros((0, 5)))
+                 np.array([[0, 0], [0, 1], [0, 2], [0, 3]], I64), np.array([11, 12, 13, -1], I64),
+                 np.array([[11, 5], [12, -1], [13, 2], [-1, -1]], I64),
+                 np.array([[0.75, 0.25], [1, 0], [0.5, 0.5], [0, 0]], np.float32), np.zeros((0, 5)))
 # A decode group: rows 1 and 0 of its state kept in that order, stream 4's own KV merged after them.
-GROUP = Forward(-1, 5, Phase.DECODE, False, 6, False,
+GROUP = Forward(-1, 5, Phase.DECODE, False, 6, False, False,
                 [SamplingParams(), SamplingParams(temperature=0.5, seed=9), SamplingParams(top_p=0.5)],
                 np.array([3, 9, 4], I64), np.array([1, 0], I64), np.array([4], I64),
                 rng.standard_normal((3, 1, 576)).astype(np.float16),
                 mask_to_runs(_mask("111111", "001111", "000011")), np.array([[5], [3], [1]], I64),
-                np.array([[0, 0], [1, 0], [2, 0]], I64), HOPS[:1])
+                np.array([[0, 0], [1, 0], [2, 0]], I64), None, None, None, HOPS[:1])
 SAMPLES: list[Message] = [
     Hello(PROTOCOL, Role.WORKER, "ab" * 32, 15, 29, "gguf", Activations.ANY, ""),
     Hello(PROTOCOL, Role.COORDINATOR, "ab" * 32, 0, 14, "gguf", Activations.F16, "0f" * 16),

@@ -91,13 +91,23 @@ def forwards(draw: Any) -> Forward:
                                                  unique=True))
     merge = [] if kept is None else draw(st.lists(i64, min_size=b - kept, max_size=b - kept, unique=True))
     samples = draw(st.lists(st.tuples(st.integers(0, b - 1), st.integers(0, t - 1)), max_size=b * t))
+    first = draw(st.booleans())
+    compact = kept is None and not first and draw(st.booleans())
+    e = len(samples)
+    drafted = draw(st.booleans())
+    support = draw(st.integers(1, 4))
+    q_ids = np.array(draw(st.lists(st.lists(st.integers(0, 1000), min_size=support, max_size=support, unique=True),
+                                   min_size=e, max_size=e)), np.int64).reshape(e, support)
+    q_probs = np.full((e, support), 1.0 / support, np.float32)
+    drafts = q_ids[:, 0].copy() if e else np.zeros(0, np.int64)
     return Forward(
-        draw(i64), draw(i64), draw(st.sampled_from(Phase)), draw(st.booleans()), slots, draw(st.booleans()),
+        draw(i64), draw(i64), draw(st.sampled_from(Phase)), first, slots, draw(st.booleans()), compact,
         draw(st.lists(sampling, min_size=b, max_size=b)),
         np.array(draw(st.lists(i64, min_size=b, max_size=b, unique=True)), np.int64),
         np.array(keep, np.int64), np.array(merge, np.int64),
         draw(arrays(draw(st.sampled_from(["<f2", "<f4"])), (b, t, width))), mask_to_runs(mask),
-        draw(arrays("<i8", (b, t), 0, MAX_SLOTS - 1)), np.array(samples, np.int64).reshape(-1, 2), draw(hops()))
+        draw(arrays("<i8", (b, t), 0, MAX_SLOTS - 1)), np.array(samples, np.int64).reshape(-1, 2),
+        drafts if drafted else None, q_ids if drafted else None, q_probs if drafted else None, draw(hops()))
 
 
 @st.composite

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardline.config import SamplingParams
+from shardline.decoding.speculative import Drafted, dense, verify_draw
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,35 @@ def choose(logits: np.ndarray, p: SamplingParams, position: int, want_logits: bo
     return Choice(token, float(logp[token]), top_logprobs(logp, p.top_logprobs), kept)
 
 
+def verify(logits: np.ndarray, p: SamplingParams, position: int, draft: int, q_ids: np.ndarray,
+           q_probs: np.ndarray, want_logits: bool = False) -> Choice:
+    """The token at `position` when a draft drawn from q (its support `q_ids`, `q_probs`) is
+    offered there: speculative sampling's rule (decoding/speculative.py); greedy takes the argmax."""
+    if p.greedy:
+        return choose(logits, p, position, want_logits)
+    if not np.isfinite(logits).all():
+        raise BadLogits("the logits are not finite")
+    vocab = logits.shape[-1]
+    if draft >= vocab or (q_ids.size and int(q_ids.max()) >= vocab):
+        raise BadLogits(f"a draft or its support outside the vocabulary of {vocab}")
+    logp = log_softmax(logits)
+    token = verify_draw(probabilities(logits, p), draft, dense(q_ids, q_probs, vocab), p.seed, position)
+    kept = logits.astype(np.float32, copy=True) if want_logits else None
+    return Choice(token, float(logp[token]), top_logprobs(logp, p.top_logprobs), kept)
+
+
 def choose_at(logits: np.ndarray, sample_at: np.ndarray, pick: np.ndarray, position_ids: np.ndarray,
-              params: list[SamplingParams], want_logits: bool = False) -> list[Choice]:
+              params: list[SamplingParams], want_logits: bool = False, drafted: Drafted | None = None) -> list[Choice]:
     """A choice per (row, t) of `sample_at`, from the last stage's logits [B, N, V] gathered by
     `stage.cache.logits_index` (column `pick[e]` of row r); the token chosen after new token t
-    sits at logical position position_ids[r, t] + 1."""
-    return [choose(logits[r, pick[e]], params[r], int(position_ids[r, t]) + 1, want_logits)
-            for e, (r, t) in enumerate(sample_at.tolist())]
+    sits at logical position position_ids[r, t] + 1. Where `drafted` offers a draft drawn from
+    a distribution, the choice verifies it."""
+    out = []
+    for e, (r, t) in enumerate(sample_at.tolist()):
+        row, position = logits[r, pick[e]], int(position_ids[r, t]) + 1
+        if drafted is not None and drafted.tokens[e] >= 0:
+            out.append(verify(row, params[r], position, int(drafted.tokens[e]), drafted.q_ids[e],
+                              drafted.q_probs[e], want_logits))
+        else:
+            out.append(choose(row, params[r], position, want_logits))
+    return out

@@ -1,8 +1,9 @@
 """One Forward through a worker's stages: the same plan every stage of the chain applies.
 
 The worker keeps no speculation, sampling or group logic of its own: the Forward says which key,
-whether it is the key's first step, which rows to keep and which streams to merge, the mask and
-positions, and which positions to sample with which settings. Keys are those of one session
+whether it is the key's first step, which rows to keep and which streams to merge (or whether
+to compact), the mask and positions, and which positions to sample with which settings (and
+which drafts, drawn from which distributions, to verify there). Keys are those of one session
 (one coordinator's chain): `scope` turns the coordinator's key into the stages' key.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import replace
 import numpy as np
 
 from shardline.decoding.sampler import Choice, choose_at
+from shardline.decoding.speculative import Drafted
 from shardline.stage.cache import StepInputs, logits_index
 from shardline.stage.merge import prepare
 from shardline.stage.runner import StageRunner
@@ -37,10 +39,13 @@ def run_stages(stages: list[StageRunner], msg: Forward, scope: Scope,
     each stage's graph time."""
     key = scope(msg.key)
     merge = [scope(int(m)) for m in msg.merge]
-    inputs = inputs_of(msg)
+    inputs, compact = inputs_of(msg), None
+    if msg.compact:
+        index, inputs = inputs.compacted()
+        compact = (index, msg.slots - inputs.new_tokens)
     out = msg.hidden.astype(np.float32, copy=False)
     for stage in stages:
-        prepare(stage, key, first=msg.first, keep=msg.keep.tolist(), merge=merge)
+        prepare(stage, key, first=msg.first, keep=msg.keep.tolist(), merge=merge, compact=compact)
         step = inputs
         if stage.entry.has_head:
             step = replace(inputs, logits_index=logits_index(msg.sample_at, inputs.rows)[0])
@@ -54,7 +59,10 @@ def sampled(msg: Forward, logits: np.ndarray, hops: Callable[[], np.ndarray]) ->
     """The last stage's answer: a choice for every (row, t) of `sample_at`, in that order
     (`hops` is called once the choices are made, so the worker's host time includes them)."""
     pick = logits_index(msg.sample_at, msg.hidden.shape[0])[1]
-    choices = choose_at(logits, msg.sample_at, pick, msg.position_ids, msg.sampling, msg.want_logits)
+    drafted = None
+    if msg.drafts is not None and msg.q_ids is not None and msg.q_probs is not None:
+        drafted = Drafted(msg.drafts, msg.q_ids, msg.q_probs)
+    choices = choose_at(logits, msg.sample_at, pick, msg.position_ids, msg.sampling, msg.want_logits, drafted)
     top_ids, top_lp = _tops(choices, max((p.top_logprobs for p in msg.sampling), default=0))
     logits_out = np.stack([c.logits for c in choices if c.logits is not None]) if msg.want_logits and choices \
         else None

@@ -26,7 +26,7 @@ from shardline.pipeline import metrics
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.plan import DecodeStep, Outcome, PrefillStep, Step
 from shardline.pipeline.timing import Timing
-from shardline.stage.cache import logits_index
+from shardline.stage.cache import StepInputs, logits_index
 from shardline.stage.merge import prepare as prepare_stage
 from shardline.stage.runner import StageRunner
 
@@ -125,8 +125,7 @@ def _stage_loop(k: int, stage: StageRunner, inbox: queue.Queue[_Work], nxt: queu
             continue
         step, hidden, trace = work
         try:
-            prepare(stage, step)
-            inputs = step.inputs
+            inputs = prepare(stage, step)
             if nxt is None:
                 index, pick = logits_index(step.sample_at, inputs.rows)
                 inputs = replace(inputs, logits_index=index)
@@ -146,16 +145,21 @@ def _stage_loop(k: int, stage: StageRunner, inbox: queue.Queue[_Work], nxt: queu
         nxt.put(None)
 
 
-def prepare(stage: StageRunner, step: Step) -> None:
-    first = isinstance(step, PrefillStep) and step.first
-    keep, merge = (step.keep, step.merge) if isinstance(step, DecodeStep) else ((), ())
-    prepare_stage(stage, step.key, first=first, keep=keep, merge=merge)
+def prepare(stage: StageRunner, step: Step) -> StepInputs:
+    """Ready `stage`'s state for `step` (open, merge or compact); the inputs to run it with."""
+    if isinstance(step, DecodeStep):
+        compact, inputs = step.run_inputs()
+        prepare_stage(stage, step.key, first=False, keep=step.keep, merge=step.merge, compact=compact)
+        return inputs
+    prepare_stage(stage, step.key, first=isinstance(step, PrefillStep) and step.first, keep=(), merge=())
+    return step.inputs
 
 
 def finish(outbox: Outbox, step: Step, logits: np.ndarray, pick: np.ndarray, timing: Timing) -> None:
     """Sample every asked position, then post one outcome per row (its choices in order)."""
+    drafted = step.drafted if isinstance(step, DecodeStep) else None
     choices = choose_at(logits, step.sample_at, pick, step.inputs.position_ids, list(step.sampling),
-                        step.want_logits)
+                        step.want_logits, drafted)
     metrics.observe(timing)
     rows = step.sample_at[:, 0].tolist()
     for r, stream in enumerate(step.streams):

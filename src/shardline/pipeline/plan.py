@@ -5,9 +5,10 @@ was submitted and posts one `Outcome` per row.
 Two kinds of step, distinct in the types:
 - `PrefillStep`: a chunk of one stream's prompt. The first chunk opens the stream's request on
   every stage (an empty cache); the last chunk samples the first generated token.
-- `DecodeStep`: generated (or, later, drafted) tokens of one stream or of a decode group's
-  rows, each row with the same number of new tokens. Before running, every stage keeps the
-  rows `keep` of the group's state and appends the `merge` streams' own states (joins).
+- `DecodeStep`: generated and drafted tokens of one stream or of a decode group's rows, each
+  row with the same number of new tokens (a row with fewer is padded with masked ones). Before
+  running, every stage keeps the rows `keep` of the group's state and appends the `merge`
+  streams' own states (joins), or compacts the state (drops its masked slots).
 
 Every step names the positions whose next token is wanted (`sample_at`, (row, t) pairs): the
 last stage computes logits for those alone and the sampler chooses a token at each.
@@ -23,6 +24,7 @@ import numpy as np
 
 from shardline.config import SamplingParams
 from shardline.decoding.sampler import Choice
+from shardline.decoding.speculative import Drafted
 from shardline.errors import ShardlineError
 from shardline.pipeline.timing import Timing
 from shardline.stage.cache import KVBook, StepInputs
@@ -60,7 +62,23 @@ class PrefillStep(Step):
 class DecodeStep(Step):
     keep: tuple[int, ...] = ()  # rows of the key's state kept, in order (empty: all, as they are)
     merge: tuple[int, ...] = ()  # streams whose own state is appended after the kept rows
+    # Before running, every stage drops the slots the inputs' mask (given over the cache as it
+    # is) never attends again; the step then runs over the compacted cache (StepInputs.compacted).
+    compact: bool = False
+    drafted: Drafted | None = None  # drafts drawn from distributions, per sampled entry
     phase: ClassVar[Phase] = Phase.DECODE
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.compact and (self.keep or self.merge or self.inputs.beam_idx is not None):
+            raise ShardlineError("a step that merges or drops rows cannot also compact")
+
+    def run_inputs(self) -> tuple[tuple[np.ndarray, int] | None, StepInputs]:
+        """What each stage compacts before this step (None: nothing) and the inputs it runs."""
+        if not self.compact:
+            return None, self.inputs
+        index, inputs = self.inputs.compacted()
+        return (index, self.inputs.attention_mask.shape[1] - self.inputs.new_tokens), inputs
 
 
 @dataclass(frozen=True)
@@ -101,14 +119,15 @@ def prefill(stream: int, book: KVBook, tokens: list[int], params: SamplingParams
 
 
 def decode(stream: int, book: KVBook, tokens: list[int], params: SamplingParams, *, sample_all: bool = False,
-           want_logits: bool = False) -> DecodeStep:
+           want_logits: bool = False, compact: bool = False, drafted: Drafted | None = None) -> DecodeStep:
     """`tokens` fed to one stream on its own state, committed to its book: the next token after
-    the last (or, with `sample_all`, after each of them, as a verify step needs)."""
+    the last (or, with `sample_all`, after each of them, as a verify step needs); `compact`
+    first drops the cache's masked slots (the book's too)."""
     inputs = book.plan(tokens)
-    book.commit(inputs)
+    book.commit(inputs.compacted()[1] if compact else inputs)
     ts = range(len(tokens)) if sample_all else [len(tokens) - 1]
     at = np.array([[0, t] for t in ts], np.int64)
-    return DecodeStep(stream, (stream,), (params,), inputs, at, want_logits)
+    return DecodeStep(stream, (stream,), (params,), inputs, at, want_logits, compact=compact, drafted=drafted)
 
 
 def run(pipe: Pipeline, step: Step, timeout: float | None = 600.0) -> list[Outcome]:

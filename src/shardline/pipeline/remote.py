@@ -162,9 +162,9 @@ class RemotePipeline:
         if self._broken and isinstance(step, PrefillStep) and step.first:
             self._reconnect()
         sent = _Sent(step)
-        prepare(self.stage0, step)
+        inputs = prepare(self.stage0, step)
         start = time.perf_counter()
-        hidden = self.stage0.run(step.key, step.inputs)
+        hidden = self.stage0.run(step.key, inputs)
         graph_s = time.perf_counter() - start
         fwd = self._forward(step, next(self._seq), hidden, graph_s, sent.started)
         with self._lock:
@@ -184,11 +184,14 @@ class RemotePipeline:
         inputs = step.inputs
         keep, merge = (step.keep, step.merge) if isinstance(step, DecodeStep) else ((), ())
         hops = with_rows(no_hops(), [0], [graph_s], 0.0, time.perf_counter() - started - graph_s)
+        compact = isinstance(step, DecodeStep) and step.compact
+        d = step.drafted if isinstance(step, DecodeStep) else None
         return Forward(step.key, seq, step.phase, isinstance(step, PrefillStep) and step.first,
-                       int(inputs.attention_mask.shape[1]), step.want_logits, list(step.sampling),
+                       int(inputs.attention_mask.shape[1]), step.want_logits, compact, list(step.sampling),
                        np.asarray(step.streams, np.int64), np.asarray(keep, np.int64), np.asarray(merge, np.int64),
                        hidden.astype(self.dtype, copy=False), mask_to_runs(inputs.attention_mask),
-                       inputs.position_ids, step.sample_at, hops)
+                       inputs.position_ids, step.sample_at, None if d is None else d.tokens,
+                       None if d is None else d.q_ids, None if d is None else d.q_probs, hops)
 
     def _fail(self, step: Step, why: str) -> None:
         for stream in step.streams:

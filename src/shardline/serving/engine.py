@@ -27,9 +27,11 @@ from itertools import count
 from shardline.config import SamplingConfig
 from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
-from shardline.pipeline.plan import Outcome, Pipeline, Step
+from shardline.pipeline.plan import DecodeStep, Outcome, Pipeline, Step
 from shardline.serving.admission import Limits, accepts, to_admit
+from shardline.serving.drafters import Proposal
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
+from shardline.serving.speculation import Drafts, StepCost
 from shardline.serving.stream import Stream
 
 log = logging.getLogger("shardline.engine")
@@ -48,6 +50,7 @@ class Request:
     prompt: list[int]
     sampling: SamplingConfig  # max_tokens included
     stop_ids: frozenset[int]
+    speculative: bool = True  # when the server speculates: this request may (False: plain decoding)
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,10 @@ class Ticket:
 
 class Engine:
     def __init__(self, pipe: Pipeline, limits: Limits, max_context: int,
-                 scheduling: SchedulerConfig | None = None) -> None:
+                 scheduling: SchedulerConfig | None = None, drafts: Drafts | None = None) -> None:
         self.pipe = pipe
+        self.drafts = drafts  # where speculating streams' drafts come from (None: no speculation)
+        self.cost = StepCost()  # measured decode steps, for each stream's choice of K
         self.limits = limits
         self.max_context = max_context
         self.scheduler = Scheduler(scheduling)
@@ -141,6 +146,7 @@ class Engine:
                     self._apply(outcome)
                 self._apply_cancels()
                 self._admit()
+                self._draft()
                 self._dispatch()
             self._fail_all("cancelled", "")
         except BaseException as e:  # noqa: BLE001 - the thread must not die silently
@@ -149,8 +155,26 @@ class Engine:
                 self.failed = f"{type(e).__name__}: {e}"
             self._fail_all("error", f"the engine stopped: {self.failed}")
 
+    def _draft(self) -> None:
+        """Drafts for each speculating stream about to decode (graph work of the draft model, if
+        any, runs here: it is small, and its proposal must exist before the step is planned)."""
+        for s in self.scheduler.streams.values():
+            spec = s.spec
+            if spec is None or spec.planned or not s.idle_decoder():
+                continue
+            try:
+                rows = len(self.scheduler.groups.members_of(s.id)) or 1
+                k = spec.choose_k(self.cost, rows, room=s.max_tokens - len(s.generated) - 1)
+                spec.offer(spec.drafter.propose(s.prompt + s.generated, k, s.params) if k else Proposal([]))
+            except Exception as e:  # noqa: BLE001 - a drafter's failure costs its stream the drafts only
+                log.warning("stream %d: no drafts (%s: %s)", s.id, type(e).__name__, e)
+                spec.offer(Proposal([]))
+
     def _dispatch(self) -> None:
         for step in self.scheduler.plan():
+            if isinstance(step, DecodeStep):
+                self.scheduler.streams[step.streams[0]].sent = (time.perf_counter(), step.inputs.rows,
+                                                               step.inputs.new_tokens)
             try:
                 self.pipe.submit(step)
             except Exception as e:  # noqa: BLE001 - a step that cannot start fails its streams
@@ -180,6 +204,8 @@ class Engine:
             params = r.sampling.params(secrets.randbits(63))
             ticket.stream = Stream(next(self._ids), list(r.prompt), params, r.sampling.max_tokens, r.stop_ids,
                                    r.sampling.want_logits, owner=ticket)
+            if self.drafts is not None and r.speculative:
+                ticket.stream.spec = self.drafts.speculation()
             self.scheduler.add(ticket.stream)
 
     def _apply_cancels(self) -> None:
@@ -199,7 +225,7 @@ class Engine:
         try:
             if outcome.failed:
                 return self._finish(stream, "error", outcome.error)
-            for choice in outcome.choices:
+            for choice in self._verified(stream, outcome):
                 if self._emit(stream, choice):
                     return
             if self._ticket(stream).cancelled:
@@ -208,6 +234,21 @@ class Engine:
             log.exception("stream %d failed", stream.id)
             if stream.id in self.scheduler.streams:
                 self._finish(stream, "error", f"internal error: {type(e).__name__}: {e}")
+
+    def _verified(self, stream: Stream, outcome: Outcome) -> tuple[Choice, ...]:
+        """The choices that stand: all of a plain step's; of a verify step, the target's choices
+        up to and including the first that differs from the draft offered (the drafts after it
+        are masked out of the cache, and the logical position steps back over them)."""
+        if stream.sent is not None:
+            self.cost.record(time.perf_counter() - stream.sent[0], stream.sent[1], stream.sent[2])
+            stream.sent = None
+        spec = stream.spec
+        if spec is None or not spec.planned:
+            return outcome.choices
+        offered = len(spec.proposal.tokens)
+        kept = spec.settle([c.token for c in outcome.choices])
+        stream.book.mask_last(offered - kept)
+        return outcome.choices[: kept + 1]
 
     def _emit(self, stream: Stream, choice: Choice) -> bool:
         """Deliver one chosen token; True once the stream has ended."""
@@ -239,6 +280,8 @@ class Engine:
 
     def _finish(self, stream: Stream, reason: str, error: str = "") -> None:
         self.scheduler.remove(stream)
+        if stream.spec is not None:
+            stream.spec.drafter.close()
         self._release_slot()
         self._ticket(stream).on_event(Event(None, finish=reason, error=error))
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardline.pipeline.plan import DecodeStep
+from shardline.serving.drafters import Proposal
+from shardline.serving.speculation import drafted
 from shardline.serving.stream import Stream
 from shardline.stage.cache import StepInputs
 
@@ -60,32 +62,44 @@ class Group:
         """Every member has its next token and none is in flight: the group can step."""
         return bool(self.members()) and all(streams[s].idle_decoder() for s in self.members())
 
-    def launch(self, streams: dict[int, Stream]) -> DecodeStep:
-        """The next step: every member's last token as one row, committed to each book; the
-        group then holds its rows as launched."""
+    def launch(self, streams: dict[int, Stream], compact_at: int = 0) -> DecodeStep:
+        """The next step: every member's last token (and its drafts) as one row, committed to
+        each book; the group then holds its rows as launched. A step without joins or leaves
+        compacts the state once `compact_at` slots of every row are masked (0: never)."""
         keep = [self.held.index(s) for s in self.rows]
         rows = self.rows + self.joining
         joiners = list(self.joining)
         drops = not joiners and keep != list(range(len(self.held)))
-        inputs = batch_inputs([streams[s] for s in rows], np.asarray(keep, np.int32) if drops else None)
-        self.rows, self.held, self.joining = rows, list(rows), []
         members = [streams[s] for s in rows]
-        return DecodeStep(self.key, tuple(rows), tuple(m.params for m in members), inputs,
-                          np.array([[r, 0] for r in range(len(rows))], np.int64),
+        compact = bool(compact_at) and not joiners and not drops and wasted(members) >= compact_at
+        inputs = batch_inputs(members, np.asarray(keep, np.int32) if drops else None, compact)
+        self.rows, self.held, self.joining = rows, list(rows), []
+        feeds = [len(m.feed()) for m in members]
+        at = np.array([[r, t] for r, n in enumerate(feeds) for t in range(n)], np.int64)
+        return DecodeStep(self.key, tuple(rows), tuple(m.params for m in members), inputs, at,
                           any(m.want_logits for m in members),
-                          keep=tuple(keep) if (joiners or drops) else (), merge=tuple(joiners))
+                          keep=tuple(keep) if (joiners or drops) else (), merge=tuple(joiners), compact=compact,
+                          drafted=drafted([m.spec.proposal if m.spec else Proposal([]) for m in members]))
 
 
-def batch_inputs(members: list[Stream], beam_idx: np.ndarray | None) -> StepInputs:
-    """One row per member feeding its last token, committed to its book. Every book is first
-    left-padded to the widest (a joiner longer than the group pads every row)."""
+def wasted(members: list[Stream]) -> int:
+    """Slots of every row that compaction would free: the state's width past its longest row."""
+    return max(m.book.slots for m in members) - max(m.book.slots - m.book.masked for m in members)
+
+
+def batch_inputs(members: list[Stream], beam_idx: np.ndarray | None, compact: bool = False) -> StepInputs:
+    """One row per member feeding its last token and drafts, right-padded to the longest feed,
+    committed to its book (compacted first when `compact`). Every book is first left-padded to
+    the widest (a joiner longer than the group pads every row)."""
     width = max(m.book.slots for m in members)
+    longest = max(len(m.feed()) for m in members)
     for m in members:
         m.book.pad_left(width - m.book.slots)
-    rows = [m.book.plan([m.generated[-1]]) for m in members]
-    for m, r in zip(members, rows, strict=True):
-        m.book.commit(r)
-    return StepInputs.stack(rows, beam_idx)
+    inputs = StepInputs.stack([m.book.plan(m.feed(), longest - len(m.feed())) for m in members], beam_idx)
+    kept = inputs.compacted()[1] if compact else inputs
+    for r, m in enumerate(members):
+        m.book.commit(kept, r)
+    return inputs
 
 
 class Groups:
@@ -104,6 +118,11 @@ class Groups:
 
     def has(self, stream: int) -> bool:
         return stream in self._of
+
+    def members_of(self, stream: int) -> list[int]:
+        """The members of `stream`'s group (none when it is in no group)."""
+        group = self._of.get(stream)
+        return group.members() if group else []
 
     def join(self, stream: int) -> Group:
         """`stream` has its first token: it joins the least loaded group (a new one if all are full)."""

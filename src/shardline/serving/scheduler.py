@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardline.config import DEFAULT_PREFILL_CHUNK
+from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK
 from shardline.errors import ShardlineError
 from shardline.pipeline.plan import Step, decode, prefill
+from shardline.serving.drafters import Proposal
 from shardline.serving.groups import MAX_ROWS, Groups
+from shardline.serving.speculation import drafted
 from shardline.serving.stream import Stream
 
 
@@ -30,10 +32,11 @@ class SchedulerConfig:
     groups: int = 1  # decode groups; 0: every stream decodes on its own request
     max_rows: int = MAX_ROWS  # rows per group
     max_prefills: int = 2  # prompts prefilling at once (oldest first)
+    compact_at: int = COMPACT_AT  # masked slots of a stream's cache that a decode step compacts
 
     def __post_init__(self) -> None:
-        if self.chunk < 1 or self.groups < 0 or self.max_rows < 1 or self.max_prefills < 1:
-            raise ShardlineError("chunk, max rows and max prefills must be >= 1 and groups >= 0")
+        if self.chunk < 1 or self.groups < 0 or self.max_rows < 1 or self.max_prefills < 1 or self.compact_at < 1:
+            raise ShardlineError("chunk, max rows, max prefills and compact_at must be >= 1 and groups >= 0")
 
 
 class Scheduler:
@@ -70,11 +73,17 @@ class Scheduler:
     def _decodes(self) -> list[Step]:
         idle = [s for s in self.streams.values() if s.idle_decoder()]
         if not self.cfg.groups:
-            return [decode(s.id, s.book, [s.generated[-1]], s.params, want_logits=s.want_logits) for s in idle]
+            return [self._alone(s) for s in idle]
         for s in idle:
             if not self.groups.has(s.id):
                 self.groups.join(s.id)
-        return [g.launch(self.streams) for g in self.groups if g.ready(self.streams)]
+        return [g.launch(self.streams, self.cfg.compact_at) for g in self.groups if g.ready(self.streams)]
+
+    def _alone(self, s: Stream) -> Step:
+        """A decode step of `s` on its own request: its token and drafts, each position sampled."""
+        proposal = s.spec.proposal if s.spec else Proposal([])
+        return decode(s.id, s.book, s.feed(), s.params, sample_all=True, want_logits=s.want_logits,
+                      compact=s.book.masked >= self.cfg.compact_at, drafted=drafted([proposal]))
 
     def _prefills(self) -> list[Step]:
         waiting = [s for s in self.streams.values() if s.prefilling][: self.cfg.max_prefills]

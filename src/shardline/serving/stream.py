@@ -1,6 +1,6 @@
 """One record per stream: everything the engine and the scheduler know about a request that
 holds KV on the stages (its prompt, what is prefilled, the tokens chosen so far, its sampling,
-its KV bookkeeping, whether a step of it is in flight)."""
+its KV bookkeeping, whether a step of it is in flight, its speculation)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardline.config import SamplingParams
+from shardline.serving.speculation import Speculation
 from shardline.stage.cache import KVBook
 
 
@@ -24,6 +25,8 @@ class Stream:
     prefilled: int = 0  # prompt tokens sent to the stages
     generated: list[int] = field(default_factory=list)  # chosen so far; the last is fed next
     in_flight: bool = False  # a step of it is between submit and outcome
+    spec: Speculation | None = None  # its drafter and drafts, when it speculates
+    sent: tuple[float, int, int] | None = None  # (when, rows, width) of its decode step in flight
 
     @property
     def prefilling(self) -> bool:
@@ -37,6 +40,10 @@ class Stream:
     @property
     def done(self) -> bool:
         return len(self.generated) >= self.max_tokens
+
+    def feed(self) -> list[int]:
+        """What its next decode step feeds: its last token, then the drafts offered after it."""
+        return [self.generated[-1], *(self.spec.proposal.tokens if self.spec else [])]
 
     def idle_decoder(self) -> bool:
         return self.decoding and not self.in_flight and not self.done

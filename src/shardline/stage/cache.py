@@ -7,11 +7,16 @@ Invariants:
   speculation masks out rejected drafts (the slots stay, masked, and positions step back).
 - The attention mask covers `slots + new tokens`; a slot masked to 0 stays 0 for ever.
 - Every stage of a stream receives the same mask and positions for a step.
+- A row of a group's step may carry fewer tokens than the others: it is right-padded with
+  masked tokens (slot written, mask 0 for ever, position irrelevant), as a rejected draft is.
+- Compaction (speculation's cleanup) keeps each row's attended slots in order and left-pads
+  the rows to the longest; every stage and the coordinator's books derive it from the mask
+  alone (`compaction`), so nothing but a flag crosses the wire.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -39,6 +44,13 @@ class StepInputs:
     def new_tokens(self) -> int:
         return int(self.position_ids.shape[1])
 
+    def compacted(self) -> tuple[np.ndarray, StepInputs]:
+        """This step after compacting the cache its mask describes: which slots each row of the
+        state keeps (see `compaction`) and the same step over the compacted cache."""
+        t = self.new_tokens
+        index, mask = compaction(self.attention_mask[:, :-t])
+        return index, replace(self, attention_mask=np.concatenate([mask, self.attention_mask[:, -t:]], axis=1))
+
     @staticmethod
     def stack(rows: list[StepInputs], beam_idx: np.ndarray | None = None) -> StepInputs:
         """One step of several streams as one batch (their masks must be equally long)."""
@@ -65,6 +77,20 @@ def logits_index(sample_at: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarr
     return index, pick
 
 
+def compaction(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For cache rows masked by `mask` [B, S]: the slots each row keeps (`index` [B, W], to
+    gather along the slots axis) and its mask afterwards ([B, W]). Each row keeps its attended
+    slots in order, right-aligned; the shorter rows are left-padded (gathering slot 0, masked)."""
+    live = [np.flatnonzero(row) for row in mask]
+    width = max((len(x) for x in live), default=0)
+    index = np.zeros((mask.shape[0], width), np.int64)
+    after = np.zeros((mask.shape[0], width), np.int64)
+    for r, x in enumerate(live):
+        index[r, width - len(x):] = x
+        after[r, width - len(x):] = 1
+    return index, after
+
+
 class KVBook:
     def __init__(self) -> None:
         self._keep = np.zeros(0, dtype=np.int64)  # one entry per physical slot: 1 attend, 0 masked
@@ -74,16 +100,26 @@ class KVBook:
     def slots(self) -> int:
         return int(self._keep.shape[0])
 
-    def plan(self, tokens: list[int]) -> StepInputs:
-        """Inputs for feeding `tokens` next (one row); call `commit` once the step is sent."""
+    @property
+    def masked(self) -> int:
+        """Physical slots no step will attend again (rejected drafts, pads, left padding)."""
+        return self.slots - int(self._keep.sum())
+
+    def plan(self, tokens: list[int], pad: int = 0) -> StepInputs:
+        """Inputs for feeding `tokens` next (one row), then `pad` masked tokens (a row of a group
+        whose others carry more); call `commit` once the step is sent."""
         t = len(tokens)
-        mask = np.concatenate([self._keep, np.ones(t, dtype=np.int64)])[None, :]
-        positions = np.arange(self.position, self.position + t, dtype=np.int64)[None, :]
-        return StepInputs(np.asarray([tokens], dtype=np.int64), mask, positions)
+        new = np.concatenate([np.ones(t, np.int64), np.zeros(pad, np.int64)])
+        mask = np.concatenate([self._keep, new])[None, :]
+        positions = np.arange(self.position, self.position + t + pad, dtype=np.int64)[None, :]
+        ids = tokens + [tokens[-1]] * pad
+        return StepInputs(np.asarray([ids], dtype=np.int64), mask, positions)
 
     def commit(self, inputs: StepInputs, row: int = 0) -> None:
+        """The step was sent: its mask row is the cache's from now on (compacted if the step
+        compacts); the position advances by the row's attended new tokens, not its pads."""
         self._keep = inputs.attention_mask[row].copy()
-        self.position += inputs.new_tokens
+        self.position += int(self._keep[-inputs.new_tokens:].sum())
 
     def pad_left(self, n: int) -> None:
         """`n` masked slots before the stream's own: its KV became a row of a longer batch state
@@ -100,6 +136,13 @@ class KVBook:
         if n:
             self._keep[live[-n:]] = 0
         self.position -= n
+
+    def compact(self) -> np.ndarray:
+        """Drop the masked slots from the book; the slots the cache keeps ([1, W], for
+        StageRunner.compact), when the cache itself is compacted alongside."""
+        index, after = compaction(self._keep[None, :])
+        self._keep = after[0]
+        return index
 
     def reset(self) -> None:
         self._keep = np.zeros(0, dtype=np.int64)

@@ -28,6 +28,7 @@ class KVHolder(Protocol):
     def move(self, key: Key, to: Key) -> None: ...
     def close(self, key: Key) -> None: ...
     def open(self, key: Key) -> None: ...
+    def compact(self, key: Key, index: np.ndarray, slots: int) -> None: ...
 
 
 def check_merge(stage: KVHolder, key: Key, keep: Sequence[int], joiners: Sequence[Key]) -> str | None:
@@ -79,11 +80,15 @@ def merged(batch: dict[str, np.ndarray], keep: Sequence[int],
     return out
 
 
-def prepare(stage: KVHolder, key: Key, *, first: bool, keep: Sequence[int], merge: Sequence[Key]) -> None:
+def prepare(stage: KVHolder, key: Key, *, first: bool, keep: Sequence[int], merge: Sequence[Key],
+            compact: tuple[np.ndarray, int] | None = None) -> None:
     """What a stage does before running a step: a stream's first step opens a fresh request
-    (a stale one under the same key is dropped); a decode step merges its joiners. (A step that
-    only drops rows does it through its inputs' beam_idx.) Raises StepRefused, changing
-    nothing, for a merge that cannot apply."""
+    (a stale one under the same key is dropped); a decode step merges its joiners, or compacts
+    the state (`compact`: the slots each row keeps and the slots they were taken from, made by
+    StepInputs.compacted; never with a merge). (A step that only drops rows does it through its
+    inputs' beam_idx.) Raises StepRefused, changing nothing, for a step that cannot apply."""
+    if compact is not None and (first or merge or keep):
+        raise StepRefused("a step that opens a request, merges or drops rows cannot also compact")
     if first:
         stage.close(key)
         stage.open(key)
@@ -91,3 +96,5 @@ def prepare(stage: KVHolder, key: Key, *, first: bool, keep: Sequence[int], merg
         if why := check_merge(stage, key, keep, merge):
             raise StepRefused(why)
         apply_merge(stage, key, keep, merge)
+    elif compact is not None:
+        stage.compact(key, *compact)

@@ -101,6 +101,19 @@ class StageRunner:
         shape = next(iter(kv.values())).shape
         held.rows, held.slots = int(shape[0]), int(shape[2])
 
+    def compact(self, key: Key, index: np.ndarray, slots: int) -> None:
+        """Keep in each row of the key's state only the slots `index` names ([B, W], made by
+        cache.compaction from a mask over `slots` slots): the masked ones are dropped. A copy of
+        the whole state (OpenVINO sets a variable as a whole). StepRefused, changing nothing,
+        when the index was made for another state."""
+        held = self._held(key)
+        fits = index.ndim == 2 and index.shape[0] == held.rows > 0 and slots == held.slots
+        if not fits or (index.size and (int(index.min()) < 0 or int(index.max()) >= held.slots)):
+            raise StepRefused(f"cannot compact {_shown(key)}: {held.rows} rows of {held.slots} slots, "
+                              f"a mask of {slots} slots")
+        at = index[:, None, :, None]
+        self.set_kv(key, {name: np.take_along_axis(a, at, axis=2) for name, a in self.kv(key).items()})
+
     def run(self, key: Key, inputs: StepInputs, hidden: np.ndarray | None = None) -> np.ndarray:
         """Run one step; returns hidden states [B, T, H] or, on the last stage, logits [B, N, V]
         for the positions of `inputs.logits_index`. The result is a view of the request's output

@@ -19,8 +19,10 @@ import numpy as np
 from shardline.config import SamplingParams
 
 # 2: Forward and Sampled carry `hops`; 3: rows (decode groups); 4: multi-token steps with
-# chosen sample positions, explicit first step, run-length masks, typed sampling, sessions.
-PROTOCOL = 4
+# chosen sample positions, explicit first step, run-length masks, typed sampling, sessions;
+# 5: `compact` (speculation drops masked slots), verify draws against a draft distribution.
+PROTOCOL = 5
+MAX_SUPPORT = 64  # token ids of a draft distribution sent per sampled position
 
 # One row of `hops` per stage a step has run through, appended by the process that ran it:
 # durations in seconds on that process's own clock (clocks of different machines never mix).
@@ -164,7 +166,8 @@ class Forward:
     ARRAYS: ClassVar[dict[str, Arr]] = {
         "rows": Arr(("i8",), 1), "keep": Arr(("i8",), 1), "merge": Arr(("i8",), 1),
         "hidden": Arr(("f2", "f4"), 3), "mask_runs": Arr(("i4",), 2), "position_ids": Arr(("i8",), 2),
-        "sample_at": Arr(("i8",), 2), "hops": Arr(("f8",), 2),
+        "sample_at": Arr(("i8",), 2), "drafts": Arr(("i8",), 1, True), "q_ids": Arr(("i8",), 2, True),
+        "q_probs": Arr(("f4",), 2, True), "hops": Arr(("f8",), 2),
     }
     key: int  # the key the stages' requests are open under: the stream, or the group's key
     seq: int  # step number, echoed in the reply
@@ -172,6 +175,9 @@ class Forward:
     first: bool  # the key's first step: every stage opens a fresh request (empty cache) for it
     slots: int  # width of the attention mask
     want_logits: bool  # also return the whole logits row of every sampled position
+    # Before the step every stage drops the slots the mask (over the cache as it is) never
+    # attends again, then runs the step over the compacted cache (stage.cache.compaction).
+    compact: bool
     sampling: list[SamplingParams]  # per row (used by the last stage)
     rows: np.ndarray  # [B] i64: the stream of each row
     keep: np.ndarray  # [K] i64: before the step, the rows of the KV state kept, in order
@@ -180,6 +186,12 @@ class Forward:
     mask_runs: np.ndarray  # [R, 3] i32: (row, first column, length) of each run of ones
     position_ids: np.ndarray  # [B, T] i64: logical positions (RoPE)
     sample_at: np.ndarray  # [E, 2] i64: (row, t) whose next token is wanted
+    # Speculative sampling with a draft drawn from a distribution q (None when no entry has one:
+    # greedy, or drafts that are certain, need nothing): per entry the draft offered (-1: none)
+    # and q's support, padded with id -1 / probability 0. See decoding/speculative.py.
+    drafts: np.ndarray | None  # [E] i64
+    q_ids: np.ndarray | None  # [E, S] i64
+    q_probs: np.ndarray | None  # [E, S] f32
     hops: np.ndarray  # [stages so far, len(HOP_COLUMNS)] f64; must stay the last array field
 
     def __post_init__(self) -> None:
@@ -203,6 +215,26 @@ class Forward:
         _ids_in(self.keep, MAX_ROWS, "kept row")  # that it exists is checked against the state (node/)
         _need(_distinct(self.keep) and _distinct(self.merge),
               "a row kept or merged twice")
+        check_drafts(self.drafts, self.q_ids, self.q_probs, self.sample_at.shape[0])
+        _need(not self.compact or (self.keep.size == 0 and self.merge.size == 0 and not self.first),
+              "a step that opens, merges or drops rows cannot also compact")
+
+
+def check_drafts(drafts: np.ndarray | None, q_ids: np.ndarray | None, q_probs: np.ndarray | None, e: int) -> None:
+    """Drafts and their distributions' supports go together, one per sampled entry; a draft is
+    offered only with a probability > 0 (the last stage checks the ids against its vocabulary)."""
+    if drafts is None and q_ids is None and q_probs is None:
+        return
+    _need(drafts is not None and q_ids is not None and q_probs is not None, "drafts come with their q support")
+    assert drafts is not None and q_ids is not None and q_probs is not None
+    _need(drafts.shape == (e,) and q_ids.shape == q_probs.shape and q_ids.shape[0] == e
+          and q_ids.shape[1] <= MAX_SUPPORT, f"drafts {drafts.shape}, q {q_ids.shape}/{q_probs.shape} for {e} samples")
+    _need(bool(np.isfinite(q_probs).all()) and (q_probs.size == 0 or (q_probs.min() >= 0 and q_probs.max() <= 1)),
+          "q probabilities outside 0-1")
+    _need((drafts.size == 0 or drafts.min() >= -1) and (q_ids.size == 0 or q_ids.min() >= -1), "negative token ids")
+    for d, ids, ps in zip(drafts.tolist(), q_ids.tolist(), q_probs.tolist(), strict=True):
+        _need(d < 0 or any(i == d and p > 0 for i, p in zip(ids, ps, strict=True)),
+              f"draft {d} offered outside its q support")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,167 @@
+"""Where drafts come from: a stream's drafter proposes the tokens a verify step offers.
+
+- `LookupDrafter`: prompt lookup (decoding/lookup.py), no model: the continuation of the latest
+  earlier occurrence of the text's last n-gram.
+- `ModelDrafter`: a small model on the coordinator (its own export folder, one stage, the
+  target's tokenizer): a draft model, or the target's first L layers (self-speculation). Each
+  stream has its own request (KV) on the shared `DraftModel`, which catches up on the tokens
+  the target accepted and masks the drafts it rejected, like the target's stages (KVBook).
+
+Drafts are certain (greedy, lookup) or, when the stream samples and the drafter is a model,
+drawn from the draft's own distribution q, truncated to its `SUPPORT` most likely tokens (the
+verify rule is exact for any q, and only q's support travels to the last stage).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from shardline.config import COMPACT_AT, RunConfig, SamplingParams
+from shardline.decoding.lookup import PromptLookup
+from shardline.decoding.sampler import probabilities
+from shardline.decoding.speculative import uniform
+from shardline.errors import ShardlineError
+from shardline.model.manifest import Manifest, load_manifest, verify
+from shardline.stage.cache import KVBook
+from shardline.stage.runner import StageRunner
+
+SUPPORT = 16  # q's most likely tokens kept (renormalized): what a sampled draft sends per position
+CATCH_UP_CHUNK = 256  # tokens per draft-model call when it catches up (a prompt)
+_DRAFT = 3  # the use of randomness a draft draw takes at a position (see decoding/speculative.py)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: list[int]
+    q_ids: np.ndarray | None = None  # [k, S] i64: where each draft was drawn from (None: certain)
+    q_probs: np.ndarray | None = None  # [k, S] f32
+
+
+class Drafter(Protocol):
+    cost_s: float  # measured seconds per drafted token (0 for lookup)
+
+    def propose(self, context: list[int], k: int, params: SamplingParams) -> Proposal: ...
+    def settle(self, kept: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class LookupDrafter:
+    cost_s = 0.0
+
+    def __init__(self) -> None:
+        self._index = PromptLookup(max_ngram=3, min_ngram=1)
+
+    def propose(self, context: list[int], k: int, params: SamplingParams) -> Proposal:
+        self._index.extend(context[len(self._index):])
+        return Proposal(self._index.propose(k))
+
+    def settle(self, kept: int) -> None:
+        pass  # the index holds accepted text only: it catches up from the context
+
+    def close(self) -> None:
+        pass
+
+
+class DraftModel:
+    """One draft export folder, compiled once, shared by every stream's drafter."""
+
+    def __init__(self, folder: Path, target: Manifest, run: RunConfig | None = None) -> None:
+        try:
+            self.manifest = load_manifest(folder)
+        except ShardlineError as e:
+            raise ShardlineError(f"draft model: {e}") from None
+        verify(folder, self.manifest)
+        if len(self.manifest.stages) != 1:
+            raise ShardlineError(f"draft model {folder} has {len(self.manifest.stages)} stages; export it as one")
+        if self.manifest.arch.vocab != target.arch.vocab or \
+                self.manifest.files.get("tokenizer.json") != target.files.get("tokenizer.json"):
+            raise ShardlineError(f"draft model {folder} does not share the target's tokenizer")
+        self.runner = StageRunner(folder, self.manifest.stages[0], run or RunConfig(), vocab=self.manifest.arch.vocab)
+        self.lock = threading.Lock()  # one call at a time (the engine thread; a bench may share it)
+        self._keys = count(1)
+
+    def drafter(self) -> ModelDrafter:
+        return ModelDrafter(self, next(self._keys))
+
+
+class ModelDrafter:
+    """A stream's drafts from the draft model. Its KV holds the stream's accepted text, then the
+    drafts of the last proposal but its last; `settle` masks the rejected ones."""
+
+    def __init__(self, model: DraftModel, key: int) -> None:
+        self.model, self.key = model, key
+        self.book = KVBook()
+        self.fed = 0  # tokens of the stream's context in the draft's KV (attended)
+        self.cost_s = 0.0
+        self._offered = 0  # drafts of the last proposal that went into the KV
+        model.runner.open(key)
+
+    def propose(self, context: list[int], k: int, params: SamplingParams) -> Proposal:
+        start = time.perf_counter()
+        with self.model.lock:
+            self._compact_if_needed()
+            logits = self._feed(context[self.fed:])
+            self.fed = len(context)
+            tokens, q_ids, q_probs = [], [], []
+            for i in range(k):
+                token, ids, probs = _draw(logits, params, self.book.position)
+                tokens.append(token)
+                q_ids.append(ids)
+                q_probs.append(probs)
+                if i + 1 < k:
+                    logits = self._feed([token])
+            self._offered = max(0, k - 1)
+        if k:
+            self.cost_s = 0.8 * self.cost_s + 0.2 * (time.perf_counter() - start) / k if self.cost_s else \
+                (time.perf_counter() - start) / k
+        if params.greedy:
+            return Proposal(tokens)
+        return Proposal(tokens, np.stack(q_ids), np.stack(q_probs).astype(np.float32))
+
+    def settle(self, kept: int) -> None:
+        """`kept` drafts of the last proposal were accepted: the others leave the draft's KV."""
+        in_kv = min(kept, self._offered)
+        self.book.mask_last(self._offered - in_kv)
+        self.fed += in_kv
+        self._offered = 0
+
+    def close(self) -> None:
+        with self.model.lock:
+            self.model.runner.close(self.key)
+
+    def _feed(self, tokens: list[int]) -> np.ndarray:
+        """Run `tokens` through the draft model (in chunks); the logits after the last."""
+        if not tokens:
+            raise ShardlineError("nothing to feed the draft model")
+        for at in range(0, len(tokens), CATCH_UP_CHUNK):
+            inputs = self.book.plan(tokens[at: at + CATCH_UP_CHUNK])
+            out = self.model.runner.run(self.key, inputs)
+            self.book.commit(inputs)
+        return np.asarray(out[0, -1], np.float32)
+
+    def _compact_if_needed(self, at: int = COMPACT_AT) -> None:
+        if self.book.masked >= at:
+            slots = self.book.slots
+            self.model.runner.compact(self.key, self.book.compact(), slots)
+
+
+def _draw(logits: np.ndarray, params: SamplingParams, position: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """A draft token: the argmax when the stream is greedy, else drawn from q (the draft's own
+    distribution under the stream's sampling, truncated to its SUPPORT most likely tokens)."""
+    if params.greedy:
+        token = int(np.argmax(logits))
+        return token, np.array([token], np.int64), np.ones(1, np.float32)
+    p = probabilities(logits, params)
+    ids = np.argsort(-p, kind="stable")[:SUPPORT]
+    q = p[ids] / p[ids].sum()
+    cum = np.cumsum(q)
+    j = int(min(np.searchsorted(cum, uniform(params.seed, position, _DRAFT) * cum[-1], side="right"), len(ids) - 1))
+    ids = np.where(q > 0, ids, -1)  # a support narrower than SUPPORT: padded, probability 0
+    return int(ids[j]), ids.astype(np.int64), q

@@ -1,0 +1,158 @@
+"""A stream's speculation: its drafter, the drafts in flight, its acceptance, and how many
+drafts to offer next (K).
+
+A verify step feeds [last token, d1..dk] and the last stage chooses a token after each of the
+k+1 positions. The leading drafts equal to the target's choices stand, plus the target's own
+next token: 1 to k+1 tokens per step. The slots of the rejected drafts stay in every stage's
+cache, masked for ever (KVBook.mask_last); the coordinator alone knows (workers just see masks).
+
+K: with acceptance rate a (each draft stands with probability a, given the one before did), a
+step offering k drafts yields E(k) = 1 + a + ... + a^k tokens and costs one trip plus k extra
+positions per row and k draft tokens. Auto K takes the k in 0..k_max with the most tokens per
+second under the measured costs (`StepCost`): on a slow link (a long trip) it drafts deep; in a
+busy group (rows x positions make the step compute-bound) it backs off to 0 by itself. A stream
+at k = 0 still offers one draft every PROBE_EVERY steps, so a rate that was low can recover.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shardline.decoding.speculative import Drafted, accepted
+from shardline.serving.drafters import Drafter, Proposal
+
+PROBE_EVERY = 8
+DECAY = 0.9  # weight of the past in the running acceptance and costs
+
+
+@dataclass
+class Acceptance:
+    """The running rate at which an offered draft stands (given the one before it did): drafts
+    that stood over drafts tried (a step tries its drafts up to the first rejected one). The
+    prior is one hit in two tries."""
+
+    hits: float = 1.0
+    tries: float = 2.0
+
+    def record(self, offered: int, kept: int) -> None:
+        self.hits = DECAY * self.hits + kept
+        self.tries = DECAY * self.tries + kept + (1 if kept < offered else 0)
+
+    @property
+    def rate(self) -> float:
+        return self.hits / self.tries
+
+
+@dataclass
+class StepCost:
+    """Measured seconds of a decode step: `base_s` for one position per row, `per_token_s` for
+    each extra position of one row (a step's rows are padded to the longest)."""
+
+    base_s: float = 0.0
+    per_token_s: float = 0.0
+
+    def record(self, seconds: float, rows: int, width: int) -> None:
+        """A step of `rows` rows of `width` positions took `seconds`, planning to outcome."""
+        extra = rows * (width - 1)
+        if extra == 0 or not self.base_s:
+            self.base_s = seconds if not self.base_s else DECAY * self.base_s + (1 - DECAY) * seconds
+            return
+        marginal = max(0.0, seconds - self.base_s) / extra
+        self.per_token_s = marginal if not self.per_token_s else DECAY * self.per_token_s + (1 - DECAY) * marginal
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a step offering k drafts yields on average: 1 + a + a^2 + ... + a^k."""
+    return float(sum(rate**i for i in range(k + 1)))
+
+
+def best_k(rate: float, cost: StepCost, rows: int, draft_s: float, k_max: int) -> int:
+    """The k in 0..k_max with the most tokens per second (0 until a step has been timed)."""
+    if not cost.base_s:
+        return min(1, k_max)
+    speed = [expected_tokens(rate, k) / (cost.base_s + k * (rows * cost.per_token_s + draft_s))
+             for k in range(k_max + 1)]
+    return int(np.argmax(speed))
+
+
+@dataclass(eq=False)
+class Speculation:
+    drafter: Drafter
+    fixed_k: int | None  # None: auto
+    k_max: int
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    proposal: Proposal = field(default_factory=lambda: Proposal([]))  # the drafts in flight
+    k: int = 0  # drafts chosen for the last step
+    planned: bool = False  # drafts (maybe none) chosen for the next step, whose outcome settles them
+    drafted: int = 0  # totals over the stream's life
+    kept: int = 0
+    steps: int = 0
+    _since_probe: int = 0
+
+    def choose_k(self, cost: StepCost, rows: int, room: int) -> int:
+        """Drafts to offer next: at most `room` (tokens left to generate, minus the target's own)."""
+        if self.fixed_k is not None:
+            k = self.fixed_k
+        else:
+            k = best_k(self.acceptance.rate, cost, rows, self.drafter.cost_s, self.k_max)
+            self._since_probe = 0 if k else self._since_probe + 1
+            if self._since_probe >= PROBE_EVERY:
+                k, self._since_probe = 1, 0
+        self.k = max(0, min(k, room))
+        return self.k
+
+    def offer(self, proposal: Proposal) -> None:
+        self.proposal, self.planned = proposal, True
+
+    def settle(self, chosen: list[int]) -> int:
+        """The target chose `chosen` after each fed position: how many drafts stood. The drafter
+        and the counters learn of it; the proposal is cleared."""
+        drafts = self.proposal.tokens
+        kept = accepted(drafts, chosen)
+        if drafts:
+            self.acceptance.record(len(drafts), kept)
+            self.drafted += len(drafts)
+            self.kept += kept
+        self.steps += 1
+        self.drafter.settle(kept)
+        self.proposal, self.planned = Proposal([]), False
+        return kept
+
+
+def drafted(proposals: list[Proposal]) -> Drafted | None:
+    """The drafted entries of a step whose row r feeds [last, *proposals[r].tokens] and samples
+    after each position: the draft offered there and q's support, -1 where none is (the last
+    position of a row, and certain drafts); None when no row's drafts were drawn from a q."""
+    drawn = [p.q_ids for p in proposals if p.q_ids is not None]
+    if not drawn:
+        return None
+    width = max(q.shape[1] for q in drawn)
+    tokens: list[int] = []
+    ids, probs = [], []
+    for p in proposals:
+        k = len(p.tokens)
+        for t in range(k + 1):
+            if t < k and p.q_ids is not None and p.q_probs is not None:
+                tokens.append(p.tokens[t])
+                ids.append(np.pad(p.q_ids[t], (0, width - p.q_ids.shape[1]), constant_values=-1))
+                probs.append(np.pad(p.q_probs[t], (0, width - p.q_probs.shape[1])))
+            else:
+                tokens.append(-1)
+                ids.append(np.full(width, -1, np.int64))
+                probs.append(np.zeros(width, np.float32))
+    return Drafted(np.asarray(tokens, np.int64), np.stack(ids).astype(np.int64), np.stack(probs).astype(np.float32))
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """A server's speculation: a new drafter for each stream that speculates, and its K policy."""
+
+    new_drafter: Callable[[], Drafter]
+    k: int | None  # None: auto
+    k_max: int
+
+    def speculation(self) -> Speculation:
+        return Speculation(self.new_drafter(), self.k, self.k_max)

@@ -1,0 +1,165 @@
+"""Speculation's pure parts: prompt lookup, the accept rule, speculative sampling's draw (a
+statistical test: it samples the target's distribution whatever the draft's), the choice of K,
+and the verify steps the scheduler plans (rows with different K, compaction)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from shardline.config import SamplingParams
+from shardline.decoding.lookup import PromptLookup
+from shardline.decoding.sampler import choose_at, probabilities
+from shardline.decoding.speculative import Drafted, accepted, verify_draw
+from shardline.pipeline.plan import DecodeStep
+from shardline.serving.drafters import Proposal
+from shardline.serving.scheduler import Scheduler, SchedulerConfig
+from shardline.serving.speculation import Acceptance, Speculation, StepCost, best_k, drafted, expected_tokens
+from shardline.serving.stream import Stream
+
+
+def test_lookup_proposes_what_followed_the_longest_latest_match() -> None:
+    look = PromptLookup([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3], max_ngram=3)
+    assert look.propose(3) == [4, 5, 9]  # "1 2 3" (longest) beats the later "2 3" (-> 7 8 1)
+    look = PromptLookup([5, 6, 7, 8, 5, 6])
+    assert look.propose(2) == [7, 8]
+    assert look.propose(10) == [7, 8, 5, 6]  # never past the end of the text
+    assert PromptLookup([1, 2, 3]).propose(4) == []  # the suffix never matches itself
+    look.extend([7])
+    assert look.propose(1) == [8]
+
+
+def test_accepted_counts_the_leading_drafts_equal_to_the_targets_choices() -> None:
+    assert accepted([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert accepted([5, 6, 7], [5, 9, 7, 8]) == 1
+    assert accepted([5], [4, 5]) == 0
+    assert accepted([], [3]) == 0
+
+
+def _chi2(draws: list[int], p: np.ndarray) -> float:
+    counts = np.bincount(draws, minlength=len(p))
+    support = p > 0
+    assert counts[~support].sum() == 0, "a token outside p's support was drawn"
+    return float(chisquare(counts[support], p[support] * len(draws)).pvalue)
+
+
+@pytest.mark.parametrize("q", [[0.1, 0.6, 0.1, 0.1, 0.1, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+                               [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]], ids=["skewed", "point-mass", "near-p"])
+def test_speculative_sampling_draws_the_targets_distribution_whatever_the_draft(q: list[float]) -> None:
+    p = np.array([0.05, 0.15, 0.3, 0.2, 0.2, 0.1])
+    qv = np.array(q)
+    rng = np.random.default_rng(0)
+    draws = []
+    for seed in range(6000):
+        draft = int(rng.choice(6, p=qv))
+        draws.append(verify_draw(p, draft, qv, seed, 17))
+    assert _chi2(draws, p) > 1e-3
+
+
+def test_choose_at_verifies_drafts_from_their_support_at_the_last_stage() -> None:
+    """The sampler's path: logits, the request's temperature and top-k, q's support only."""
+    logits = np.log(np.array([0.05, 0.15, 0.3, 0.2, 0.2, 0.1], np.float32))
+    params = [SamplingParams(temperature=0.8, top_k=4, seed=s) for s in range(5000)]
+    p = probabilities(logits, params[0])
+    q_ids, q_probs = np.array([[1, 2, -1]]), np.array([[0.7, 0.3, 0.0]], np.float32)
+    draws = []
+    for par in params:
+        draft = 1 if np.random.default_rng(par.seed + 99).random() < 0.7 else 2
+        (c,) = choose_at(logits[None, None], np.array([[0, 0]]), np.array([0]), np.array([[4]]), [par],
+                         drafted=Drafted(np.array([draft]), q_ids, q_probs))
+        draws.append(c.token)
+    assert _chi2(draws, p) > 1e-3
+
+
+def test_a_draft_outside_its_support_or_the_vocabulary_is_refused() -> None:
+    with pytest.raises(ValueError, match="outside the support"):
+        verify_draw(np.full(4, 0.25), 3, np.array([0.5, 0.5, 0, 0]), 1, 2)
+    logits = np.zeros((1, 1, 4), np.float32)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        choose_at(logits, np.array([[0, 0]]), np.array([0]), np.array([[0]]), [SamplingParams(temperature=1.0)],
+                  drafted=Drafted(np.array([7]), np.array([[7]]), np.array([[1.0]], np.float32)))
+
+
+def test_k_is_deep_on_a_slow_link_and_backs_off_when_compute_bound() -> None:
+    slow_link = StepCost(base_s=0.2, per_token_s=0.002)
+    assert best_k(0.7, slow_link, rows=1, draft_s=0.0, k_max=8) >= 6
+    busy = StepCost(base_s=0.05, per_token_s=0.01)
+    assert best_k(0.7, busy, rows=8, draft_s=0.0, k_max=8) == 0
+    assert best_k(0.05, StepCost(0.02, 0.001), rows=1, draft_s=0.0, k_max=8) == 0  # drafts never stand
+    assert best_k(0.9, StepCost(0.02, 0.0), rows=1, draft_s=0.02, k_max=8) <= 3  # a draft costs a trip
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_acceptance_learns_and_forgets() -> None:
+    a = Acceptance()
+    for _ in range(30):
+        a.record(4, 4)
+    assert a.rate > 0.9
+    for _ in range(30):
+        a.record(4, 0)
+    assert a.rate < 0.2
+
+
+def test_step_cost_separates_the_trip_from_each_extra_position() -> None:
+    cost = StepCost()
+    for _ in range(40):
+        cost.record(0.1, 1, 1)
+        cost.record(0.1 + 4 * 2 * 0.005, 2, 5)
+    assert cost.base_s == pytest.approx(0.1) and cost.per_token_s == pytest.approx(0.005)
+
+
+class _Fixed:
+    cost_s = 0.0
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def propose(self, context: list[int], k: int, params: SamplingParams) -> Proposal:
+        return Proposal(self.tokens[:k])
+
+    def settle(self, kept: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def _decoding(i: int, drafts: list[int], k: int) -> Stream:
+    s = Stream(i, [1, 2, 3], SamplingParams(), 50)
+    s.prefilled, s.generated = 3, [9]
+    s.book.commit(s.book.plan([1, 2, 3]))
+    s.spec = Speculation(_Fixed(drafts), k, 8)
+    s.spec.offer(s.spec.drafter.propose([], s.spec.choose_k(StepCost(), 1, 50), s.params))
+    return s
+
+
+def test_a_group_verifies_rows_with_different_k_padded_to_the_longest() -> None:
+    sched = Scheduler(SchedulerConfig(groups=1))
+    a, b = _decoding(1, [4, 5, 6], 3), _decoding(2, [7], 1)
+    sched.add(a)
+    sched.add(b)
+    (step,) = sched.plan()
+    assert isinstance(step, DecodeStep) and step.merge == (1, 2)
+    assert step.inputs.input_ids.tolist() == [[9, 4, 5, 6], [9, 7, 7, 7]]
+    assert step.inputs.attention_mask.tolist() == [[1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0]]
+    assert step.sample_at.tolist() == [[0, 0], [0, 1], [0, 2], [0, 3], [1, 0], [1, 1]]
+    assert (a.book.position, b.book.position) == (7, 5)
+
+
+def test_a_verify_step_of_one_stream_compacts_once_enough_slots_are_masked() -> None:
+    sched = Scheduler(SchedulerConfig(groups=0, compact_at=3))
+    s = _decoding(1, [4, 5, 6], 3)
+    s.book.commit(s.book.plan([9, 4, 5, 6]))
+    s.book.mask_last(3)  # three drafts rejected
+    sched.add(s)
+    (step,) = sched.plan()
+    assert isinstance(step, DecodeStep) and step.compact
+    assert step.inputs.attention_mask.tolist() == [[1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1]]
+    assert (s.book.slots, s.book.masked, s.book.position) == (8, 0, 8)
+
+
+def test_drafted_entries_line_up_with_every_sampled_position() -> None:
+    q = Proposal([5, 6], np.array([[5, 1], [6, -1]]), np.array([[0.5, 0.5], [1.0, 0.0]], np.float32))
+    d = drafted([Proposal([3]), q])
+    assert d is not None
+    assert d.tokens.tolist() == [-1, -1, 5, 6, -1]  # row 0: a certain draft needs nothing sent
+    assert d.q_ids.tolist() == [[-1, -1], [-1, -1], [5, 1], [6, -1], [-1, -1]]
+    assert drafted([Proposal([3]), Proposal([])]) is None
