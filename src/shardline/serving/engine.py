@@ -31,7 +31,7 @@ from shardline.pipeline.plan import DecodeStep, Outcome, Pipeline, Step
 from shardline.serving.admission import Limits, accepts, to_admit
 from shardline.serving.drafters import Proposal
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
-from shardline.serving.speculation import Drafts, StepCost
+from shardline.serving.speculation import Drafts, SpecStats, StepCost
 from shardline.serving.stream import Stream
 
 log = logging.getLogger("shardline.engine")
@@ -62,6 +62,7 @@ class Event:
     # The most likely tokens at this position and their log-probabilities, most likely first
     # (as many as the request's SamplingConfig.logprobs; empty when it asked for none).
     top: tuple[tuple[int, float], ...] = ()
+    spec: SpecStats | None = None  # on the final event of a request that speculated
 
 
 @dataclass(eq=False)
@@ -131,6 +132,15 @@ class Engine:
     @property
     def active(self) -> int:
         return len(self.scheduler.streams)
+
+    def speculating(self) -> dict[int, SpecStats]:
+        """Running streams' speculation so far, by stream (read from any thread: a snapshot)."""
+        for _ in range(10):  # the engine thread may add or remove a stream while this reads
+            try:
+                return {s.id: s.spec.stats() for s in list(self.scheduler.streams.values()) if s.spec}
+            except RuntimeError:
+                continue
+        return {}
 
     def stop(self) -> None:
         self._running = False
@@ -283,7 +293,8 @@ class Engine:
         if stream.spec is not None:
             stream.spec.drafter.close()
         self._release_slot()
-        self._ticket(stream).on_event(Event(None, finish=reason, error=error))
+        stats = stream.spec.stats() if stream.spec else None
+        self._ticket(stream).on_event(Event(None, finish=reason, error=error, spec=stats))
 
     def _fail_all(self, reason: str, error: str) -> None:
         """Every admitted and waiting request ends (the loop stopped); keys are released. Each

@@ -78,6 +78,20 @@ def best_k(rate: float, cost: StepCost, rows: int, draft_s: float, k_max: int) -
     return int(np.argmax(speed))
 
 
+@dataclass(frozen=True)
+class SpecStats:
+    """A stream's speculation so far: drafts offered and accepted, verify steps, the last K."""
+
+    drafted: int
+    accepted: int
+    steps: int
+    k: int
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
 @dataclass(eq=False)
 class Speculation:
     drafter: Drafter
@@ -91,6 +105,9 @@ class Speculation:
     kept: int = 0
     steps: int = 0
     _since_probe: int = 0
+
+    def stats(self) -> SpecStats:
+        return SpecStats(self.drafted, self.kept, self.steps, self.k)
 
     def choose_k(self, cost: StepCost, rows: int, room: int) -> int:
         """Drafts to offer next: at most `room` (tokens left to generate, minus the target's own)."""
