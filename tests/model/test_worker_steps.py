@@ -5,6 +5,7 @@ coordinator that goes away frees what its session held."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,10 @@ def test_first_step_opens_and_bad_steps_fail_alone(worker: StageWorker) -> None:
         "a mask of 5 slots for a cache of 4 plus 2": _forward(5, 3, 2),  # the cache has 4 slots
         "hidden states of shape (1, 1, 100)": _forward(5, 4, 1, width=100),
         "cannot merge": _forward(-1, 4, 1, merge=(5, 77)),  # stream 77 does not exist
+        "cannot compact 5: 1 rows of 4 slots, a mask of 8 slots": replace(_forward(5, 8, 1), compact=True),
+        "draft ids outside the vocabulary of 49152": replace(
+            _forward(5, 4, 1), sampling=[SamplingParams(temperature=1.0)], drafts=np.array([70000]),
+            q_ids=np.array([[70000]]), q_probs=np.array([[1.0]], np.float32)),
     }
     for why, msg in cases.items():
         reply = _send(worker, s, msg)

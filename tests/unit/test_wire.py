@@ -298,6 +298,15 @@ def _hidden(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     (GROUP, {"keep": array_bytes(np.array([0], I64))}, "3 rows, 1 kept and 1 merged"),
     (GROUP, {"position_ids": array_bytes(np.array([[5], [3], [-1]], I64))}, "positions out of range"),
     (GROUP, {"hops": array_bytes(np.zeros((1, 4)))}, "hops"),
+    (VERIFY, {"drafts": array_bytes(None)}, "drafts come with their q support"),
+    (VERIFY, {"drafts": array_bytes(np.array([11, 12, 13], I64))}, "drafts .* for 4 samples"),
+    (VERIFY, {"drafts": array_bytes(np.array([11, 12, 99, -1], I64))}, "draft 99 offered outside its q support"),
+    (VERIFY, {"drafts": array_bytes(np.array([11, 12, 13, -2], I64))}, "negative token ids"),
+    (VERIFY, {"q_probs": array_bytes(np.full((4, 2), np.nan, np.float32))}, "q probabilities outside 0-1"),
+    (VERIFY, {"q_probs": array_bytes(np.full((4, 2), 1.5, np.float32))}, "q probabilities outside 0-1"),
+    (VERIFY, {"q_ids": array_bytes(np.zeros((4, 65), I64)), "q_probs": array_bytes(np.zeros((4, 65), np.float32))},
+     "for 4 samples"),
+    (VERIFY, {"q_ids": array_bytes(np.zeros((4, 2), np.int32))}, "q_ids is i4"),
     (SAMPLES[9], {"top_ids": array_bytes(None)}, "top ids and logprobs go together"),
     (SAMPLES[9], {"logprobs": array_bytes(np.zeros(2, np.float16))}, "logprobs is f2"),
     (SAMPLES[9], {"tokens": array_bytes(np.zeros(3, I64))}, "one logprob per token"),
@@ -369,3 +378,10 @@ def test_stamp_writes_the_encode_time_into_the_senders_own_slot(msg: Message) ->
 def test_stamp_needs_an_f64_row(msg: Message) -> None:
     with pytest.raises(WireError, match="has no f64 hops row to stamp its encode time into"):
         encode(msg, stamp=True)
+
+
+@pytest.mark.parametrize("msg", [GROUP, PREFILL], ids=["merge", "first"])
+def test_a_step_that_merges_or_opens_cannot_also_compact(msg: Forward) -> None:
+    fields, _ = split(msg)
+    with pytest.raises(WireError, match="cannot also compact"):
+        decode(rebuild(msg, {**fields, "compact": True}))

@@ -16,6 +16,7 @@ import numpy as np
 
 from shardline.decoding.sampler import Choice, choose_at
 from shardline.decoding.speculative import Drafted
+from shardline.errors import StepRefused
 from shardline.stage.cache import StepInputs, logits_index
 from shardline.stage.merge import prepare
 from shardline.stage.runner import StageRunner
@@ -39,6 +40,9 @@ def run_stages(stages: list[StageRunner], msg: Forward, scope: Scope,
     each stage's graph time."""
     key = scope(msg.key)
     merge = [scope(int(m)) for m in msg.merge]
+    vocab = stages[-1].vocab if stages[-1].entry.has_head else None
+    if vocab and msg.q_ids is not None and msg.q_ids.size and int(msg.q_ids.max()) >= vocab:
+        raise StepRefused(f"draft ids outside the vocabulary of {vocab}")  # before any state changes
     inputs, compact = inputs_of(msg), None
     if msg.compact:
         index, inputs = inputs.compacted()
