@@ -5,17 +5,26 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardline.config import DEFAULT_PREFILL_CHUNK, WEIGHTS, ExportConfig, RunConfig, SamplingConfig
+from shardline.config import (
+    DEFAULT_PREFILL_CHUNK,
+    WEIGHTS,
+    ExportConfig,
+    RunConfig,
+    SamplingConfig,
+    SpeculationConfig,
+)
 from shardline.errors import ShardlineError
 from shardline.export.defaults import default_shards
 from shardline.host import parse_hostport
 from shardline.signals import interrupted_exit_code, stop_on_signals
 
 if TYPE_CHECKING:
-    pass
+    from shardline.serving.engine import Event
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardline", description=__doc__)
@@ -56,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=0, metavar="N",
                    help="print each token's top-N log-probabilities to stderr (N <= 20)")
     g.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="prompt tokens per prefill step")
+    _speculation_flags(g)
 
     w = sub.add_parser("worker", help="host stage K (or stages K-L) of an export and serve the chain")
     w.add_argument("--shards", type=Path, required=True,
@@ -84,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, help="OpenVINO threads per stage")
     s.add_argument("--device", default="CPU")
     s.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact")
+    _speculation_flags(s)
 
     r = sub.add_parser("relay", help="user-space WAN emulation: delay (and cap) a TCP connection")
     r.add_argument("--listen", required=True, help="HOST:PORT to accept on")
@@ -91,6 +102,27 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--delay-ms", type=float, required=True, help="one-way delay added to every byte")
     r.add_argument("--rate-mbit", type=float, help="bandwidth cap per direction")
     return p
+
+
+def _speculation_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", default="", metavar="ngram|DIR|layers:L",
+                   help="speculative decoding: prompt lookup (ngram), a draft model's export folder (DIR), or the "
+                        "target's first L layers (layers:L, exported once); default: off")
+    p.add_argument("--draft-k", default="auto", metavar="N|auto",
+                   help="drafts per verify step, or auto: per stream, from its acceptance and the measured step time")
+
+
+def _speculation(args: argparse.Namespace, target: Path) -> SpeculationConfig:
+    """--draft and --draft-k, checked; layers:L resolved to its export folder (made on first use)."""
+    k = args.draft_k.strip().lower()
+    if k != "auto" and not k.isdigit():
+        raise ShardlineError(f"--draft-k must be a number of drafts or 'auto', got {args.draft_k!r}")
+    spec = SpeculationConfig(draft=args.draft, k=None if k == "auto" else int(k))
+    if spec.kind == "layers":
+        from shardline.export.defaults import self_draft_for
+
+        spec = replace(spec, draft=str(self_draft_for(target, spec.layers)))
+    return spec
 
 
 def _placement_flags(p: argparse.ArgumentParser) -> None:
@@ -202,7 +234,8 @@ def _serve(args: argparse.Namespace) -> int:
                       decode_groups=args.decode_groups, prefill_chunk=args.prefill_chunk,
                       max_prefills=args.max_prefills, max_body_bytes=args.max_body_bytes)
     run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
-    serve(args.shards or default_shards(), run, cfg, args.workers.split(",") if args.workers else None)
+    folder = args.shards or default_shards()
+    serve(folder, run, cfg, args.workers.split(",") if args.workers else None, _speculation(args, folder))
     return 0
 
 
@@ -221,22 +254,31 @@ def _generate(args: argparse.Namespace) -> int:
     folder = args.shards or default_shards()
     cfg = ServeConfig(max_streams=1, max_queue=0, prefill_chunk=args.prefill_chunk)
     workers = args.workers.split(",") if args.workers else None
-    engine, _ = open_engine(folder, run, cfg, workers, args.activations, args.topology)
+    engine, _ = open_engine(folder, run, cfg, workers, args.activations, args.topology, _speculation(args, folder))
     try:
         tok = ChatTokenizer(folder)
         prompt = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])
         out = StreamDecoder(tok)
-        for ev in generate(engine, prompt, sampling, tok.stop_ids):
+        final: list[Event] = []
+        for ev in generate(engine, prompt, sampling, tok.stop_ids, on_final=final.append):
             assert ev.token is not None
             sys.stdout.write(out.push(ev.token))
             sys.stdout.flush()
             if args.logprobs:
                 print(_logprobs_line(tok.decode, ev.token, ev.logprob, ev.top), file=sys.stderr)
         sys.stdout.write("\n")
+        for ev in final:
+            _spec_line(ev)
     finally:
         engine.stop()
         engine.pipe.shutdown()
     return 0
+
+
+def _spec_line(final: Event) -> None:
+    if (st := final.spec) is not None:
+        print(f"speculation: {st.accepted}/{st.drafted} drafts accepted ({st.acceptance:.0%}) in {st.steps} steps, "
+              f"last K {st.k}", file=sys.stderr)
 
 
 def _logprobs_line(decode: Callable[[list[int]], str], token: int, logprob: float,

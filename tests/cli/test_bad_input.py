@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -149,3 +150,27 @@ def test_console_script_error_exit(tmp_path: Path) -> None:
     run = subprocess.run([SHARDLINE, "inspect", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert run.stderr.strip() == f"shardline: error: {tmp_path} is not a shardline export: manifest.json is missing"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--draft", "ngram", "--draft-k", "0"], "--draft-k must be 'auto' or in 1-8, got 0"),
+    (["--draft", "ngram", "--draft-k", "9"], "--draft-k must be 'auto' or in 1-8, got 9"),
+    (["--draft", "ngram", "--draft-k", "-1"], "--draft-k must be a number of drafts or 'auto', got '-1'"),
+    (["--draft", "ngram", "--draft-k", "many"], "--draft-k must be a number of drafts or 'auto'"),
+    (["--draft", "layers:0"], "--draft layers:L needs a layer count L >= 1, got 'layers:0'"),
+    (["--draft", "layers:x"], "needs a layer count L >= 1"),
+    (["--draft", "layers:2"], "--draft layers:2: the target has 2 layers; a draft keeps 1 to 1"),
+    (["--draft", "/nowhere/draft"], "draft model: shard folder does not exist: /nowhere/draft"),
+])
+def test_bad_speculation_flags(tiny_models: tuple[Path, Path], flags: list[str], message: str,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    _fails(capsys, ["generate", "--shards", str(tiny_models[1]), "hi", *flags], message)
+
+
+def test_console_script_speculates_and_reports_it(shards: Callable[..., Path]) -> None:
+    folder = shards("fp32", stages=2)
+    run = subprocess.run([SHARDLINE, "generate", "--shards", str(folder), "--max-tokens", "16", "--draft", "ngram",
+                          "What is the capital of France?"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "The capital of France is Paris.\n"
+    assert re.fullmatch(r"speculation: \d+/\d+ drafts accepted \(\d+%\) in \d+ steps, last K \d+\n", run.stderr)

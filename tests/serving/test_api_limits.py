@@ -120,6 +120,8 @@ CHAT_CASES: list[tuple[str, object, str | None, str]] = [
     ("stream", "yes", "stream", "valid boolean"),
     ("stream_options", {"include_usage": "yes"}, "stream_options.include_usage", "valid boolean"),
     ("ignore_eos", "yes", "ignore_eos", "valid boolean"),
+    ("speculative", "no", "speculative", "valid boolean"),
+    ("speculative", 0, "speculative", "valid boolean"),
     ("min_p", 0.1, "min_p", UNSUPPORTED),
     ("model", 5, "model", "valid string"),
     ("messages", [], "messages", "at least 1 item"),

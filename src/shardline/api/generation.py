@@ -74,7 +74,8 @@ class Generation:
                                  logprobs=b.top_count())
         except ShardlineError as e:  # the schema's bounds are the config's, so this is a last guard
             raise ApiError(400, str(e)) from None
-        return Request(self.prompt, cfg, frozenset() if b.ignore_eos else frozenset(self.tok.stop_ids))
+        return Request(self.prompt, cfg, frozenset() if b.ignore_eos else frozenset(self.tok.stop_ids),
+                       b.speculative)
 
     def start_engine(self) -> None:
         """Submit to the engine now, so that a refusal becomes an HTTP error before any byte

@@ -4,8 +4,11 @@ register on the default registry in pipeline code; /metrics serves both."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.registry import REGISTRY
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import REGISTRY, Collector
 
 from shardline.serving.engine import Engine
 
@@ -31,6 +34,7 @@ class ServerMetrics:
             lambda: engine.waiting)
         Gauge("shardline_active_streams", "streams holding KV state", registry=r).set_function(
             lambda: engine.active)
+        r.register(SpeculationCollector(engine))
         Gauge("shardline_max_streams", "stream slots (bounded by memory per stream)", registry=r).set(
             engine.limits.max_streams)
 
@@ -45,3 +49,31 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry) + generate_latest(REGISTRY)
+
+
+class SpeculationCollector(Collector):
+    """Speculative decoding at scrape time: totals over every stream (ended and running), and
+    each running stream's drafts offered, accepted and its last K (labelled by stream id)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        running = self.engine.speculating()
+        ended = self.engine.spec_ended
+        drafted = CounterMetricFamily("shardline_spec_drafted_tokens", "draft tokens offered to verify steps")
+        accepted = CounterMetricFamily("shardline_spec_accepted_tokens", "draft tokens the target accepted")
+        steps = CounterMetricFamily("shardline_spec_verify_steps", "verify steps of speculating streams")
+        drafted.add_metric([], ended.drafted + sum(s.drafted for s in running.values()))
+        accepted.add_metric([], ended.accepted + sum(s.accepted for s in running.values()))
+        steps.add_metric([], ended.steps + sum(s.steps for s in running.values()))
+        yield from (drafted, accepted, steps)
+        per = {name: GaugeMetricFamily(f"shardline_spec_stream_{name}", help_, labels=["stream"])
+               for name, help_ in (("drafted", "a running stream's drafts offered"),
+                                   ("accepted", "a running stream's drafts accepted"),
+                                   ("k", "a running stream's drafts in its last verify step"))}
+        for stream, st in running.items():
+            per["drafted"].add_metric([str(stream)], st.drafted)
+            per["accepted"].add_metric([str(stream)], st.accepted)
+            per["k"].add_metric([str(stream)], st.k)
+        yield from per.values()

@@ -86,6 +86,7 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: Int | None = Field(default=None, ge=1)
     ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens whatever the model says
+    speculative: StrictBool = True  # false: this request decodes plainly on a speculating server
     # Parsed (so their types and ranges are checked) but only their neutral values are served.
     presence_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0)

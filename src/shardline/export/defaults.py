@@ -25,8 +25,8 @@ def cache_dir() -> Path:
 def default_shards(progress: bool = True) -> Path:
     """The default model in DEFAULT_STAGES balanced stages, exported once and cached."""
     folder = cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-{DEFAULT_STAGES}stages-balanced-f{FORMAT_VERSION}"
-    return _cached(folder, "", ExportConfig(out=folder, stages=DEFAULT_STAGES, balance=True,
-                                            weights=DEFAULT_WEIGHTS, progress=progress))
+    return _cached(folder, "the default model's shards", ExportConfig(
+        out=folder, stages=DEFAULT_STAGES, balance=True, weights=DEFAULT_WEIGHTS, progress=progress))
 
 
 def planned_folder(spec: str) -> Path:
@@ -36,15 +36,34 @@ def planned_folder(spec: str) -> Path:
 def planned_shards(spec: str) -> Path:
     """The default model exported with one stage per range of a placement plan, cached per plan."""
     folder = planned_folder(spec)
-    return _cached(folder, " for this plan", ExportConfig(out=folder, layers=spec, weights=DEFAULT_WEIGHTS))
+    return _cached(folder, "the default model's shards for this plan",
+                   ExportConfig(out=folder, layers=spec, weights=DEFAULT_WEIGHTS))
 
 
 def self_draft_shards(layers: int, progress: bool = True) -> Path:
     """The default model's first `layers` decoder layers, then its final norm and head, as one
     stage (a self-speculation draft for the default model), exported once and cached."""
     folder = cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-first{layers}-f{FORMAT_VERSION}"
-    return _cached(folder, f" (first {layers} layers)", ExportConfig(out=folder, stages=1, weights=DEFAULT_WEIGHTS,
-                                                                     truncate=layers, progress=progress))
+    return _cached(folder, f"the default model's shards (first {layers} layers)", ExportConfig(
+        out=folder, stages=1, weights=DEFAULT_WEIGHTS, truncate=layers, progress=progress))
+
+
+def self_draft_for(target: Path, layers: int, progress: bool = True) -> Path:
+    """A self-speculation draft for the export `target`: its source model's first `layers`
+    layers with the same weights, one stage, exported once and cached by source and weights."""
+    from shardline.errors import ShardlineError
+
+    m = load_manifest(target)
+    if not 1 <= layers < m.arch.n_layers:
+        raise ShardlineError(f"--draft layers:{layers}: the target has {m.arch.n_layers} layers; "
+                             f"a draft keeps 1 to {m.arch.n_layers - 1}")
+    source = Path(m.source["path"])
+    if not source.exists():
+        raise ShardlineError(f"--draft layers:{layers}: the target's source model {source} is not on this machine")
+    folder = cache_dir() / f"self-{m.model_hash[:16]}-{m.weights}-first{layers}-f{FORMAT_VERSION}"
+    return _cached(folder, f"a self-speculation draft (the first {layers} layers of {source.name})", ExportConfig(
+        out=folder, model=source, stages=1, weights=m.weights, group_size=m.group_size or 64, truncate=layers,
+        progress=progress))
 
 
 def default_model_layers() -> int:
@@ -63,6 +82,6 @@ def _cached(folder: Path, what: str, cfg: ExportConfig) -> Path:
 
     if not (folder / MANIFEST).is_file():
         folder.parent.mkdir(parents=True, exist_ok=True)
-        print(f"preparing the default model's shards{what} in {folder} (first run only)", file=sys.stderr)
+        print(f"preparing {what} in {folder} (first run only)", file=sys.stderr)
         export(cfg)
     return folder

@@ -83,6 +83,7 @@ class Engine:
         self.pipe = pipe
         self.drafts = drafts  # where speculating streams' drafts come from (None: no speculation)
         self.cost = StepCost()  # measured decode steps, for each stream's choice of K
+        self.spec_ended = SpecStats(0, 0, 0, 0)  # the sums over streams that ended (k: how many)
         self.limits = limits
         self.max_context = max_context
         self.scheduler = Scheduler(scheduling)
@@ -294,6 +295,10 @@ class Engine:
             stream.spec.drafter.close()
         self._release_slot()
         stats = stream.spec.stats() if stream.spec else None
+        if stats is not None:
+            e = self.spec_ended
+            self.spec_ended = SpecStats(e.drafted + stats.drafted, e.accepted + stats.accepted, e.steps + stats.steps,
+                                        e.k + 1)
         self._ticket(stream).on_event(Event(None, finish=reason, error=error, spec=stats))
 
     def _fail_all(self, reason: str, error: str) -> None:

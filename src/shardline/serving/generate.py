@@ -4,7 +4,7 @@ the same path as every request `shardline serve` takes."""
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from shardline.config import SamplingConfig
 from shardline.errors import ShardlineError
@@ -12,9 +12,10 @@ from shardline.serving.engine import Engine, Event, Request
 
 
 def generate(engine: Engine, prompt: list[int], sampling: SamplingConfig, stop_ids: Iterable[int],
-             timeout_s: float = 600.0) -> Iterator[Event]:
+             timeout_s: float = 600.0, on_final: Callable[[Event], None] | None = None) -> Iterator[Event]:
     """The request's token events in order (the final event is not yielded: it ends the
-    iteration, or raises ShardlineError when the request failed). Leaving early cancels it."""
+    iteration, after `on_final`, or raises ShardlineError when the request failed). Leaving
+    early cancels it."""
     events: queue.Queue[Event] = queue.Queue()
     ticket = engine.submit(Request(prompt, sampling, frozenset(stop_ids)), events.put)
     try:
@@ -26,6 +27,8 @@ def generate(engine: Engine, prompt: list[int], sampling: SamplingConfig, stop_i
             if ev.token is None:
                 if ev.finish == "error":
                     raise ShardlineError(ev.error)
+                if on_final is not None:
+                    on_final(ev)
                 return
             yield ev
     finally:
