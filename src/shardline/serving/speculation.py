@@ -10,8 +10,9 @@ K: with acceptance rate a (each draft stands with probability a, given the one b
 step offering k drafts yields E(k) = 1 + a + ... + a^k tokens and costs one trip plus k extra
 positions per row and k draft tokens. Auto K takes the k in 0..k_max with the most tokens per
 second under the measured costs (`StepCost`): on a slow link (a long trip) it drafts deep; in a
-busy group (rows x positions make the step compute-bound) it backs off to 0 by itself. A stream
-at k = 0 still offers one draft every PROBE_EVERY steps, so a rate that was low can recover.
+busy group (rows x positions make the step compute-bound) it backs off to 0 by itself. Every
+PROBE_EVERY steps a stream offers another number of drafts (half its best, or 1 at 0, or 2 at
+1): the cost's slope needs steps of different widths, and a low rate must be able to recover.
 """
 
 from __future__ import annotations
@@ -48,20 +49,24 @@ class Acceptance:
 
 @dataclass
 class StepCost:
-    """Measured seconds of a decode step: `base_s` for one position per row, `per_token_s` for
-    each extra position of one row (a step's rows are padded to the longest)."""
+    """Measured seconds of a decode step, fitted as base_s + per_token_s x (extra positions):
+    `base_s` for one position per row, `per_token_s` for each extra position of a row (a step's
+    rows are padded to the longest). A least-squares line over recent steps (older ones decay);
+    until steps of different widths were seen, the last slope (0 at first) stands."""
 
     base_s: float = 0.0
     per_token_s: float = 0.0
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # n, x, y, xx, xy (decayed)
 
     def record(self, seconds: float, rows: int, width: int) -> None:
         """A step of `rows` rows of `width` positions took `seconds`, planning to outcome."""
-        extra = rows * (width - 1)
-        if extra == 0 or not self.base_s:
-            self.base_s = seconds if not self.base_s else DECAY * self.base_s + (1 - DECAY) * seconds
-            return
-        marginal = max(0.0, seconds - self.base_s) / extra
-        self.per_token_s = marginal if not self.per_token_s else DECAY * self.per_token_s + (1 - DECAY) * marginal
+        x = float(rows * (width - 1))
+        self._sums = [DECAY * a + b for a, b in zip(self._sums, (1.0, x, seconds, x * x, x * seconds), strict=True)]
+        n, sx, sy, sxx, sxy = self._sums
+        spread = n * sxx - sx * sx
+        if spread > 1e-9 * max(1.0, n * sxx):
+            self.per_token_s = max(0.0, (n * sxy - sx * sy) / spread)
+        self.base_s = max(1e-6, (sy - self.per_token_s * sx) / n)
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -115,9 +120,9 @@ class Speculation:
             k = self.fixed_k
         else:
             k = best_k(self.acceptance.rate, cost, rows, self.drafter.cost_s, self.k_max)
-            self._since_probe = 0 if k else self._since_probe + 1
-            if self._since_probe >= PROBE_EVERY:
-                k, self._since_probe = 1, 0
+            self._since_probe += 1
+            if self._since_probe >= PROBE_EVERY:  # another width now and then: the cost's slope,
+                k, self._since_probe = max(1, k // 2) if k != 1 else 2, 0  # or a rate that recovered
         self.k = max(0, min(k, room))
         return self.k
 
