@@ -163,3 +163,33 @@ def test_drafted_entries_line_up_with_every_sampled_position() -> None:
     assert d.tokens.tolist() == [-1, -1, 5, 6, -1]  # row 0: a certain draft needs nothing sent
     assert d.q_ids.tolist() == [[-1, -1], [-1, -1], [5, 1], [6, -1], [-1, -1]]
     assert drafted([Proposal([3]), Proposal([])]) is None
+
+
+def test_a_speculating_stream_never_holds_more_slots_than_admission_counts() -> None:
+    """Any run of accepts and rejects, alone or in a group: the physical cache stays within the
+    text so far + compact_at + k_max + 1 slots (what server.stream_limits budgets per stream)."""
+    rng = np.random.default_rng(1)
+    for groups in (0, 1):
+        sched = Scheduler(SchedulerConfig(groups=groups, compact_at=16))
+        streams = [_decoding(i, list(range(50, 58)), 8) for i in (1, 2)]
+        for s in streams:
+            sched.add(s)
+        compactions = 0
+        for _ in range(200):
+            for step in sched.plan():
+                compactions += isinstance(step, DecodeStep) and step.compact
+                for r, sid in enumerate(step.streams):
+                    s = sched.streams[sid]
+                    s.in_flight = False
+                    assert s.spec is not None
+                    offered = len(s.spec.proposal.tokens)
+                    kept = int(rng.integers(0, offered + 1))
+                    chosen = s.spec.proposal.tokens[:kept] + [7] * (offered + 1 - kept)
+                    assert step.entries(r) == offered + 1
+                    s.spec.settle(chosen)
+                    s.book.mask_last(offered - kept)
+                    s.generated += chosen[: kept + 1]
+                    assert s.book.slots <= len(s.prompt) + len(s.generated) + 16 + 8 + 1
+                    s.spec.offer(s.spec.drafter.propose([], 8, s.params))
+        assert all(s.book.position == len(s.prompt) + len(s.generated) - 1 for s in streams)
+        assert compactions > 10
