@@ -72,7 +72,6 @@ def test_a_request_can_turn_speculation_off(client: openai.OpenAI, server: Serve
 
 
 def test_running_streams_show_their_own_figures(client: openai.OpenAI, server: Server) -> None:
-    seen: list[str] = []
     done = threading.Event()
 
     def long_request() -> None:
