@@ -167,7 +167,8 @@ def test_drafted_entries_line_up_with_every_sampled_position() -> None:
 
 def test_a_speculating_stream_never_holds_more_slots_than_admission_counts() -> None:
     """Any run of accepts and rejects, alone or in a group: the physical cache stays within the
-    text so far + compact_at + k_max + 1 slots (what server.stream_limits budgets per stream)."""
+    (group's longest) text so far + compact_at + k_max + 1 slots: at the longest context, what
+    server.stream_limits budgets per stream."""
     rng = np.random.default_rng(1)
     for groups in (0, 1):
         sched = Scheduler(SchedulerConfig(groups=groups, compact_at=16))
@@ -190,7 +191,8 @@ def test_a_speculating_stream_never_holds_more_slots_than_admission_counts() -> 
                     s.spec.settle(chosen)
                     s.book.mask_last(offered - kept)
                     s.generated += chosen[: kept + 1]
-                    assert s.book.slots <= len(s.prompt) + len(s.generated) + 16 + 8 + 1
+                    longest = max(len(x.prompt) + len(x.generated) for x in streams)  # a group's rows are padded to it
+                    assert s.book.slots <= longest + 16 + 8 + 1
                     s.spec.offer(s.spec.drafter.propose([], 8, s.params))
         assert all(s.book.position == len(s.prompt) + len(s.generated) - 1 for s in streams)
         assert compactions > 10, (groups, compactions)
