@@ -199,7 +199,7 @@ class ServeConfig:
 
 
 DRAFT_K_MAX = 8  # drafts per verify step at most (auto K stays within it)
-COMPACT_AT = 64  # masked slots a stream's cache may hold before it is compacted
+COMPACT_AT = 128  # masked slots a stream's cache may hold before a step compacts it (bench/compaction.py)
 
 
 @dataclass(frozen=True)

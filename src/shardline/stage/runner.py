@@ -111,8 +111,13 @@ class StageRunner:
         if not fits or (index.size and (int(index.min()) < 0 or int(index.max()) >= held.slots)):
             raise StepRefused(f"cannot compact {_shown(key)}: {held.rows} rows of {held.slots} slots, "
                               f"a mask of {slots} slots")
-        at = index[:, None, :, None]
-        self.set_kv(key, {name: np.take_along_axis(a, at, axis=2) for name, a in self.kv(key).items()})
+        for state in held.request.query_state():  # gathered from the state's own buffer, row by row
+            old = state.state.data
+            new = np.empty((old.shape[0], old.shape[1], index.shape[1], old.shape[3]), old.dtype)
+            for r in range(old.shape[0]):
+                np.take(old[r], index[r], axis=1, out=new[r])
+            state.state = ov.Tensor(new)  # copied in: the plugin must not keep our buffer
+        held.slots = int(index.shape[1])
 
     def run(self, key: Key, inputs: StepInputs, hidden: np.ndarray | None = None) -> np.ndarray:
         """Run one step; returns hidden states [B, T, H] or, on the last stage, logits [B, N, V]
