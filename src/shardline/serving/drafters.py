@@ -56,7 +56,9 @@ class LookupDrafter:
     cost_s = 0.0
 
     def __init__(self) -> None:
-        self._index = PromptLookup(max_ngram=3, min_ngram=1)
+        # A match of one token rarely continues as the text does (measured on chat answers:
+        # acceptance fell by half with 1-grams); two to four tokens must match.
+        self._index = PromptLookup(max_ngram=4, min_ngram=2)
 
     def propose(self, context: list[int], k: int, params: SamplingParams) -> Proposal:
         self._index.extend(context[len(self._index):])

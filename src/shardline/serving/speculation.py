@@ -25,7 +25,11 @@ import numpy as np
 from shardline.decoding.speculative import Drafted, accepted
 from shardline.serving.drafters import Drafter, Proposal
 
-PROBE_EVERY = 8
+PROBE_EVERY = 16
+PRIOR_SLOPE = 0.25  # an extra position's cost relative to a one-position step, until measured
+MIN_SLOPE = 0.05  # ... and at least this (a fit over few or noisy steps may find none)
+MIN_GAIN = 1.1  # drafts only when the model expects them to pay this much: a change of step width
+# itself costs (~2 ms a step measured here) and the estimates are noisy, so a marginal gain is none
 DECAY = 0.9  # weight of the past in the running acceptance and costs
 
 
@@ -33,10 +37,10 @@ DECAY = 0.9  # weight of the past in the running acceptance and costs
 class Acceptance:
     """The running rate at which an offered draft stands (given the one before it did): drafts
     that stood over drafts tried (a step tries its drafts up to the first rejected one). The
-    prior is one hit in two tries."""
+    prior is one hit in three tries: drafts must prove themselves."""
 
     hits: float = 1.0
-    tries: float = 2.0
+    tries: float = 3.0
 
     def record(self, offered: int, kept: int) -> None:
         self.hits = DECAY * self.hits + kept
@@ -52,10 +56,12 @@ class StepCost:
     """Measured seconds of a decode step, fitted as base_s + per_token_s x (extra positions):
     `base_s` for one position per row, `per_token_s` for each extra position of a row (a step's
     rows are padded to the longest). A least-squares line over recent steps (older ones decay);
-    until steps of different widths were seen, the last slope (0 at first) stands."""
+    until steps of different widths were seen, the last slope stands, at first a quarter of the
+    base (measured here: an extra position costs 25-30% of a one-token step of the default model
+    on 2 cores, BENCHMARKS.md)."""
 
     base_s: float = 0.0
-    per_token_s: float = 0.0
+    per_token_s: float = -1.0  # -1: not measured yet
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # n, x, y, xx, xy (decayed)
 
     def record(self, seconds: float, rows: int, width: int) -> None:
@@ -64,9 +70,17 @@ class StepCost:
         self._sums = [DECAY * a + b for a, b in zip(self._sums, (1.0, x, seconds, x * x, x * seconds), strict=True)]
         n, sx, sy, sxx, sxy = self._sums
         spread = n * sxx - sx * sx
+        slope = self.per_token_s
         if spread > 1e-9 * max(1.0, n * sxx):
-            self.per_token_s = max(0.0, (n * sxy - sx * sy) / spread)
-        self.base_s = max(1e-6, (sy - self.per_token_s * sx) / n)
+            slope = self.per_token_s = max(0.0, (n * sxy - sx * sy) / spread)
+        elif slope < 0:  # one width so far: the prior slope, relative to what was measured
+            slope = PRIOR_SLOPE * (sy / n) / (1 + PRIOR_SLOPE * sx / n)
+        self.base_s = max(1e-6, (sy - slope * sx) / n)
+
+    @property
+    def slope_s(self) -> float:
+        measured = self.per_token_s if self.per_token_s >= 0 else PRIOR_SLOPE * self.base_s
+        return max(measured, MIN_SLOPE * self.base_s)
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -75,12 +89,14 @@ def expected_tokens(rate: float, k: int) -> float:
 
 
 def best_k(rate: float, cost: StepCost, rows: int, draft_s: float, k_max: int) -> int:
-    """The k in 0..k_max with the most tokens per second (0 until a step has been timed)."""
+    """The k in 0..k_max with the most tokens per second, if that beats no drafts by MIN_GAIN
+    (1 until a step has been timed)."""
     if not cost.base_s:
         return min(1, k_max)
-    speed = [expected_tokens(rate, k) / (cost.base_s + k * (rows * cost.per_token_s + draft_s))
+    speed = [expected_tokens(rate, k) / (cost.base_s + k * (rows * cost.slope_s + draft_s))
              for k in range(k_max + 1)]
-    return int(np.argmax(speed))
+    k = int(np.argmax(speed))
+    return k if speed[k] >= MIN_GAIN * speed[0] else 0
 
 
 @dataclass(frozen=True)
