@@ -82,12 +82,19 @@ def test_lookup_through_workers_equals_plain_alone_and_in_a_group(remote: Remote
     assert got == [plain[0], plain[1][:100]]
 
 
+@pytest.mark.slow
 def test_a_draft_model_through_workers_greedy_and_sampled(three: Path, first6: Path, remote: RemotePipeline,
                                                           prompts: list[list[int]], plain: list[list[int]]) -> None:
     draft = DraftModel(first6, load_manifest(three))
     drafts = Drafts(draft.drafter, 3, 8)
-    assert engine_tokens(remote, prompts[1], SamplingConfig(max_tokens=100), drafts=drafts, groups=0) == \
-        plain[1][:100]
+    assert engine_tokens(remote, prompts[1], SamplingConfig(max_tokens=LONG), drafts=drafts, groups=0,
+                         compact_at=8) == plain[1]
+    engine = Engine(remote, Limits(4, 4), 8192, SchedulerConfig(groups=1, compact_at=8), Drafts(draft.drafter, 2, 8))
+    try:
+        got = staggered(engine, [prompts[1], prompts[0]], [LONG, 120])
+    finally:
+        engine.stop()
+    assert got == [plain[1], plain[0][:120]]
     sampled = SamplingConfig(max_tokens=40, temperature=0.8, top_k=20, seed=3)
     with LocalPipeline(three) as local:
         want = engine_tokens(local, prompts[1], sampled, drafts=drafts, groups=0)

@@ -83,6 +83,11 @@ def test_self_speculation_greedy_equals_plain(two: Path, first6: Path, pipe: Loc
     assert got == want
     assert stats is not None and stats.drafted > 0 and 0 < stats.accepted <= stats.drafted
     assert not draft.runner.keys()  # the stream's draft request was closed with it
+    engine = Engine(pipe, Limits(2, 2), 8192, SchedulerConfig(groups=1, compact_at=16), Drafts(draft.drafter, 2, 8))
+    try:
+        assert staggered(engine, [prompt, prompt], [LONG, 120]) == [want, want[:120]]
+    finally:
+        engine.stop()
 
 
 def test_a_tiny_draft_of_another_size_inside_a_group(tiny_models: tuple[Path, Path]) -> None:
