@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -47,11 +47,6 @@ class Server:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def two(shards: Callable[..., Path]) -> Path:
-    return shards("gguf", stages=2)
 
 
 @pytest.fixture(scope="module")

@@ -39,11 +39,6 @@ UNSUPPORTED = "unsupported_parameter"
 
 
 @pytest.fixture(scope="module")
-def two(shards: Callable[..., Path]) -> Path:
-    return shards("gguf", stages=2)
-
-
-@pytest.fixture(scope="module")
 def server(two: Path) -> Iterator[Server]:
     s = Server(two, "--max-streams", "2")
     yield s

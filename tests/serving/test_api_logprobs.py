@@ -5,7 +5,7 @@ plain and streamed; and each token's own text and bytes from the vocabulary."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +19,6 @@ from tests.conftest import CHAT_PROMPTS
 from tests.serving.test_api import MODEL, N_NEW, Server
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def two(shards: Callable[..., Path]) -> Path:
-    return shards("gguf", stages=2)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2 as httpx
@@ -22,11 +22,6 @@ from tests.serving.test_api import MODEL, Server
 
 TEXT = "Repeat this list twice, exactly: apples, pears, plums, cherries, grapes, melons."
 N = 48
-
-
-@pytest.fixture(scope="module")
-def two(shards: Callable[..., Path]) -> Path:
-    return shards("gguf", stages=2)
 
 
 @pytest.fixture(scope="module")

@@ -50,17 +50,6 @@ class Collector:
 
 
 @pytest.fixture(scope="module")
-def two(shards: Callable[..., Path]) -> Path:
-    return shards("gguf", stages=2)
-
-
-@pytest.fixture(scope="module")
-def pipe(two: Path) -> Iterator[LocalPipeline]:
-    with LocalPipeline(two, RunConfig()) as p:
-        yield p
-
-
-@pytest.fixture(scope="module")
 def prompts(two: Path) -> list[list[int]]:
     tok = ChatTokenizer(two)
     return [tok.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]

@@ -5,12 +5,11 @@ same tokens as without speculation (certain drafts verify by the plain sampler's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from shardline.config import RunConfig, SamplingConfig
+from shardline.config import SamplingConfig
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.serving.admission import Limits
@@ -26,17 +25,6 @@ TEXTS = [
     "has to bring their reports then, and the reports should have the numbers from last month.",
     "Write a Python function that returns the sum of the squares of a list of numbers, with a docstring.",
 ]
-
-
-@pytest.fixture(scope="module")
-def two(shards: Callable[..., Path]) -> Path:
-    return shards("gguf", stages=2)
-
-
-@pytest.fixture(scope="module")
-def pipe(two: Path) -> Iterator[LocalPipeline]:
-    with LocalPipeline(two, RunConfig()) as p:
-        yield p
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,13 @@ import hashlib
 import json
 import shutil
 import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
-from shardline.config import ExportConfig, RunConfig, SamplingConfig
+from shardline.config import ExportConfig, SamplingConfig
 from shardline.errors import ShardlineError
 from shardline.export.exporter import export
 from shardline.model.manifest import MANIFEST, load_manifest
@@ -35,21 +34,10 @@ TEXT = "Explain in three sentences how a bicycle works, then list its main parts
 
 
 @pytest.fixture(scope="module")
-def two(shards: Callable[..., Path]) -> Path:
-    return shards("gguf", stages=2)
-
-
-@pytest.fixture(scope="module")
 def first6(two: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Self-speculation's draft: the default model's first 6 layers, norm and head, one stage."""
     return export(ExportConfig(out=tmp_path_factory.mktemp("self") / "first6", stages=1, weights="gguf", truncate=6,
                                isolate=False, progress=False))
-
-
-@pytest.fixture(scope="module")
-def pipe(two: Path) -> Iterator[LocalPipeline]:
-    with LocalPipeline(two, RunConfig()) as p:
-        yield p
 
 
 def _stats(engine: Engine, prompt: list[int], cfg: SamplingConfig) -> tuple[list[int], SpecStats | None]:
