@@ -11,7 +11,7 @@ from shardline.errors import ShardlineError
 from shardline.host import available_memory
 from shardline.model.manifest import Manifest, load_manifest
 from shardline.pipeline.plan import Pipeline
-from shardline.serving.admission import Limits, kv_bytes_per_token, max_streams_for_memory
+from shardline.serving.admission import Limits, max_streams_for_memory, per_stream_bytes
 from shardline.serving.drafters import DraftModel, LookupDrafter
 from shardline.serving.engine import Engine
 from shardline.serving.scheduler import SchedulerConfig
@@ -27,16 +27,10 @@ STREAM_OVERHEAD_BYTES = 2 * 2**20
 
 def stream_limits(manifest: Manifest, cfg: ServeConfig, local_layers: int,
                   spec: SpeculationConfig | None = None, draft: Manifest | None = None) -> Limits:
-    """As many streams as this node's memory holds at the longest context (KV in f32). With
-    speculation a stream's cache also holds up to `compact_at` masked slots (then it is
-    compacted) and a step's drafts, and its draft model's own cache."""
-    a = manifest.arch
-    slots = a.max_context + (spec.compact_at + spec.k_max + 1 if spec and spec.kind != "off" else 0)
-    per_stream = (kv_bytes_per_token(local_layers, a.n_kv_heads, a.head_dim) * slots
-                  + STREAM_OVERHEAD_BYTES * len(manifest.stages))
-    if draft is not None and spec is not None:
-        d = draft.arch
-        per_stream += kv_bytes_per_token(d.n_layers, d.n_kv_heads, d.head_dim) * slots + STREAM_OVERHEAD_BYTES
+    """As many streams as this node's memory holds at the longest context (KV in f32)."""
+    extra = spec.compact_at + spec.k_max + 1 if spec and spec.kind != "off" else 0
+    per_stream = per_stream_bytes(manifest.arch, len(manifest.stages), local_layers, extra,
+                                  draft.arch if draft else None, STREAM_OVERHEAD_BYTES)
     fits = max_streams_for_memory(int(available_memory() * cfg.memory_fraction), per_stream, STREAM_CAP)
     return Limits(min(fits, cfg.max_streams or fits), cfg.max_queue)
 

@@ -58,3 +58,16 @@ def test_decode_groups_default_to_one_per_stage_only_with_workers() -> None:
     assert decode_groups(None, 3, remote=True) == 3  # each machine works on its own group
     assert decode_groups(None, 3, remote=False) == 1  # stages sharing cores: one batch
     assert decode_groups(0, 3, remote=True) == 0  # as asked: interleaved
+
+
+def test_a_speculating_stream_is_budgeted_its_masked_slots_drafts_and_draft_model() -> None:
+    from shardline.model.arch import Arch
+    from shardline.serving.admission import per_stream_bytes
+
+    arch = Arch("llama", 30, 576, 9, 3, 64, 1536, 49152, 1e5, 1e-5, False, True, 8192)
+    draft = Arch("llama", 6, 576, 9, 3, 64, 1536, 49152, 1e5, 1e-5, False, True, 8192)
+    plain = per_stream_bytes(arch, 2, 30, overhead=2**20)
+    assert plain == 46_080 * 8192 + 2 * 2**20
+    spec = per_stream_bytes(arch, 2, 30, extra_slots=128 + 8 + 1, draft=draft, overhead=2**20)
+    assert spec == 46_080 * (8192 + 137) + 2 * 2**20 + 9_216 * (8192 + 137) + 2**20
+    assert per_stream_bytes(arch, 2, 12) == 18_432 * 8192  # a coordinator holding 12 of the layers

@@ -5,11 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardline.errors import ShardlineError
+from shardline.model.arch import Arch
 
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int = 4) -> int:
     """Keys and values of one token over the given layers (f32 under the `exact` precision)."""
     return 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
+
+
+def per_stream_bytes(arch: Arch, stages: int, local_layers: int, extra_slots: int = 0, draft: Arch | None = None,
+                     overhead: int = 0) -> int:
+    """What one stream may hold on this node: the KV of its layers here at the longest context
+    plus `extra_slots` (speculation: up to the compaction threshold of masked slots and a step's
+    drafts), `overhead` per stage, and its draft model's own KV and overhead, if any."""
+    slots = arch.max_context + extra_slots
+    total = kv_bytes_per_token(local_layers, arch.n_kv_heads, arch.head_dim) * slots + overhead * stages
+    if draft is not None:
+        total += kv_bytes_per_token(draft.n_layers, draft.n_kv_heads, draft.head_dim) * slots + overhead
+    return total
 
 
 def max_streams_for_memory(budget_bytes: int, per_stream_bytes: int, cap: int) -> int:
