@@ -82,7 +82,9 @@ class Engine:
                  scheduling: SchedulerConfig | None = None, drafts: Drafts | None = None) -> None:
         self.pipe = pipe
         self.drafts = drafts  # where speculating streams' drafts come from (None: no speculation)
-        self.cost = StepCost()  # measured decode steps, for each stream's choice of K
+        # Measured decode steps by their number of rows (a step's base cost grows with its rows),
+        # for each stream's choice of K.
+        self.costs: dict[int, StepCost] = {}
         self.spec_ended = SpecStats(0, 0, 0, 0)  # the sums over streams that ended (k: how many)
         self.limits = limits
         self.max_context = max_context
@@ -175,7 +177,8 @@ class Engine:
                 continue
             try:
                 rows = len(self.scheduler.groups.members_of(s.id)) or 1
-                k = spec.choose_k(self.cost, rows, room=s.max_tokens - len(s.generated) - 1)
+                cost = self.costs.setdefault(rows, StepCost())
+                k = spec.choose_k(cost, rows, room=s.max_tokens - len(s.generated) - 1)
                 spec.offer(spec.drafter.propose(s.prompt + s.generated, k, s.params) if k else Proposal([]))
             except Exception as e:  # noqa: BLE001 - a drafter's failure costs its stream the drafts only
                 log.warning("stream %d: no drafts (%s: %s)", s.id, type(e).__name__, e)
@@ -251,7 +254,8 @@ class Engine:
         up to and including the first that differs from the draft offered (the drafts after it
         are masked out of the cache, and the logical position steps back over them)."""
         if stream.sent is not None:
-            self.cost.record(time.perf_counter() - stream.sent[0], stream.sent[1], stream.sent[2])
+            rows = stream.sent[1]
+            self.costs.setdefault(rows, StepCost()).record(time.perf_counter() - stream.sent[0], rows, stream.sent[2])
             stream.sent = None
         spec = stream.spec
         if spec is None or not spec.planned:
