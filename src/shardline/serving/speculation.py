@@ -11,7 +11,7 @@ step offering k drafts yields E(k) = 1 + a + ... + a^k tokens and costs one trip
 positions per row and k draft tokens. Auto K takes the k in 0..k_max with the most tokens per
 second under the measured costs (`StepCost`): on a slow link (a long trip) it drafts deep; in a
 busy group (rows x positions make the step compute-bound) it backs off to 0 by itself. Every
-PROBE_EVERY steps a stream offers another number of drafts (half its best, or 1 at 0, or 2 at
+PROBE_EVERY x rows steps a stream offers another number of drafts (half its best, or 1 at 0, or 2 at
 1): the cost's slope needs steps of different widths, and a low rate must be able to recover.
 """
 
@@ -137,8 +137,10 @@ class Speculation:
         else:
             k = best_k(self.acceptance.rate, cost, rows, self.drafter.cost_s, self.k_max)
             self._since_probe += 1
-            if self._since_probe >= PROBE_EVERY:  # another width now and then: the cost's slope,
-                k, self._since_probe = max(1, k // 2) if k != 1 else 2, 0  # or a rate that recovered
+            # another width now and then: the cost's slope, or a rate that recovered; rarer in a
+            # bigger group, where one row's drafts pad every row
+            if self._since_probe >= PROBE_EVERY * rows:
+                k, self._since_probe = max(1, k // 2) if k != 1 else 2, 0
         self.k = max(0, min(k, room))
         return self.k
 
