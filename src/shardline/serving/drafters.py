@@ -106,7 +106,6 @@ class ModelDrafter:
         model.runner.open(key)
 
     def propose(self, context: list[int], k: int, params: SamplingParams) -> Proposal:
-        start = time.perf_counter()
         with self.model.lock:
             self._compact_if_needed()
             logits = self._feed(context[self.fed:])
@@ -120,9 +119,6 @@ class ModelDrafter:
                 if i + 1 < k:
                     logits = self._feed([token])
             self._offered = max(0, k - 1)
-        if k:
-            self.cost_s = 0.8 * self.cost_s + 0.2 * (time.perf_counter() - start) / k if self.cost_s else \
-                (time.perf_counter() - start) / k
         if params.greedy:
             return Proposal(tokens)
         return Proposal(tokens, np.stack(q_ids), np.stack(q_probs).astype(np.float32))
@@ -139,13 +135,18 @@ class ModelDrafter:
             self.model.runner.close(self.key)
 
     def _feed(self, tokens: list[int]) -> np.ndarray:
-        """Run `tokens` through the draft model (in chunks); the logits after the last."""
+        """Run `tokens` through the draft model (in chunks); the logits after the last. A call
+        of one token is what each draft costs (`cost_s`); catching up on a prompt is not."""
         if not tokens:
             raise ShardlineError("nothing to feed the draft model")
+        start = time.perf_counter()
         for at in range(0, len(tokens), CATCH_UP_CHUNK):
             inputs = self.book.plan(tokens[at: at + CATCH_UP_CHUNK])
             out = self.model.runner.run(self.key, inputs)
             self.book.commit(inputs)
+        if len(tokens) == 1:
+            took = time.perf_counter() - start
+            self.cost_s = took if not self.cost_s else 0.8 * self.cost_s + 0.2 * took
         return np.asarray(out[0, -1], np.float32)
 
     def _compact_if_needed(self, at: int = COMPACT_AT) -> None:
