@@ -85,7 +85,7 @@ class Engine:
         # Measured decode steps by their number of rows (a step's base cost grows with its rows),
         # for each stream's choice of K.
         self.costs: dict[int, StepCost] = {}
-        self.spec_ended = SpecStats(0, 0, 0, 0)  # the sums over streams that ended (k: how many)
+        self.spec_ended = SpecStats(0, 0, 0, 0)  # the sums over streams that ended (k unused)
         self.limits = limits
         self.max_context = max_context
         self.scheduler = Scheduler(scheduling)
@@ -253,10 +253,7 @@ class Engine:
         """The choices that stand: all of a plain step's; of a verify step, the target's choices
         up to and including the first that differs from the draft offered (the drafts after it
         are masked out of the cache, and the logical position steps back over them)."""
-        if stream.sent is not None:
-            rows = stream.sent[1]
-            self.costs.setdefault(rows, StepCost()).record(time.perf_counter() - stream.sent[0], rows, stream.sent[2])
-            stream.sent = None
+        self._timed(stream)
         spec = stream.spec
         if spec is None or not spec.planned:
             return outcome.choices
@@ -264,6 +261,13 @@ class Engine:
         kept = spec.settle([c.token for c in outcome.choices])
         stream.book.mask_last(offered - kept)
         return outcome.choices[: kept + 1]
+
+    def _timed(self, stream: Stream) -> None:
+        """A decode step of `stream` (its group's first row) came back: its time, for K."""
+        if stream.sent is not None:
+            when, rows, width = stream.sent
+            self.costs.setdefault(rows, StepCost()).record(time.perf_counter() - when, rows, width)
+            stream.sent = None
 
     def _emit(self, stream: Stream, choice: Choice) -> bool:
         """Deliver one chosen token; True once the stream has ended."""
@@ -301,8 +305,8 @@ class Engine:
         stats = stream.spec.stats() if stream.spec else None
         if stats is not None:
             e = self.spec_ended
-            self.spec_ended = SpecStats(e.drafted + stats.drafted, e.accepted + stats.accepted, e.steps + stats.steps,
-                                        e.k + 1)
+            self.spec_ended = SpecStats(e.drafted + stats.drafted, e.accepted + stats.accepted,
+                                        e.steps + stats.steps, 0)
         self._ticket(stream).on_event(Event(None, finish=reason, error=error, spec=stats))
 
     def _fail_all(self, reason: str, error: str) -> None:
