@@ -6,7 +6,7 @@ import socket
 import sys
 from pathlib import Path
 
-from shardline.config import RunConfig, ServeConfig, SpeculationConfig
+from shardline.config import COMPACT_AT, RunConfig, ServeConfig, SpeculationConfig
 from shardline.errors import ShardlineError
 from shardline.host import available_memory
 from shardline.model.manifest import Manifest, load_manifest
@@ -29,8 +29,12 @@ def stream_limits(manifest: Manifest, cfg: ServeConfig, local_layers: int,
                   spec: SpeculationConfig | None = None, draft: Manifest | None = None) -> Limits:
     """As many streams as this node's memory holds at the longest context (KV in f32)."""
     extra = spec.compact_at + spec.k_max + 1 if spec and spec.kind != "off" else 0
+    # the draft's chain (drafts in flight, a guess of the target's token, a next step's drafts:
+    # 2 k_max + 1) once in its KV and once more masked, past the COMPACT_AT masked slots it
+    # compacts at before each proposal
+    draft_extra = COMPACT_AT + 2 * (2 * spec.k_max + 1) if spec and draft else 0
     per_stream = per_stream_bytes(manifest.arch, len(manifest.stages), local_layers, extra,
-                                  draft.arch if draft else None, STREAM_OVERHEAD_BYTES)
+                                  draft.arch if draft else None, STREAM_OVERHEAD_BYTES, draft_extra)
     fits = max_streams_for_memory(int(available_memory() * cfg.memory_fraction), per_stream, STREAM_CAP)
     return Limits(min(fits, cfg.max_streams or fits), cfg.max_queue)
 

@@ -68,6 +68,7 @@ def test_a_speculating_stream_is_budgeted_its_masked_slots_drafts_and_draft_mode
     draft = Arch("llama", 6, 576, 9, 3, 64, 1536, 49152, 1e5, 1e-5, False, True, 8192)
     plain = per_stream_bytes(arch, 2, 30, overhead=2**20)
     assert plain == 46_080 * 8192 + 2 * 2**20
-    spec = per_stream_bytes(arch, 2, 30, extra_slots=128 + 8 + 1, draft=draft, overhead=2**20)
-    assert spec == 46_080 * (8192 + 137) + 2 * 2**20 + 9_216 * (8192 + 137) + 2**20
+    spec = per_stream_bytes(arch, 2, 30, extra_slots=128 + 8 + 1, draft=draft, overhead=2**20,
+                            draft_extra_slots=128 + 2 * 17)
+    assert spec == 46_080 * (8192 + 137) + 2 * 2**20 + 9_216 * (8192 + 162) + 2**20
     assert per_stream_bytes(arch, 2, 12) == 18_432 * 8192  # a coordinator holding 12 of the layers

@@ -118,7 +118,12 @@ class _Fixed:
     def propose(self, context: list[int], k: int, params: SamplingParams) -> Proposal:
         return Proposal(self.tokens[:k])
 
-    def settle(self, kept: int) -> None: ...
+    def ready(self, context: list[int]) -> int:
+        return 0
+
+    def ahead(self, params: SamplingParams, limit: int) -> bool:
+        return False
+
     def close(self) -> None: ...
 
 

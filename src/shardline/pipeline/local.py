@@ -84,6 +84,9 @@ class LocalPipeline:
     def wake(self) -> None:
         self.outbox.wake()
 
+    def idle(self) -> bool:
+        return False  # every stage's work runs here: never free for other graph work meanwhile
+
     def shutdown(self) -> None:
         """Stop the stage threads once every step and release submitted before has run."""
         self._inboxes[0].put(None)  # passed down the stages after everything queued before it

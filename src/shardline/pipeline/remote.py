@@ -89,6 +89,7 @@ class RemotePipeline:
         # saw the chain break, or refused before it is sent: never sent into a dead chain.
         self._broken: str | None = None
         self._lock = threading.Lock()
+        self._local = 0  # steps submitted that stage 0 has not finished sending
         self._inbox: queue.Queue[Step | _Release | None] = queue.Queue()
         self.connect()
         self._thread = threading.Thread(target=self._stage0_loop, daemon=True, name="stage-0")
@@ -122,6 +123,8 @@ class RemotePipeline:
     # --- executing plans -----------------------------------------------------------------------
 
     def submit(self, step: Step) -> None:
+        with self._lock:
+            self._local += 1
         self._inbox.put(step)
 
     def release(self, key: int) -> None:
@@ -132,6 +135,10 @@ class RemotePipeline:
 
     def wake(self) -> None:
         self.outbox.wake()
+
+    def idle(self) -> bool:
+        """Whether stage 0 has run every submitted step (the rest is on workers and links)."""
+        return self._local == 0
 
     def shutdown(self) -> None:
         self._inbox.put(None)
@@ -149,6 +156,9 @@ class RemotePipeline:
             except Exception as e:  # noqa: BLE001 - the step's rows fail; the next step goes on
                 why = str(e) if isinstance(e, ShardlineError) else f"{type(e).__name__}: {e}"
                 self._fail(work, why)
+            finally:
+                with self._lock:
+                    self._local -= 1
 
     def _release(self, key: int) -> None:
         self.stage0.close(key)

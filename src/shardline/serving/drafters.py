@@ -6,6 +6,7 @@
   target's tokenizer): a draft model, or the target's first L layers (self-speculation). Each
   stream has its own request (KV) on the shared `DraftModel`, which catches up on the tokens
   the target accepted and masks the drafts it rejected, like the target's stages (KVBook).
+  While remote stages verify its drafts, it may draw the next ones ahead (`ahead`).
 
 Drafts are certain (greedy, lookup) or, when the stream samples and the drafter is a model,
 drawn from the draft's own distribution q, truncated to its `SUPPORT` most likely tokens (the
@@ -48,7 +49,8 @@ class Drafter(Protocol):
     cost_s: float  # measured seconds per drafted token (0 for lookup)
 
     def propose(self, context: list[int], k: int, params: SamplingParams) -> Proposal: ...
-    def settle(self, kept: int) -> None: ...
+    def ready(self, context: list[int]) -> int: ...
+    def ahead(self, params: SamplingParams, limit: int) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -64,8 +66,11 @@ class LookupDrafter:
         self._index.extend(context[len(self._index):])
         return Proposal(self._index.propose(k))
 
-    def settle(self, kept: int) -> None:
-        pass  # the index holds accepted text only: it catches up from the context
+    def ready(self, context: list[int]) -> int:
+        return 0  # the index holds accepted text only: it catches up from the context
+
+    def ahead(self, params: SamplingParams, limit: int) -> bool:
+        return False  # free to propose: nothing to gain by drawing early
 
     def close(self) -> None:
         pass
@@ -94,45 +99,79 @@ class DraftModel:
 
 
 class ModelDrafter:
-    """A stream's drafts from the draft model. Its KV holds the stream's accepted text, then the
-    drafts of the last proposal but its last; `settle` masks the rejected ones."""
+    """A stream's drafts from the draft model. Its KV holds the stream's accepted text (`fed`
+    tokens) and then `pending`: drafts fed but not yet accepted. `drafts` is the chain drawn past
+    the accepted text: `pending` and the newest draw (fed only when the next is drawn).
+
+    The chain may run past the drafts in flight (`ahead`, while remote stages verify them): the
+    first extra draft guesses the target's own next token. When every draft in flight stood and
+    the target chose that guess, the drafts after it are ready for the next step at no cost;
+    otherwise `_sync` masks what the target did not accept, like the target's stages do."""
 
     def __init__(self, model: DraftModel, key: int) -> None:
         self.model, self.key = model, key
         self.book = KVBook()
         self.fed = 0  # tokens of the stream's context in the draft's KV (attended)
+        self.drafts: list[_Draw] = []
+        self.pending = 0  # drafts[:pending] are in the KV, after the `fed` tokens
         self.cost_s = 0.0
-        self._offered = 0  # drafts of the last proposal that went into the KV
+        self._logits: np.ndarray | None = None  # after the KV's last token, until drawn from
         model.runner.open(key)
 
     def propose(self, context: list[int], k: int, params: SamplingParams) -> Proposal:
         with self.model.lock:
             self._compact_if_needed()
-            logits = self._feed(context[self.fed:])
-            self.fed = len(context)
-            tokens, q_ids, q_probs = [], [], []
-            for i in range(k):
-                token, ids, probs = _draw(logits, params, self.book.position)
-                tokens.append(token)
-                q_ids.append(ids)
-                q_probs.append(probs)
-                if i + 1 < k:
-                    logits = self._feed([token])
-            self._offered = max(0, k - 1)
-        if params.greedy:
-            return Proposal(tokens)
-        return Proposal(tokens, np.stack(q_ids), np.stack(q_probs).astype(np.float32))
+            self._sync(context)
+            while len(self.drafts) < k:
+                self._extend(params)
+        return _proposal(self.drafts[:k], params)
 
-    def settle(self, kept: int) -> None:
-        """`kept` drafts of the last proposal were accepted: the others leave the draft's KV."""
-        in_kv = min(kept, self._offered)
-        self.book.mask_last(self._offered - in_kv)
-        self.fed += in_kv
-        self._offered = 0
+    def ready(self, context: list[int]) -> int:
+        """Drafts that would follow `context` without drawing any (drawn ahead earlier)."""
+        new = context[self.fed:]
+        return len(self.drafts) - len(new) if self._follows(new) else 0
+
+    def ahead(self, params: SamplingParams, limit: int) -> bool:
+        """Draw one more draft past the chain, up to `limit` in all: whether one was drawn."""
+        if not self.drafts or len(self.drafts) >= limit:
+            return False
+        with self.model.lock:
+            self._extend(params)
+        return True
 
     def close(self) -> None:
         with self.model.lock:
             self.model.runner.close(self.key)
+
+    def _follows(self, new: list[int]) -> bool:
+        """Whether the accepted tokens `new` (past `fed`) are all drafts already in the KV."""
+        return len(new) <= self.pending and all(d.token == t for d, t in zip(self.drafts, new, strict=False))
+
+    def _sync(self, context: list[int]) -> None:
+        """Make the KV hold `context` (which extends the accepted text) and the drafts that still
+        follow it: pending drafts the target accepted stay, the rest are masked out."""
+        new = context[self.fed:]
+        if self._follows(new):
+            self.fed, self.pending, self.drafts = len(context), self.pending - len(new), self.drafts[len(new):]
+            return
+        same = 0
+        while same < min(len(new), self.pending) and self.drafts[same].token == new[same]:
+            same += 1
+        self.book.mask_last(self.pending - same)
+        self.drafts, self.pending = [], 0
+        self._logits = self._feed(new[same:])
+        self.fed = len(context)
+
+    def _extend(self, params: SamplingParams) -> None:
+        """Draw the next draft (feeding the newest first: drafts are conditioned on each other)."""
+        if self.drafts:
+            logits = self._feed([self.drafts[-1].token])
+            self.pending += 1
+        elif self._logits is not None:
+            logits, self._logits = self._logits, None
+        else:
+            raise ShardlineError("the draft model has nothing to draw from")
+        self.drafts.append(_draw(logits, params, self.book.position))
 
     def _feed(self, tokens: list[int]) -> np.ndarray:
         """Run `tokens` through the draft model (in chunks); the logits after the last. A call
@@ -155,16 +194,30 @@ class ModelDrafter:
             self.model.runner.compact(self.key, self.book.compact(), slots)
 
 
-def _draw(logits: np.ndarray, params: SamplingParams, position: int) -> tuple[int, np.ndarray, np.ndarray]:
+@dataclass(frozen=True)
+class _Draw:
+    token: int
+    ids: np.ndarray  # q's support (the token alone when greedy)
+    probs: np.ndarray
+
+
+def _proposal(drafts: list[_Draw], params: SamplingParams) -> Proposal:
+    tokens = [d.token for d in drafts]
+    if params.greedy or not drafts:
+        return Proposal(tokens)
+    return Proposal(tokens, np.stack([d.ids for d in drafts]), np.stack([d.probs for d in drafts]).astype(np.float32))
+
+
+def _draw(logits: np.ndarray, params: SamplingParams, position: int) -> _Draw:
     """A draft token: the argmax when the stream is greedy, else drawn from q (the draft's own
     distribution under the stream's sampling, truncated to its SUPPORT most likely tokens)."""
     if params.greedy:
         token = int(np.argmax(logits))
-        return token, np.array([token], np.int64), np.ones(1, np.float32)
+        return _Draw(token, np.array([token], np.int64), np.ones(1, np.float32))
     p = probabilities(logits, params)
     ids = np.argsort(-p, kind="stable")[:SUPPORT]
     q = p[ids] / p[ids].sum()
     cum = np.cumsum(q)
     j = int(min(np.searchsorted(cum, uniform(params.seed, position, _DRAFT) * cum[-1], side="right"), len(ids) - 1))
     ids = np.where(q > 0, ids, -1)  # a support narrower than SUPPORT: padded, probability 0
-    return int(ids[j]), ids.astype(np.int64), q
+    return _Draw(int(ids[j]), ids.astype(np.int64), q)

@@ -155,7 +155,8 @@ class Engine:
     def _loop(self) -> None:
         try:
             while self._running:
-                for outcome in self.pipe.outcomes(timeout=1.0):
+                drew = self._draft_ahead()
+                for outcome in self.pipe.outcomes(timeout=0.0 if drew else 1.0):
                     self._apply(outcome)
                 self._apply_cancels()
                 self._admit()
@@ -178,11 +179,30 @@ class Engine:
             try:
                 rows = len(self.scheduler.groups.members_of(s.id)) or 1
                 cost = self.costs.setdefault(rows, StepCost())
-                k = spec.choose_k(cost, rows, room=s.max_tokens - len(s.generated) - 1)
-                spec.offer(spec.drafter.propose(s.prompt + s.generated, k, s.params) if k else Proposal([]))
+                context = s.prompt + s.generated
+                k = spec.choose_k(cost, rows, room=s.max_tokens - len(s.generated) - 1,
+                                  ready=spec.drafter.ready(context))
+                spec.offer(spec.drafter.propose(context, k, s.params) if k else Proposal([]))
             except Exception as e:  # noqa: BLE001 - a drafter's failure costs its stream the drafts only
                 log.warning("stream %d: no drafts (%s: %s)", s.id, type(e).__name__, e)
                 spec.offer(Proposal([]))
+
+    def _draft_ahead(self) -> bool:
+        """While every step is out on remote stages, this machine is idle: each speculating
+        stream whose step is out draws one more draft past it (drafts/ModelDrafter.ahead).
+        Whether any did (then outcomes are polled, not waited for)."""
+        if not self.pipe.idle():
+            return False
+        drew = False
+        for s in self.scheduler.streams.values():
+            spec = s.spec
+            if spec is None or not spec.proposal.tokens or not s.in_flight:
+                continue  # (a drafter that offered none has not followed the text lately)
+            try:
+                drew = spec.drafter.ahead(s.params, spec.ahead_limit()) or drew
+            except Exception as e:  # noqa: BLE001 - drafts drawn ahead are an optimization only
+                log.warning("stream %d: no drafts ahead (%s: %s)", s.id, type(e).__name__, e)
+        return drew
 
     def _dispatch(self) -> None:
         for step in self.scheduler.plan():

@@ -8,7 +8,8 @@ cache, masked for ever (KVBook.mask_last); the coordinator alone knows (workers 
 
 K: with acceptance rate a (each draft stands with probability a, given the one before did), a
 step offering k drafts yields E(k) = 1 + a + ... + a^k tokens and costs one trip plus k extra
-positions per row and k draft tokens. Auto K takes the k in 0..k_max with the most tokens per
+positions per row and k draft tokens (fewer when the drafter drew some ahead, while the
+step before was out on remote stages). Auto K takes the k in 0..k_max with the most tokens per
 second under the measured costs (`StepCost`): on a slow link (a long trip) it drafts deep; in a
 busy group (rows x positions make the step compute-bound) it backs off to 0 by itself. Every
 PROBE_EVERY x rows steps a stream offers another number of drafts (half its best, or 1 at 0, or 2 at
@@ -88,12 +89,12 @@ def expected_tokens(rate: float, k: int) -> float:
     return float(sum(rate**i for i in range(k + 1)))
 
 
-def best_k(rate: float, cost: StepCost, rows: int, draft_s: float, k_max: int) -> int:
+def best_k(rate: float, cost: StepCost, rows: int, draft_s: float, k_max: int, ready: int = 0) -> int:
     """The k in 0..k_max with the most tokens per second, if that beats no drafts by MIN_GAIN
-    (1 until a step has been timed)."""
+    (1 until a step has been timed); `ready` drafts were drawn ahead and cost nothing more."""
     if not cost.base_s:
         return min(1, k_max)
-    speed = [expected_tokens(rate, k) / (cost.base_s + k * (rows * cost.slope_s + draft_s))
+    speed = [expected_tokens(rate, k) / (cost.base_s + k * rows * cost.slope_s + max(0, k - ready) * draft_s)
              for k in range(k_max + 1)]
     k = int(np.argmax(speed))
     return k if speed[k] >= MIN_GAIN * speed[0] else 0
@@ -130,12 +131,13 @@ class Speculation:
     def stats(self) -> SpecStats:
         return SpecStats(self.drafted, self.kept, self.steps, self.k)
 
-    def choose_k(self, cost: StepCost, rows: int, room: int) -> int:
-        """Drafts to offer next: at most `room` (tokens left to generate, minus the target's own)."""
+    def choose_k(self, cost: StepCost, rows: int, room: int, ready: int = 0) -> int:
+        """Drafts to offer next: at most `room` (tokens left to generate, minus the target's own);
+        `ready` of them were drawn ahead."""
         if self.fixed_k is not None:
             k = self.fixed_k
         else:
-            k = best_k(self.acceptance.rate, cost, rows, self.drafter.cost_s, self.k_max)
+            k = best_k(self.acceptance.rate, cost, rows, self.drafter.cost_s, self.k_max, ready)
             self._since_probe += 1
             # another width now and then: the cost's slope, or a rate that recovered; rarer in a
             # bigger group, where one row's drafts pad every row
@@ -147,9 +149,15 @@ class Speculation:
     def offer(self, proposal: Proposal) -> None:
         self.proposal, self.planned = proposal, True
 
+    def ahead_limit(self) -> int:
+        """How long the drafter's chain may grow while a step is out: the drafts in flight, a
+        guess of the target's own next token, and the most the next step may offer."""
+        return len(self.proposal.tokens) + 1 + (self.k_max if self.fixed_k is None else self.fixed_k)
+
     def settle(self, chosen: list[int]) -> int:
-        """The target chose `chosen` after each fed position: how many drafts stood. The drafter
-        and the counters learn of it; the proposal is cleared."""
+        """The target chose `chosen` after each fed position: how many drafts stood. The counters
+        learn of it; the proposal is cleared (the drafter learns from the context it is given
+        next)."""
         drafts = self.proposal.tokens
         kept = accepted(drafts, chosen)
         if drafts:
@@ -157,7 +165,6 @@ class Speculation:
             self.drafted += len(drafts)
             self.kept += kept
         self.steps += 1
-        self.drafter.settle(kept)
         self.proposal, self.planned = Proposal([]), False
         return kept
 
