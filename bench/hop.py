@@ -125,7 +125,7 @@ def _echo(ports: Any, cpu: int | None, raw: bool) -> None:
 
 def _client(ports: Any, results: Any, cpu: int | None, raw: bool, trips: int, max_s: float) -> None:
     _pin(cpu)
-    link = Link.connect("127.0.0.1", ports.get(timeout=30))
+    link = Link.connect("127.0.0.1", ports.get(timeout=30), None)
     msg = forward()
     frame = encode(msg, stamp=True)
     times: list[float] = []

@@ -128,7 +128,7 @@ def test_an_empty_worker_refuses_to_start_from_another_worker(export: Path, tmp_
 
     empty = worker(tmp_path / "w", "2")
     try:
-        link = Link.connect("127.0.0.1", empty.port)
+        link = Link.connect("127.0.0.1", empty.port, None)
         m = load_manifest(export)
         with pytest.raises(Refused, match="^the worker for stages 2-2 has no shard yet: only a coordinator can "
                                           "deliver it$"):

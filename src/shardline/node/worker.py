@@ -44,6 +44,7 @@ from shardline.node.execute import run_stages, sampled
 from shardline.node.session import MAX_QUEUED, Ended, Item, Received, Routed, Session, check_peer
 from shardline.node.shard import Shard
 from shardline.stage.runner import StageRunner
+from shardline.wire import tls
 from shardline.wire.codec import WireError
 from shardline.wire.hops import with_rows
 from shardline.wire.link import (
@@ -52,6 +53,7 @@ from shardline.wire.link import (
     Link,
     LinkClosed,
     Refused,
+    Transport,
     _timeval,
     client_handshake,
     refuse,
@@ -67,6 +69,7 @@ from shardline.wire.messages import (
     Route,
     StepFailed,
 )
+from shardline.wire.tls import Credentials
 
 log = logging.getLogger("shardline.worker")
 _ACCEPT_RETRY_S = 0.1  # out of file descriptors: wait a moment, keep accepting
@@ -75,11 +78,13 @@ _ACCEPT_RETRY_S = 0.1  # out of file descriptors: wait a moment, keep accepting
 class StageWorker:
     def __init__(self, folder: Path, first: int, last: int, run: RunConfig | None = None, *,
                  fetch: bool = False, frame_timeout: float = FRAME_TIMEOUT,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT, credentials: Credentials | None = None) -> None:
         """Serve stages first-last of the export in `folder` (shard.py: present, or fetched from
         the first coordinator with `fetch`). `frame_timeout` and `handshake_timeout` apply to
         every link (wire/link.py; tests make them short); `frame_timeout` also bounds how long a
-        send may make no progress."""
+        send may make no progress. With `credentials` every link, in or out, is mutual TLS
+        (wire/tls.py); without, in clear (`--insecure`)."""
+        self.credentials = credentials
         self.shard = Shard(folder, first, last, run or RunConfig(), fetch)
         self.frame_timeout, self.handshake_timeout = frame_timeout, handshake_timeout
         # By id: a reader adds its coordinator's (setdefault: atomic), the executor removes it.
@@ -129,20 +134,34 @@ class StageWorker:
             # Whatever goes wrong setting up one connection (a reset socket, no thread to read it:
             # out of threads or memory) costs that connection only: the acceptor must not die.
             try:
-                link = self._link(sock, f"{addr[0]}:{addr[1]}")
-                threading.Thread(target=self._read, args=(link,), daemon=True, name="read").start()
+                threading.Thread(target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"), daemon=True,
+                                 name="read").start()
             except Exception as e:  # noqa: BLE001
                 log.warning("cannot serve %s:%s (%s); still accepting", addr[0], addr[1], e)
                 with contextlib.suppress(OSError):
                     sock.close()
 
-    def _link(self, sock: socket.socket, name: str) -> Link:
+    def _serve(self, sock: socket.socket, name: str) -> None:
+        """One connection, on its own thread: TLS first (a peer without credentials of this
+        cluster is refused here, before any frame is read, and logged), then its link."""
+        transport: Transport = sock
+        if self.credentials is not None:
+            try:
+                transport = tls.server(sock, self.credentials, self.handshake_timeout)
+            except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+                log.warning("refused %s: TLS handshake failed (%s)", name, e)
+                with contextlib.suppress(OSError):
+                    sock.close()
+                return
+        self._read(self._link(sock, transport, name))
+
+    def _link(self, sock: socket.socket, transport: Transport, name: str) -> Link:
         """A link on a connected socket, with this worker's timeouts. A send that makes no
         progress for the frame timeout fails (SO_SNDTIMEO, which leaves the reader's receive
         timeout alone): Link.send raises LinkClosed, and the link is closed (see _send)."""
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.frame_timeout))
-        return Link(sock, name, frame_timeout=self.frame_timeout, handshake_timeout=self.handshake_timeout)
+        return Link(transport, name, frame_timeout=self.frame_timeout, handshake_timeout=self.handshake_timeout)
 
     def _check_peer(self, peer: Hello) -> str | None:
         assert self.shard.hello is not None  # checked after _ready_for
@@ -195,10 +214,10 @@ class StageWorker:
             assert me is not None  # a Route comes only after this worker's Hello
             try:
                 host, port = parse_hostport(msg.next, "the next worker")
-                nxt = Link.connect(host, port, frame_timeout=self.frame_timeout,
+                nxt = Link.connect(host, port, self.credentials, frame_timeout=self.frame_timeout,
                                    handshake_timeout=self.handshake_timeout)
-                assert isinstance(nxt.transport, socket.socket)
                 # As on accepted links: a next worker that stops reading cannot hold the executor.
+                assert isinstance(nxt.transport, socket.socket | tls.TLSTransport)
                 nxt.transport.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.frame_timeout))
                 mine = replace(me, session=session.id)
                 client_handshake(nxt, mine, lambda peer: None if peer.first_layer == me.last_layer + 1 else

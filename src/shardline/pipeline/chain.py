@@ -10,6 +10,7 @@ without its shard asks for its files first and gets them from this coordinator's
 from __future__ import annotations
 
 import secrets
+import ssl
 from pathlib import Path
 
 from shardline.errors import ShardlineError
@@ -19,6 +20,7 @@ from shardline.node import delivery
 from shardline.wire.codec import WireError
 from shardline.wire.link import Link, LinkClosed, Refused, client_handshake, refuse
 from shardline.wire.messages import PROTOCOL, Activations, Hello, Message, Role, Route, ShardRequest
+from shardline.wire.tls import Credentials
 
 HANDSHAKE_S = 600.0  # how long a worker may take to answer (delivery, verification, compilation)
 
@@ -26,14 +28,15 @@ Delivered = list[tuple[str, str, int]]  # (worker, file, bytes) sent to workers
 
 
 def open_chain(folder: Path, manifest: Manifest, workers: list[str], activations: str, topology: str,
-               delivered: Delivered) -> list[Link]:
-    """One link per worker, in chain order, under a new session; routed for `topology`."""
+               delivered: Delivered, credentials: Credentials | None) -> list[Link]:
+    """One link per worker, in chain order, under a new session; routed for `topology`; under
+    mutual TLS with `credentials` (None: in clear)."""
     session = secrets.token_hex(16)
     links: list[Link] = []
     last = manifest.stages[0].last_layer
     try:
         for addr in workers:
-            link, hello = _connect_one(folder, manifest, addr, last, session, activations, delivered)
+            link, hello = _connect_one(folder, manifest, addr, last, session, activations, delivered, credentials)
             links.append(link)
             last = hello.last_layer
         if last != manifest.arch.n_layers - 1:
@@ -49,11 +52,13 @@ def open_chain(folder: Path, manifest: Manifest, workers: list[str], activations
 
 
 def _connect_one(folder: Path, m: Manifest, addr: str, prev_last: int, session: str, activations: str,
-                 delivered: Delivered) -> tuple[Link, Hello]:
+                 delivered: Delivered, credentials: Credentials | None) -> tuple[Link, Hello]:
     try:
         # A worker may hash its files, receive its shard and compile its stages before it
         # answers our Hello: give it minutes, not the default seconds.
-        link = Link.connect(*parse_hostport(addr, "worker"), handshake_timeout=HANDSHAKE_S)
+        link = Link.connect(*parse_hostport(addr, "worker"), credentials, handshake_timeout=HANDSHAKE_S)
+    except ssl.SSLError as e:
+        raise ShardlineError(f"worker {addr} refused this node's credentials or showed none: {e}") from None
     except (OSError, ValueError) as e:  # ValueError: a host name the resolver cannot encode ("..")
         raise ShardlineError(f"cannot reach worker {addr}: {e}") from None
     mine = Hello(PROTOCOL, Role.COORDINATOR, m.model_hash, 0, prev_last, m.weights, Activations(activations), session)

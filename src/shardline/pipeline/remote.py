@@ -49,6 +49,7 @@ from shardline.wire.messages import (
     StepFailed,
     mask_to_runs,
 )
+from shardline.wire.tls import Credentials
 
 ACTIVATIONS = {"f16": np.float16, "f32": np.float32}
 RECONNECT_S = 10.0  # how long a new stream waits for a chain that broke to come back
@@ -67,7 +68,7 @@ class _Release:
 
 class RemotePipeline:
     def __init__(self, folder: Path, workers: list[str], run: RunConfig | None = None,
-                 activations: str = "f16", topology: str = "chain") -> None:
+                 activations: str = "f16", topology: str = "chain", credentials: Credentials | None = None) -> None:
         if activations not in ACTIVATIONS or topology not in ("chain", "star"):
             raise ShardlineError(f"bad activations {activations!r} or topology {topology!r}")
         self.folder = folder
@@ -79,6 +80,7 @@ class RemotePipeline:
         self.dtype, self.activations = ACTIVATIONS[activations], activations
         self.topology = topology
         self.workers = workers
+        self.credentials = credentials  # mutual TLS on every link (None: in clear, --insecure)
         self.links: list[Link] = []
         self.delivered: Delivered = []  # (worker, file, bytes) sent to workers
         self.outbox = Outbox()
@@ -104,7 +106,7 @@ class RemotePipeline:
             link.close()
         self.links = []
         self.links = open_chain(self.folder, self.manifest, self.workers, self.activations, self.topology,
-                                self.delivered)
+                                self.delivered, self.credentials)
         self._broken = None
         if self.topology == "chain":  # tokens come back on the last link, refusals on any
             for link in self.links:

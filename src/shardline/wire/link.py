@@ -1,8 +1,7 @@
 """A connection between two shardline processes: framing over a byte stream, and the handshake.
 
-The link only needs `sendall` and `recv_into` from its transport, so a TLS socket (or any
-authenticated, encrypting wrapper with the same two calls) can replace the plain TCP socket
-without changing a single message.
+The link only needs `sendall` and `recv_into` from its transport, so TLS (wire/tls.py) replaces
+the plain TCP socket without changing a single message.
 
 What a peer can make this process do is bounded. Until the handshake completes a link accepts
 only frames of HANDSHAKE_PAYLOAD bytes (a frame's buffer is allocated only after its header is
@@ -27,8 +26,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
+from shardline.wire import tls
 from shardline.wire.codec import HEADER, MAX_PAYLOAD, WireError, decode_payload, encode, parse_header
 from shardline.wire.messages import Hello, Message, Refuse
+from shardline.wire.tls import Credentials
 
 _BUFFER = 1 << 16  # receive buffer; grows for a bigger frame, shrinks back once it is read
 HANDSHAKE_PAYLOAD = 64 << 10  # largest frame before the handshake: a Hello, a Refuse, a ShardRequest
@@ -80,12 +81,21 @@ class Link:
         self._buf, self._start, self._end = bytearray(_BUFFER), 0, 0
 
     @classmethod
-    def connect(cls, host: str, port: int, timeout: float = 10.0, **options: float) -> Link:
-        """`options`: frame_timeout, handshake_timeout."""
+    def connect(cls, host: str, port: int, credentials: Credentials | None, timeout: float = 10.0,
+                **options: float) -> Link:
+        """Under TLS with `credentials` (None: in clear, as --insecure asks); ssl.SSLError when
+        the peer refuses ours or shows none. `options`: frame_timeout, handshake_timeout."""
         sock = socket.create_connection((host, port), timeout=timeout)
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return cls(sock, f"{host}:{port}", **options)
+        transport: Transport = sock
+        if credentials is not None:
+            try:
+                transport = tls.client(sock, credentials, timeout)
+            except BaseException:
+                sock.close()
+                raise
+        return cls(transport, f"{host}:{port}", **options)
 
     def send(self, msg: Message, stamp: bool = False) -> None:
         """`stamp`: the frame carries its own encode time (codec.encode)."""
