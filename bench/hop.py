@@ -11,8 +11,9 @@ Also the mask's bytes per hop at 4096 columns (issue 9): runs of ones (protocol 
 u8 row protocol 3 sent and the i64 row the graph takes, with and without holes.
 
 Cases: each process pinned to its own core (as on two machines), both on one core (a woken
-process waits for the other to yield it), and, to split the figure, the bare socket round trip
-of the same bytes and the codec alone in one process.
+process waits for the other to yield it), each of them also under mutual TLS (issue 11: the
+link's TLS transport, wire/tls.py, with credentials from `shardline keygen`), and, to split the
+figure, the bare socket round trip of the same bytes and the codec alone in one process.
 
     python bench/hop.py                # 3000 round trips per case
     python bench/hop.py --trips 500
@@ -28,15 +29,20 @@ import multiprocessing as mp
 import os
 import socket
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from shardline.cluster.keygen import keygen
 from shardline.config import SamplingParams
+from shardline.wire import tls
 from shardline.wire.codec import decode, encode
-from shardline.wire.link import Link, LinkClosed
+from shardline.wire.link import Link, LinkClosed, Transport
 from shardline.wire.messages import HOP_COLUMNS, Forward, Phase, mask_to_runs, runs_to_mask
+from shardline.wire.tls import Credentials
 
 HIDDEN, SLOTS = 576, 200  # the default model's hidden size; a mid-conversation cache
 LONG = 4096  # mask width (cached slots + the new token) of the bytes-per-hop comparison
@@ -94,12 +100,13 @@ def _pin(cpu: int | None) -> None:
         os.sched_setaffinity(0, {cpu})
 
 
-def _echo(ports: Any, cpu: int | None, raw: bool) -> None:
+def _echo(ports: Any, cpu: int | None, raw: bool, creds: str | None) -> None:
     _pin(cpu)
     server = socket.create_server(("127.0.0.1", 0))
     ports.put(server.getsockname()[1])
     conn, _ = server.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    transport: Transport = conn if creds is None else tls.server(conn, Credentials.load(Path(creds)), 30)
     if raw:  # the same bytes back, no codec: the wire alone
         size = len(encode(forward(), stamp=True))
         buf = memoryview(bytearray(size))
@@ -111,7 +118,7 @@ def _echo(ports: Any, cpu: int | None, raw: bool) -> None:
                     return
                 got += k
             conn.sendall(buf)
-    link = Link(conn)
+    link = Link(transport)
     while True:
         try:
             msg = link.recv()
@@ -123,9 +130,10 @@ def _echo(ports: Any, cpu: int | None, raw: bool) -> None:
         link.send(msg, stamp=True)
 
 
-def _client(ports: Any, results: Any, cpu: int | None, raw: bool, trips: int, max_s: float) -> None:
+def _client(ports: Any, results: Any, cpu: int | None, raw: bool, trips: int, max_s: float,
+            creds: str | None) -> None:
     _pin(cpu)
-    link = Link.connect("127.0.0.1", ports.get(timeout=30), None)
+    link = Link.connect("127.0.0.1", ports.get(timeout=30), None if creds is None else Credentials.load(Path(creds)))
     msg = forward()
     frame = encode(msg, stamp=True)
     times: list[float] = []
@@ -147,12 +155,14 @@ def _client(ports: Any, results: Any, cpu: int | None, raw: bool, trips: int, ma
 
 
 def round_trips(client_cpu: int | None, echo_cpu: int | None, raw: bool = False, trips: int = 3000,
-                max_s: float = 60.0) -> list[float]:
-    """Round-trip seconds between two spawned processes pinned as given (None: not pinned)."""
+                max_s: float = 60.0, creds: tuple[str, str] | None = None) -> list[float]:
+    """Round-trip seconds between two spawned processes pinned as given (None: not pinned),
+    under mutual TLS with `creds` (the client's and the echo's credentials folders)."""
     ctx = mp.get_context("spawn")
     ports, results = ctx.Queue(), ctx.Queue()
-    echo = ctx.Process(target=_echo, args=(ports, echo_cpu, raw), daemon=True)
-    client = ctx.Process(target=_client, args=(ports, results, client_cpu, raw, trips, max_s), daemon=True)
+    mine, theirs = creds or (None, None)
+    echo = ctx.Process(target=_echo, args=(ports, echo_cpu, raw, theirs), daemon=True)
+    client = ctx.Process(target=_client, args=(ports, results, client_cpu, raw, trips, max_s, mine), daemon=True)
     echo.start()
     client.start()
     try:
@@ -184,11 +194,16 @@ def measure(trips: int = 3000) -> dict[str, Any]:
     """Per-hop figures in microseconds for every case, and the codec alone."""
     cpus = sorted(os.sched_getaffinity(0))
     two = (cpus[0], cpus[1]) if len(cpus) > 1 else (cpus[0], cpus[0])
-    cases = {"own core each": (two, False), "one core": ((cpus[0], cpus[0]), False),
-             "socket only, own core each": (two, True)}
+    one = (cpus[0], cpus[0])
+    keys = Path(tempfile.mkdtemp(prefix="hop-tls-")) / "cluster"
+    nodes = keygen(keys, 2)
+    tls_pair = (str(nodes[0]), str(nodes[1]))
+    cases = {"own core each": (two, False, None), "own core each, TLS": (two, False, tls_pair),
+             "one core": (one, False, None), "one core, TLS": (one, False, tls_pair),
+             "socket only, own core each": (two, True, None)}
     out: dict[str, Any] = {}
-    for name, ((a, b), raw) in cases.items():
-        hop_us = np.asarray(round_trips(a, b, raw, trips)) / 2 * 1e6
+    for name, ((a, b), raw, creds) in cases.items():
+        hop_us = np.asarray(round_trips(a, b, raw, trips, creds=creds)) / 2 * 1e6
         out[name] = {"median_us": round(float(np.median(hop_us)), 1),
                      "p99_us": round(float(np.percentile(hop_us, 99)), 1), "trips": len(hop_us)}
     enc, dec = codec_alone()
@@ -241,7 +256,10 @@ def main() -> int:
     print_masks(mask_figures)
     own = figures["own core each"]["median_us"]
     plain = mask_figures["no holes"]["frame_bytes"]
-    ratios = {"frame_u8_vs_runs_4096": round(plain["u8 row (protocol 3)"] / plain["runs (protocol 4)"], 2),
+    ratios = {"tls_vs_clear_own_core": round(figures["own core each, TLS"]["median_us"] / own, 2),
+              "tls_vs_clear_one_core": round(figures["one core, TLS"]["median_us"]
+                                             / figures["one core"]["median_us"], 2),
+              "frame_u8_vs_runs_4096": round(plain["u8 row (protocol 3)"] / plain["runs (protocol 4)"], 2),
               "frame_i64_vs_runs_4096": round(plain["i64 row (graph input)"] / plain["runs (protocol 4)"], 2)}
     print(json.dumps({**ratios, "hop_us_median_own_core": own, "target_us": 100,
                       "load_avg_1m": round(os.getloadavg()[0], 2), **figures, "mask_bytes_4096": mask_figures}))

@@ -195,7 +195,8 @@ def main() -> int:
     run = RunConfig()  # precision "exact"
 
     def worker(folder: Path, stage: str) -> Proc:
-        return Proc(["worker", "--shards", str(folder), "--stage", stage, "--listen", "127.0.0.1:0"], "listening on ")
+        return Proc(["worker", "--shards", str(folder), "--stage", stage, "--listen", "127.0.0.1:0", "--insecure"],
+                    "listening on ")
 
     procs: list[Proc] = []
     with started(procs):

@@ -82,8 +82,10 @@ except ImportError:
 worker = None
 if mode == "remote":  # as serving.py: this process on core 0, the worker on core 1, one thread each
     os.sched_setaffinity(0, {{0}})
-    worker = Proc(["worker", "--shards", str(folder), "--stage", "1", "--listen", "127.0.0.1:0", "--threads", "1"],
-                  "listening on ", cpus="1")
+    import importlib.util  # trees with TLS (issue 11) want --insecure for links in clear; older ones know no such flag
+    clear = ["--insecure"] if importlib.util.find_spec("shardline.wire.tls") else []
+    worker = Proc(["worker", "--shards", str(folder), "--stage", "1", "--listen", "127.0.0.1:0", "--threads", "1",
+                   *clear], "listening on ", cpus="1")
     from shardline.pipeline.remote import RemotePipeline
     pipe = RemotePipeline(folder, [worker.line.split()[-1]], RunConfig(threads=1), **extra)
 else:

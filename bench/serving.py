@@ -86,7 +86,7 @@ def part1(folder: Path, prompt: list[int], n: int, reps: int, pin: bool,
     1 batches every stream into one call per stage; 2 alternate two batches over the stages."""
     threads = 1 if pin else 2
     worker_cmd = ["worker", "--shards", str(folder), "--stage", "1", "--listen", "127.0.0.1:0",
-                  "--threads", str(threads)]
+                  "--threads", str(threads), "--insecure"]
     worker = Proc(worker_cmd, "listening on ", cpus="1" if pin else None)
     try:
         addr = [worker.line.split()[-1]]
@@ -165,8 +165,8 @@ async def load(url: str, model: str, rate: float, count: int, tokens: int, seed:
 def part2(folder: Path, rates: list[float], count: int, tokens: int, pin: bool) -> list[dict[str, float]]:
     threads = "1" if pin else "2"
     worker = Proc(["worker", "--shards", str(folder), "--stage", "1", "--listen", "127.0.0.1:0",
-                   "--threads", threads], "listening on ", cpus="1" if pin else None)
-    server = Proc(["serve", "--shards", str(folder), "--workers", worker.line.split()[-1], "--port", "0",
+                   "--threads", threads, "--insecure"], "listening on ", cpus="1" if pin else None)
+    server = Proc(["serve", "--shards", str(folder), "--workers", worker.line.split()[-1], "--port", "0", "--insecure",
                    "--model-id", "m", "--threads", threads, "--max-streams", "8"], "serving ",
                   cpus="0" if pin else None, stream="stderr")
     url = server.line.split()[-1].removesuffix("/v1") + "/v1/completions"

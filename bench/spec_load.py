@@ -134,7 +134,7 @@ def _workers(folder: Path, n: int, delay_ms: float, procs: list[Proc]) -> list[s
     """n workers for stages 1..n, each behind a relay when delay_ms > 0; their addresses in order."""
     addrs = []
     for stage in range(1, n + 1):
-        w = Proc(["worker", "--shards", str(folder), "--stage", str(stage)], "listening on")
+        w = Proc(["worker", "--shards", str(folder), "--stage", str(stage), "--insecure"], "listening on")
         procs.append(w)
         addr = w.line.split()[-1]
         if delay_ms:

@@ -560,7 +560,8 @@ def main() -> int:
         worker_procs: list[Proc] = []
         try:
             for stage in ("1", "2"):
-                worker_procs.append(Proc(["worker", "--shards", str(f3), "--stage", stage, "--listen", "127.0.0.1:0"],
+                worker_procs.append(Proc(["worker", "--shards", str(f3), "--stage", stage, "--listen", "127.0.0.1:0",
+                                          "--insecure"],
                                          "listening on "))
             addrs = [w.line.split()[-1] for w in worker_procs]
             if "spec" in todo:

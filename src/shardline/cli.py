@@ -24,6 +24,7 @@ from shardline.signals import interrupted_exit_code, stop_on_signals
 
 if TYPE_CHECKING:
     from shardline.serving.engine import Event
+    from shardline.wire.tls import Credentials
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--device", default="CPU")
     w.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact")
     w.add_argument("--threads", type=int, help="OpenVINO threads per stage")
+    _security_flags(w)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded model, 2 local stages)")
     s.add_argument("--shards", type=Path, help="export folder (default: the embedded model, cached)")
@@ -91,10 +93,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="prompt tokens per prefill step; chunks interleave with running streams' decode steps")
     s.add_argument("--max-prefills", type=int, default=2, help="prompts prefilling at once (oldest first)")
     s.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get 413")
+    key = s.add_mutually_exclusive_group()
+    key.add_argument("--api-key", help="require 'Authorization: Bearer KEY' of /v1 requests (401 otherwise)")
+    key.add_argument("--api-key-file", type=Path, help="the same, the key read from this file's first line")
     s.add_argument("--threads", type=int, help="OpenVINO threads per stage")
     s.add_argument("--device", default="CPU")
     s.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact")
     _speculation_flags(s)
+
+    k = sub.add_parser("keygen", help="make a cluster CA and one TLS credentials folder per node")
+    k.add_argument("--out", type=Path, required=True, help="new folder: ca.pem, ca-key.pem, node-0 .. node-(N-1)")
+    k.add_argument("--nodes", type=int, default=3, help="node folders to make (node-0 for the coordinator)")
 
     r = sub.add_parser("relay", help="user-space WAN emulation: delay (and cap) a TCP connection")
     r.add_argument("--listen", required=True, help="HOST:PORT to accept on")
@@ -133,6 +142,36 @@ def _placement_flags(p: argparse.ArgumentParser) -> None:
                        help="place the stage workers as Ray actors on this cluster's nodes (by available memory)")
     p.add_argument("--plan", help="with --ray-address: layer ranges for the coordinator then each node, "
                                   "e.g. 0-9,10-19,20-29 (overrides the memory split)")
+    _security_flags(p)
+
+
+def _security_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--credentials", type=Path, metavar="DIR",
+                   help="this node's folder from `shardline keygen` (with --ray-address: keygen's --out folder, "
+                        "node-0 for this node, node-1.. for the workers): mutual TLS on every link")
+    p.add_argument("--insecure", action="store_true",
+                   help="links in clear and unauthenticated (a trusted, private network only)")
+
+
+def _credentials(args: argparse.Namespace, links: bool) -> Credentials | None:
+    """--credentials or --insecure, checked: links are mutual TLS unless running them in clear
+    was asked for explicitly (and warned about)."""
+    from shardline.cluster.keygen import node_folders
+    from shardline.wire.tls import Credentials
+
+    if args.credentials is not None and args.insecure:
+        raise ShardlineError("--credentials and --insecure exclude each other")
+    if args.credentials is not None:
+        on_ray = bool(getattr(args, "ray_address", None))
+        return Credentials.load(node_folders(args.credentials)[0] if on_ray else args.credentials)
+    if not links:
+        return None
+    if not args.insecure:
+        raise ShardlineError("links between nodes are mutual TLS: give --credentials DIR (`shardline keygen --out "
+                             "DIR` makes them) or --insecure to run them in clear")
+    print("shardline: warning: --insecure: links carry prompts and hidden states in clear and accept any peer",
+          file=sys.stderr, flush=True)
+    return None
 
 
 def _relay(args: argparse.Namespace) -> int:
@@ -165,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args)
         if args.command == "relay":
             return _relay(args)
+        if args.command == "keygen":
+            return _keygen(args)
         if args.command == "worker":
             return _worker(args)
         if args.command == "serve":
@@ -190,9 +231,18 @@ def _on_ray(args: argparse.Namespace, command: Callable[[argparse.Namespace], in
     from shardline.cluster.fleet import Fleet, FleetConfig
 
     run = RunConfig(device=args.device, precision=args.precision, threads=getattr(args, "threads", None))
-    with Fleet(FleetConfig(args.ray_address, args.shards, args.plan), run) as fleet:
+    _credentials(args, links=True)  # refused before any actor starts
+    with Fleet(FleetConfig(args.ray_address, args.shards, args.plan, credentials=args.credentials), run) as fleet:
         placed = {"shards": fleet.folder, "workers": ",".join(fleet.addresses)}
         return command(argparse.Namespace(**(vars(args) | placed)))
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from shardline.cluster.keygen import keygen
+
+    for folder in keygen(args.out, args.nodes):
+        print(folder)
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -218,7 +268,7 @@ def _worker(args: argparse.Namespace) -> int:
     first, last = parse_stage_range(args.stage, stage_count(args.shards))
     host, port = parse_hostport(args.listen, "--listen")
     run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
-    worker = StageWorker(args.shards, first, last, run, fetch=True)
+    worker = StageWorker(args.shards, first, last, run, fetch=True, credentials=_credentials(args, links=True))
     port = worker.listen(host, port)
     print(f"listening on {host}:{port}", flush=True)
     worker.serve_forever()
@@ -226,16 +276,20 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from shardline.api.auth import load_key
     from shardline.config import ServeConfig
     from shardline.server import serve
 
     cfg = ServeConfig(host=args.host, port=args.port, max_streams=args.max_streams, max_queue=args.max_queue,
                       default_max_tokens=args.max_tokens, model_id=args.model_id,
                       decode_groups=args.decode_groups, prefill_chunk=args.prefill_chunk,
-                      max_prefills=args.max_prefills, max_body_bytes=args.max_body_bytes)
+                      max_prefills=args.max_prefills, max_body_bytes=args.max_body_bytes,
+                      api_key=load_key(args.api_key, args.api_key_file))
     run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
+    credentials = _credentials(args, links=bool(args.workers))
     folder = args.shards or default_shards()
-    serve(folder, run, cfg, args.workers.split(",") if args.workers else None, _speculation(args, folder))
+    serve(folder, run, cfg, args.workers.split(",") if args.workers else None, _speculation(args, folder),
+          credentials)
     return 0
 
 
@@ -254,7 +308,9 @@ def _generate(args: argparse.Namespace) -> int:
     folder = args.shards or default_shards()
     cfg = ServeConfig(max_streams=1, max_queue=0, prefill_chunk=args.prefill_chunk)
     workers = args.workers.split(",") if args.workers else None
-    engine, _ = open_engine(folder, run, cfg, workers, args.activations, args.topology, _speculation(args, folder))
+    credentials = _credentials(args, links=bool(workers))
+    engine, _ = open_engine(folder, run, cfg, workers, args.activations, args.topology, _speculation(args, folder),
+                            credentials)
     try:
         tok = ChatTokenizer(folder)
         prompt = tok.encode(args.prompt) if args.raw else tok.encode_chat([{"role": "user", "content": args.prompt}])

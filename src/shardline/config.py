@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardline.errors import ShardlineError
@@ -176,6 +176,7 @@ class ServeConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     max_prefills: int = 2  # prompts prefilling at once, oldest first
     max_body_bytes: int = 2 << 20  # larger request bodies get 413
+    api_key: str | None = field(default=None, repr=False)  # /v1 requests must bear it (api/auth.py)
 
     def __post_init__(self) -> None:
         if self.decode_groups is not None and self.decode_groups < 0:

@@ -16,6 +16,7 @@ from shardline.serving.drafters import DraftModel, LookupDrafter
 from shardline.serving.engine import Engine
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import Drafts
+from shardline.wire.tls import Credentials
 
 STREAM_CAP = 64
 SHUTDOWN_GRACE_S = 3
@@ -52,14 +53,15 @@ def decode_groups(asked: int | None, stages: int, remote: bool) -> int:
 
 
 def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None = None, activations: str = "f16",
-                  topology: str = "chain") -> tuple[Pipeline, int]:
-    """The pipeline (stages 1.. here, or on `workers`), and how many layers of it run in this
-    process (for the memory bound)."""
+                  topology: str = "chain", credentials: Credentials | None = None) -> tuple[Pipeline, int]:
+    """The pipeline (stages 1.. here, or on `workers`, over mutual TLS with `credentials`), and
+    how many layers of it run in this process (for the memory bound)."""
     manifest = load_manifest(folder)
     if workers:
         from shardline.pipeline.remote import RemotePipeline
 
-        return RemotePipeline(folder, workers, run, activations, topology), manifest.stages[0].last_layer + 1
+        pipe = RemotePipeline(folder, workers, run, activations, topology, credentials)
+        return pipe, manifest.stages[0].last_layer + 1
     from shardline.pipeline.local import LocalPipeline
 
     return LocalPipeline(folder, run), manifest.arch.n_layers
@@ -84,13 +86,13 @@ def open_drafts(spec: SpeculationConfig, target: Manifest, run: RunConfig) -> tu
 
 
 def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None,
-                activations: str = "f16", topology: str = "chain",
-                spec: SpeculationConfig | None = None) -> tuple[Engine, Manifest]:
+                activations: str = "f16", topology: str = "chain", spec: SpeculationConfig | None = None,
+                credentials: Credentials | None = None) -> tuple[Engine, Manifest]:
     """Pipeline, scheduler and engine: what `serve` and `generate` both run requests through."""
     manifest = load_manifest(folder)
     spec = spec or SpeculationConfig()
     drafts, draft = open_drafts(spec, manifest, run)
-    pipe, local_layers = open_pipeline(folder, run, workers, activations, topology)
+    pipe, local_layers = open_pipeline(folder, run, workers, activations, topology, credentials)
     limits = stream_limits(manifest, cfg, local_layers, spec, draft)
     engine = Engine(pipe, limits, manifest.arch.max_context,
                     scheduling(cfg, len(manifest.stages), bool(workers), spec), drafts)
@@ -98,15 +100,15 @@ def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[st
 
 
 def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None,
-          spec: SpeculationConfig | None = None) -> None:
+          spec: SpeculationConfig | None = None, credentials: Credentials | None = None) -> None:
     import uvicorn
 
     from shardline.api.app import Served, build_app
     from shardline.model.tokenizer import ChatTokenizer
 
-    engine, manifest = open_engine(folder, run, cfg, workers, spec=spec)
+    engine, manifest = open_engine(folder, run, cfg, workers, spec=spec, credentials=credentials)
     served = Served(engine, ChatTokenizer(folder), model_id(manifest, cfg), cfg.default_max_tokens,
-                    cfg.max_body_bytes)
+                    cfg.max_body_bytes, api_key=cfg.api_key)
     sock = socket.create_server((cfg.host, cfg.port))  # bound here, so port 0 reports its real port
     host, port = sock.getsockname()[:2]
     print(f"serving {served.model_id} ({len(manifest.stages)} stages, up to {engine.limits.max_streams} streams) "

@@ -1,5 +1,6 @@
 """Running shards (coordinator, workers, tokenizer) needs only openvino, numpy, tokenizers and
-jinja2: torch, transformers, nncf, gguf and tqdm are export- or test-time only."""
+jinja2: torch, transformers, nncf, gguf and tqdm are export- or test-time only, cryptography
+keygen-time only (links use the standard ssl module)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 SCRIPT = r"""
 import sys
-BLOCKED = {"torch", "transformers", "nncf", "gguf", "tqdm", "accelerate", "safetensors"}
+BLOCKED = {"torch", "transformers", "nncf", "gguf", "tqdm", "accelerate", "safetensors", "cryptography"}
 
 class Block:
     def find_spec(self, name, path=None, target=None):

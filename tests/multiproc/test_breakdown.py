@@ -167,7 +167,8 @@ def test_full_logits_travel_only_on_request_and_equal_the_in_process_logits(
 
 def test_generate_prints_top_logprobs_to_stderr(three: Path, workers: list[Proc]) -> None:
     run = subprocess.run([SHARDLINE, "generate", "What is the capital of France?", "--shards", str(three),
-                          "--workers", ",".join(w.addr for w in workers), "--max-tokens", "4", "--logprobs", "3"],
+                          "--workers", ",".join(w.addr for w in workers), "--max-tokens", "4", "--logprobs", "3",
+                          "--insecure"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     entry = r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\""  # a token's text as Python repr shows it

@@ -151,7 +151,7 @@ def two(shards: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def remote_server(two: Path) -> Iterator[Proc]:
     """`shardline serve` with stage 0 in its own process and stage 1 on a `shardline worker`."""
-    with worker(two, "1") as w, serve(["--shards", str(two), "--workers", w.addr, "--port", "0"]) as s:
+    with worker(two, "1") as w, serve(["--shards", str(two), "--workers", w.addr, "--port", "0", "--insecure"]) as s:
         _wait_healthy(s.addr)
         yield s
 

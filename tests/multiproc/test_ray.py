@@ -167,7 +167,7 @@ def test_generate_on_ray_from_the_command_line(cluster: Cluster, third_node: Non
     spec = "0-7,8-14,15-22,23-29"
     monkeypatch.setenv("SHARDLINE_CACHE", str(tmp_path))
     planned_folder(spec).symlink_to(four)
-    run = subprocess.run([SHARDLINE, "generate", "--ray-address", cluster.address, "--plan", spec,
+    run = subprocess.run([SHARDLINE, "generate", "--ray-address", cluster.address, "--plan", spec, "--insecure",
                           "--activations", "f32", "--max-tokens", str(N_NEW), CHAT_PROMPTS[0]],
                          capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-2000:]

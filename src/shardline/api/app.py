@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from shardline.api.auth import ApiKey
 from shardline.api.generation import Generation, check_alive
 from shardline.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from shardline.api.logprobs import ChatLogprobs, LegacyLogprobs, TokenLogprob, TokenText
@@ -41,6 +42,7 @@ class Served:
     default_max_tokens: int = 256
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     retry_after_s: int = 1  # Retry-After of a 429 when every stream and queue slot is taken
+    api_key: str | None = None  # required of /v1 requests when set (api/auth.py)
 
 
 class Json(JSONResponse):
@@ -54,6 +56,8 @@ class Json(JSONResponse):
 def build_app(served: Served) -> FastAPI:
     app = FastAPI(title="shardline", docs_url=None, redoc_url=None, default_response_class=Json)
     app.add_middleware(BodyLimit, max_bytes=served.max_body_bytes)
+    if served.api_key is not None:
+        app.add_middleware(ApiKey, key=served.api_key)  # added last: runs first, before the body is read
     metrics = ServerMetrics(served.engine)
     token_text = TokenText(served.tok)
     _errors(app)

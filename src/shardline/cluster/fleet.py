@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from shardline.cluster.keygen import node_folders
 from shardline.cluster.placement import Assignment, Participant, Plan, place
 from shardline.config import RunConfig
 from shardline.errors import ShardlineError
@@ -31,6 +33,7 @@ from shardline.export.defaults import default_model_layers, planned_shards
 from shardline.host import available_memory, parse_hostport
 from shardline.model.manifest import load_manifest
 from shardline.node.worker import StageWorker
+from shardline.wire.tls import FILES, Credentials
 
 READY_TIMEOUT_S = 600.0  # an actor verifies and compiles its stages before it answers
 PING_TIMEOUT_S = 10.0
@@ -43,6 +46,9 @@ class FleetConfig:
     shards: Path | None = None  # an existing export; None: the default model, exported to the plan
     plan: str | None = None  # `--plan`: one layer range per participant, overriding the memory split
     coordinator_memory: int | None = None  # bytes; None: measured on this machine
+    # keygen's --out folder: the i-th worker gets node-i's credentials through Ray (actor
+    # arguments); None: links in clear (--insecure)
+    credentials: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -54,9 +60,9 @@ class StageActor:
     on the actor's node: where it already holds the stages (a shared or one-machine cluster) they
     load now; otherwise the coordinator delivers them into it on connecting, and they stay cached."""
 
-    def __init__(self, folder: str, first: int, last: int, run: RunConfig) -> None:
+    def __init__(self, folder: str, first: int, last: int, run: RunConfig, pems: dict[str, bytes] | None) -> None:
         host = ray.util.get_node_ip_address()
-        self.worker = StageWorker.empty(Path(folder), first, last, run)
+        self.worker = StageWorker.empty(Path(folder), first, last, run, _unpack(pems))
         port = self.worker.listen(host, 0)
         # Ray calls the actor's methods on its own thread; the chain is served beside them.
         threading.Thread(target=self.worker.serve_forever, daemon=True, name="serve").start()
@@ -70,6 +76,22 @@ class StageActor:
 
 
 _RemoteStageActor: Any = ray.remote(StageActor)
+
+
+def _pack(folder: Path) -> dict[str, bytes]:
+    return {name: (folder / name).read_bytes() for name in FILES}
+
+
+def _unpack(pems: dict[str, bytes] | None) -> Credentials | None:
+    """An actor's credentials, written to a folder only its user can read, and checked."""
+    if pems is None:
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="shardline-credentials-"))
+    for name in FILES:
+        fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(pems[name])
+    return Credentials.load(folder)
 
 
 class Fleet:
@@ -138,11 +160,16 @@ class Fleet:
         return place(participants, manifest.arch.n_layers, stages, self.cfg.plan)
 
     def _launch(self, plan: Plan, folder: Path) -> None:
-        for a in plan.workers:
+        creds = node_folders(self.cfg.credentials) if self.cfg.credentials else None
+        if creds is not None and len(creds) < 1 + len(plan.workers):
+            raise ShardlineError(f"{self.cfg.credentials} has {len(creds)} node folders; this plan needs "
+                                 f"{1 + len(plan.workers)} (the coordinator's and one per worker)")
+        for i, a in enumerate(plan.workers, start=1):
+            pems = _pack(creds[i]) if creds else None
             # One core in Ray's books per worker; hard affinity: the plan chose this node.
             options = {"num_cpus": 1, "max_restarts": 0,
                        "scheduling_strategy": NodeAffinitySchedulingStrategy(a.participant.node_id, soft=False)}
-            self._actors.append(_RemoteStageActor.options(**options).remote(str(folder), *a.stages, self.run))
+            self._actors.append(_RemoteStageActor.options(**options).remote(str(folder), *a.stages, self.run, pems))
         readies = [actor.ready.remote() for actor in self._actors]
         for a, ref in zip(plan.workers, readies, strict=True):
             try:

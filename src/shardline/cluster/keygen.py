@@ -72,6 +72,14 @@ def keygen(out: Path, nodes: int) -> list[Path]:
     return folders
 
 
+def node_folders(out: Path) -> list[Path]:
+    """The node folders keygen made under `out`, node-0 first."""
+    found = sorted((p for p in out.glob("node-*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+    if not found:
+        raise ShardlineError(f"{out} holds no node-N credential folders (made by `shardline keygen --out {out}`)")
+    return found
+
+
 def _write(path: Path, data: bytes, private: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")

@@ -96,9 +96,10 @@ class StageWorker:
         self.port = 0
 
     @classmethod
-    def empty(cls, folder: Path, first: int, last: int, run: RunConfig | None = None) -> StageWorker:
+    def empty(cls, folder: Path, first: int, last: int, run: RunConfig | None = None,
+              credentials: Credentials | None = None) -> StageWorker:
         """A worker that takes its shard from the first coordinator unless `folder` holds it."""
-        return cls(folder, first, last, run, fetch=True)
+        return cls(folder, first, last, run, fetch=True, credentials=credentials)
 
     @property
     def stages(self) -> list[StageRunner]:
