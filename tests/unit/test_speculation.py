@@ -15,7 +15,15 @@ from shardline.decoding.speculative import Drafted, accepted, verify_draw
 from shardline.pipeline.plan import DecodeStep
 from shardline.serving.drafters import Proposal
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
-from shardline.serving.speculation import Acceptance, Speculation, StepCost, best_k, drafted, expected_tokens
+from shardline.serving.speculation import (
+    PROBE_EVERY,
+    Acceptance,
+    Speculation,
+    StepCost,
+    best_k,
+    drafted,
+    expected_tokens,
+)
 from shardline.serving.stream import Stream
 
 
@@ -201,3 +209,34 @@ def test_a_speculating_stream_never_holds_more_slots_than_admission_counts() -> 
                     s.spec.offer(s.spec.drafter.propose([], 8, s.params))
         assert all(s.book.position == len(s.prompt) + len(s.generated) - 1 for s in streams)
         assert compactions > 10, (groups, compactions)
+
+
+def test_auto_k_backs_off_when_drafted_steps_measure_slower_and_probes_back() -> None:
+    """The model says drafts pay (a slow link, drafts that stand); the stream's measured pace
+    says they cost more than they give (0.3 s a token against 0.2 s): it stops
+    offering drafts, but for one step in every PROBE_EVERY, which keeps both paces measured."""
+    spec = Speculation(_Fixed(list(range(50, 58))), None, 8)
+    slow_link = StepCost(base_s=0.2, per_token_s=0.002)
+    now, ks = 0.0, []
+    for _ in range(6 * PROBE_EVERY):
+        k = spec.choose_k(slow_link, rows=1, room=100)
+        ks.append(k)
+        spec.offer(spec.drafter.propose([], k, SamplingParams()))
+        now += 0.3 * (k + 1) if k else 0.2  # 0.3 s a token with drafts, 0.2 s without
+        spec.settle(list(range(50, 50 + k)) + [7], now)
+    late = ks[2 * PROBE_EVERY:]
+    assert ks[0] > 0 and late.count(0) > len(late) * 0.8 and any(late), ks
+    assert spec.pace.drafts_lose()
+
+
+def test_auto_k_keeps_drafting_while_drafted_steps_measure_faster() -> None:
+    spec = Speculation(_Fixed(list(range(50, 58))), None, 8)
+    slow_link = StepCost(base_s=0.2, per_token_s=0.002)
+    now, ks = 0.0, []
+    for _ in range(4 * PROBE_EVERY):
+        k = spec.choose_k(slow_link, rows=1, room=100)
+        ks.append(k)
+        spec.offer(spec.drafter.propose([], k, SamplingParams()))
+        now += 0.25 if k else 0.2
+        spec.settle(list(range(50, 50 + k)) + [7], now)
+    assert ks.count(0) <= 4 and not spec.pace.drafts_lose(), ks

@@ -278,7 +278,7 @@ class Engine:
         if spec is None or not spec.planned:
             return outcome.choices
         offered = len(spec.proposal.tokens)
-        kept = spec.settle([c.token for c in outcome.choices])
+        kept = spec.settle([c.token for c in outcome.choices], time.perf_counter())
         stream.book.mask_last(offered - kept)
         return outcome.choices[: kept + 1]
 

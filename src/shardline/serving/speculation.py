@@ -11,9 +11,11 @@ step offering k drafts yields E(k) = 1 + a + ... + a^k tokens and costs one trip
 positions per row and k draft tokens (fewer when the drafter drew some ahead, while the
 step before was out on remote stages). Auto K takes the k in 0..k_max with the most tokens per
 second under the measured costs (`StepCost`): on a slow link (a long trip) it drafts deep; in a
-busy group (rows x positions make the step compute-bound) it backs off to 0 by itself. Every
-PROBE_EVERY x rows steps a stream offers another number of drafts (half its best, or 1 at 0, or 2 at
-1): the cost's slope needs steps of different widths, and a low rate must be able to recover.
+busy group (rows x positions make the step compute-bound) it backs off to 0 by itself. The model
+is then checked against the stream's own measured pace (`Pace`): when its steps with drafts have
+given fewer tokens per wall second than its steps without, it offers none. Every PROBE_EVERY x
+rows steps a stream makes the other choice (none when drafting, the model's K otherwise), so
+both paces stay measured and the cost's slope sees steps of different widths.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ MIN_SLOPE = 0.05  # ... and at least this (a fit over few or noisy steps may fin
 MIN_GAIN = 1.1  # drafts only when the model expects them to pay this much: a change of step width
 # itself costs (~2 ms a step measured here) and the estimates are noisy, so a marginal gain is none
 DECAY = 0.9  # weight of the past in the running acceptance and costs
+MIN_PACE_STEPS = 1.5  # decayed steps of each kind before the measured pace overrides the model
 
 
 @dataclass
@@ -84,6 +87,30 @@ class StepCost:
         return max(measured, MIN_SLOPE * self.base_s)
 
 
+@dataclass
+class Pace:
+    """A stream's measured wall seconds per token, over its steps with drafts and without
+    (decayed): from one outcome to the next, so drafting, waiting and the trip all count. What
+    `best_k`'s model leaves out shows here: a drafter taking cores the stages need (one machine),
+    drafts drawn "ahead" that were not free after all, a group padded by its other rows."""
+
+    seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [without drafts, with]
+    tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    steps: list[float] = field(default_factory=lambda: [0.0, 0.0])
+
+    def record(self, drafted: bool, seconds: float, tokens: int) -> None:
+        i = int(drafted)
+        self.seconds[i] = DECAY * self.seconds[i] + seconds
+        self.tokens[i] = DECAY * self.tokens[i] + tokens
+        self.steps[i] = DECAY * self.steps[i] + 1
+
+    def drafts_lose(self) -> bool:
+        """Whether steps with drafts have been measured slower per token than steps without."""
+        if min(self.steps) < MIN_PACE_STEPS:
+            return False
+        return self.seconds[1] / self.tokens[1] > self.seconds[0] / self.tokens[0]
+
+
 def expected_tokens(rate: float, k: int) -> float:
     """Tokens a step offering k drafts yields on average: 1 + a + a^2 + ... + a^k."""
     return float(sum(rate**i for i in range(k + 1)))
@@ -120,6 +147,7 @@ class Speculation:
     fixed_k: int | None  # None: auto
     k_max: int
     acceptance: Acceptance = field(default_factory=Acceptance)
+    pace: Pace = field(default_factory=Pace)
     proposal: Proposal = field(default_factory=lambda: Proposal([]))  # the drafts in flight
     k: int = 0  # drafts chosen for the last step
     planned: bool = False  # drafts (maybe none) chosen for the next step, whose outcome settles them
@@ -127,6 +155,7 @@ class Speculation:
     kept: int = 0
     steps: int = 0
     _since_probe: int = 0
+    _last: float | None = None  # when its last step's outcome was settled
 
     def stats(self) -> SpecStats:
         return SpecStats(self.drafted, self.kept, self.steps, self.k)
@@ -137,12 +166,14 @@ class Speculation:
         if self.fixed_k is not None:
             k = self.fixed_k
         else:
-            k = best_k(self.acceptance.rate, cost, rows, self.drafter.cost_s, self.k_max, ready)
+            modelled = best_k(self.acceptance.rate, cost, rows, self.drafter.cost_s, self.k_max, ready)
+            k = 0 if self.pace.drafts_lose() else modelled
             self._since_probe += 1
-            # another width now and then: the cost's slope, or a rate that recovered; rarer in a
-            # bigger group, where one row's drafts pad every row
+            # the other choice now and then: the pace of both must stay measured (and the cost's
+            # slope needs steps of different widths); rarer in a bigger group, where one row's
+            # drafts pad every row
             if self._since_probe >= PROBE_EVERY * rows:
-                k, self._since_probe = max(1, k // 2) if k != 1 else 2, 0
+                k, self._since_probe = 0 if k else max(1, modelled), 0
         self.k = max(0, min(k, room))
         return self.k
 
@@ -154,12 +185,16 @@ class Speculation:
         guess of the target's own next token, and the most the next step may offer."""
         return len(self.proposal.tokens) + 1 + (self.k_max if self.fixed_k is None else self.fixed_k)
 
-    def settle(self, chosen: list[int]) -> int:
+    def settle(self, chosen: list[int], now: float | None = None) -> int:
         """The target chose `chosen` after each fed position: how many drafts stood. The counters
-        learn of it; the proposal is cleared (the drafter learns from the context it is given
-        next)."""
+        (and, given the time `now`, the pace) learn of it; the proposal is cleared (the drafter
+        learns from the context it is given next)."""
         drafts = self.proposal.tokens
         kept = accepted(drafts, chosen)
+        if now is not None:
+            if self._last is not None:
+                self.pace.record(bool(drafts), now - self._last, kept + 1)
+            self._last = now
         if drafts:
             self.acceptance.record(len(drafts), kept)
             self.drafted += len(drafts)
