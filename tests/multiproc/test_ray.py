@@ -19,12 +19,14 @@ import pytest
 from ray.cluster_utils import Cluster
 
 from shardline.cluster.fleet import Fleet, FleetConfig
+from shardline.cluster.keygen import keygen
 from shardline.config import RunConfig, SamplingConfig
 from shardline.errors import ShardlineError
 from shardline.export.defaults import planned_folder
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.remote import RemotePipeline
+from shardline.wire.tls import Credentials
 from tests.conftest import CHAT_PROMPTS
 from tests.helpers import engine_tokens
 
@@ -121,14 +123,21 @@ def test_printed_plan_follows_memory(cluster: Cluster) -> None:
 
 
 def test_two_placed_workers_give_the_in_process_tokens_and_stop_cleanly(cluster: Cluster, four: Path,
-                                                                       in_process: list[list[int]]) -> None:
+                                                                       in_process: list[list[int]],
+                                                                       tmp_path: Path) -> None:
+    """Under mutual TLS: each actor gets its node folder from keygen's through Ray."""
     out = io.StringIO()
-    with Fleet(FleetConfig(cluster.address, shards=four, coordinator_memory=GIB), RUN, out) as fleet:
+    keygen(tmp_path / "creds", 3)
+    cfg = FleetConfig(cluster.address, shards=four, coordinator_memory=GIB, credentials=tmp_path / "creds")
+    with Fleet(cfg, RUN, out) as fleet:
         assert fleet.plan is not None
         assert [(a.participant.name, a.layers, a.stages) for a in fleet.plan.workers] == [
             ("a", (8, 14), (1, 1)), ("b", (15, 29), (2, 3))]
         assert "node b (" in out.getvalue() and "stages 2-3" in out.getvalue()
-        remote = RemotePipeline(fleet.folder, fleet.addresses, RUN, activations="f32")
+        with pytest.raises(ShardlineError, match="closed the connection"):  # a coordinator in clear
+            RemotePipeline(fleet.folder, fleet.addresses, RUN, activations="f32")
+        remote = RemotePipeline(fleet.folder, fleet.addresses, RUN, activations="f32",
+                                credentials=Credentials.load(tmp_path / "creds" / "node-0"))
         assert [_tokens(remote, prompt) for prompt in _prompts(four)] == in_process
         remote.shutdown()
         addresses, pids = list(fleet.addresses), fleet.watch()

@@ -55,6 +55,7 @@ class FakeRunner:
 class FakeModel:
     runner: FakeRunner = field(default_factory=FakeRunner)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    token_s: float = 0.001
 
 
 def greedy_continuation(context: list[int], k: int) -> list[int]:

@@ -240,3 +240,18 @@ def test_auto_k_keeps_drafting_while_drafted_steps_measure_faster() -> None:
         now += 0.25 if k else 0.2
         spec.settle(list(range(50, 50 + k)) + [7], now)
     assert ks.count(0) <= 4 and not spec.pace.drafts_lose(), ks
+
+
+class _Dear(_Fixed):
+    cost_s = 0.02  # a draft token costs what a whole step does
+
+
+def test_drafts_that_could_never_pay_are_never_tried() -> None:
+    """A draft model as dear as the target on a fast link: even drafts that all stood would not
+    pay, so auto K offers none, from the first step (before any step was timed) and at probes."""
+    spec = Speculation(_Dear(list(range(50, 58))), None, 8)
+    assert spec.choose_k(StepCost(), rows=1, room=100) == 0  # untimed: not tried blind
+    fast = StepCost(base_s=0.02, per_token_s=0.005)
+    assert [spec.choose_k(fast, rows=1, room=100) for _ in range(3 * PROBE_EVERY)] == [0] * 3 * PROBE_EVERY
+    lookup = Speculation(_Fixed([1, 2]), None, 8)
+    assert lookup.choose_k(StepCost(), rows=1, room=100) == 1  # free drafts are tried at once

@@ -93,6 +93,24 @@ class DraftModel:
         self.runner = StageRunner(folder, self.manifest.stages[0], run or RunConfig(), vocab=self.manifest.arch.vocab)
         self.lock = threading.Lock()  # one call at a time (the engine thread; a bench may share it)
         self._keys = count(1)
+        self.token_s = self._time_one_token()
+
+    def _time_one_token(self, calls: int = 5) -> float:
+        """Seconds one draft token costs, measured once now (a drafter starts from it, so auto K
+        knows from its first step whether drafts can pay: a draft model as dear as the target
+        never can on a fast link, and then is never even tried)."""
+        book, took = KVBook(), []
+        self.runner.open(0)
+        try:
+            for _ in range(calls):
+                inputs = book.plan([0])
+                start = time.perf_counter()
+                self.runner.run(0, inputs)
+                took.append(time.perf_counter() - start)
+                book.commit(inputs)
+        finally:
+            self.runner.close(0)
+        return float(np.median(took[1:]))  # the first call warms the request up
 
     def drafter(self) -> ModelDrafter:
         return ModelDrafter(self, next(self._keys))
@@ -114,7 +132,7 @@ class ModelDrafter:
         self.fed = 0  # tokens of the stream's context in the draft's KV (attended)
         self.drafts: list[_Draw] = []
         self.pending = 0  # drafts[:pending] are in the KV, after the `fed` tokens
-        self.cost_s = 0.0
+        self.cost_s = model.token_s
         self._logits: np.ndarray | None = None  # after the KV's last token, until drawn from
         model.runner.open(key)
 

@@ -14,8 +14,9 @@ second under the measured costs (`StepCost`): on a slow link (a long trip) it dr
 busy group (rows x positions make the step compute-bound) it backs off to 0 by itself. The model
 is then checked against the stream's own measured pace (`Pace`): when its steps with drafts have
 given fewer tokens per wall second than its steps without, it offers none. Every PROBE_EVERY x
-rows steps a stream makes the other choice (none when drafting, the model's K otherwise), so
-both paces stay measured and the cost's slope sees steps of different widths.
+rows steps a stream makes the other choice (none when drafting, the model's K otherwise, unless
+even drafts that all stood could not pay: a draft model as dear as the target on a fast link),
+so both paces stay measured and the cost's slope sees steps of different widths.
 """
 
 from __future__ import annotations
@@ -118,9 +119,10 @@ def expected_tokens(rate: float, k: int) -> float:
 
 def best_k(rate: float, cost: StepCost, rows: int, draft_s: float, k_max: int, ready: int = 0) -> int:
     """The k in 0..k_max with the most tokens per second, if that beats no drafts by MIN_GAIN
-    (1 until a step has been timed); `ready` drafts were drawn ahead and cost nothing more."""
+    (until a step has been timed: 1 if drafts are free, else none); `ready` drafts were drawn
+    ahead and cost nothing more."""
     if not cost.base_s:
-        return min(1, k_max)
+        return min(1, k_max) if draft_s == 0 else 0
     speed = [expected_tokens(rate, k) / (cost.base_s + k * rows * cost.slope_s + max(0, k - ready) * draft_s)
              for k in range(k_max + 1)]
     k = int(np.argmax(speed))
@@ -173,7 +175,11 @@ class Speculation:
             # slope needs steps of different widths); rarer in a bigger group, where one row's
             # drafts pad every row
             if self._since_probe >= PROBE_EVERY * rows:
-                k, self._since_probe = 0 if k else max(1, modelled), 0
+                self._since_probe = 0
+                if k:
+                    k = 0
+                elif best_k(1.0, cost, rows, self.drafter.cost_s, self.k_max, ready):
+                    k = max(1, modelled)  # only if drafts that all stood could pay at all
         self.k = max(0, min(k, room))
         return self.k
 
