@@ -84,12 +84,16 @@ class DecodeStep(Step):
 @dataclass(frozen=True)
 class Outcome:
     """What came back for one row of a step: a choice per position it asked for (none for a
-    prompt chunk that is not the last), or why the step failed."""
+    prompt chunk that is not the last), or why the step failed. A step is `lost` when it failed
+    because the pipeline broke under it (a link lost, a worker that stopped answering, or its
+    state gone with a chain that broke): the request may be replayed on the repaired pipeline.
+    A step a stage refused (it does not fit) is not lost: it fails its request."""
 
     stream: int
     choices: tuple[Choice, ...] = ()
     error: str = ""
     timing: Timing | None = None
+    lost: bool = False
 
     @property
     def failed(self) -> bool:
