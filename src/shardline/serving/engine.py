@@ -11,6 +11,8 @@ Invariants:
   `Event` whose `finish` is set.
 - An exception while applying one stream's outcome fails that stream alone. If the loop itself
   dies, `failed` says why, every request gets an error event, and new ones are refused.
+- A stream whose step the pipeline lost (it broke under it) is replayed (replay.py): it starts
+  again under a new key, and its caller sees one uninterrupted answer.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from shardline.errors import ShardlineError
 from shardline.pipeline.plan import DecodeStep, Outcome, Pipeline, Step
 from shardline.serving.admission import Limits, accepts, to_admit
 from shardline.serving.drafters import Proposal
+from shardline.serving.replay import Replays, refusal
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
 from shardline.serving.speculation import Drafts, SpecStats, StepCost
 from shardline.serving.stream import Stream
@@ -79,8 +82,10 @@ class Ticket:
 
 class Engine:
     def __init__(self, pipe: Pipeline, limits: Limits, max_context: int,
-                 scheduling: SchedulerConfig | None = None, drafts: Drafts | None = None) -> None:
+                 scheduling: SchedulerConfig | None = None, drafts: Drafts | None = None,
+                 replays: Replays | None = None) -> None:
         self.pipe = pipe
+        self.replays = replays or Replays()  # how often and how long a lost stream is replayed
         self.drafts = drafts  # where speculating streams' drafts come from (None: no speculation)
         # Measured decode steps by their number of rows (a step's base cost grows with its rows),
         # for each stream's choice of K.
@@ -257,8 +262,11 @@ class Engine:
             return
         stream.in_flight = False
         try:
+            if outcome.lost:
+                return self._lost(stream, outcome.error)
             if outcome.failed:
                 return self._finish(stream, "error", outcome.error)
+            stream.lost_at = None  # it runs again: a later loss is a new repair
             for choice in self._verified(stream, outcome):
                 if self._emit(stream, choice):
                     return
@@ -268,6 +276,19 @@ class Engine:
             log.exception("stream %d failed", stream.id)
             if stream.id in self.scheduler.streams:
                 self._finish(stream, "error", f"internal error: {type(e).__name__}: {e}")
+
+    def _lost(self, stream: Stream, why: str) -> None:
+        """The pipeline broke under `stream`: replay it (a new key; its old one released), or end
+        it with why not."""
+        if self._ticket(stream).cancelled:
+            return self._finish(stream, "cancelled")
+        now = time.monotonic()
+        stream.lost_at = now if stream.lost_at is None else stream.lost_at
+        if (no := refusal(self.replays, stream.replays, now - stream.lost_at, why)) is not None:
+            return self._finish(stream, "error", no)
+        old = stream.id
+        self.scheduler.replay(stream, next(self._ids))
+        log.warning("stream %d replayed as %d after %d tokens: %s", old, stream.id, len(stream.generated), why)
 
     def _verified(self, stream: Stream, outcome: Outcome) -> tuple[Choice, ...]:
         """The choices that stand: all of a plain step's; of a verify step, the target's choices

@@ -59,6 +59,17 @@ class Scheduler:
         if (emptied := self.groups.leave(stream.id)) is not None:
             self._releases.append(emptied)
 
+    def replay(self, stream: Stream, key: int) -> None:
+        """`stream`'s KV went with a broken pipeline: free its key, and its group's if it leaves
+        the group empty; it starts again under `key` (Stream.restart) in its place among the
+        streams (the oldest prompts prefill first)."""
+        old = stream.id
+        stream.restart(key)
+        self._releases.append(old)
+        if (emptied := self.groups.leave(old)) is not None:
+            self._releases.append(emptied)
+        self.streams = {key if s == old else s: v for s, v in self.streams.items()}
+
     def releases(self) -> list[int]:
         out, self._releases = self._releases, []
         return out
@@ -90,7 +101,7 @@ class Scheduler:
         return [self._chunk(s) for s in waiting if not s.in_flight]
 
     def _chunk(self, s: Stream) -> Step:
-        start = s.prefilled
-        s.prefilled = min(len(s.prompt), start + self.cfg.chunk)
-        return prefill(s.id, s.book, s.prompt[start : s.prefilled], s.params, first=start == 0,
+        start, source = s.prefilled, s.prefix()
+        s.prefilled = min(len(source), start + self.cfg.chunk)
+        return prefill(s.id, s.book, source[start : s.prefilled], s.params, first=start == 0,
                        last=not s.prefilling, want_logits=s.want_logits)

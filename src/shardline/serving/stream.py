@@ -1,6 +1,10 @@
 """One record per stream: everything the engine and the scheduler know about a request that
 holds KV on the stages (its prompt, what is prefilled, the tokens chosen so far, its sampling,
-its KV bookkeeping, whether a step of it is in flight, its speculation)."""
+its KV bookkeeping, whether a step of it is in flight, its speculation).
+
+A stream whose KV went with a broken pipeline restarts (`restart`): under a new key it prefills
+its prompt and every token generated so far, then samples the token after them, so nothing it
+emitted is emitted again and its (seed, position) draws are the ones it would have made."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardline.config import SamplingParams
+from shardline.serving.drafters import Proposal
 from shardline.serving.speculation import Speculation
 from shardline.stage.cache import KVBook
 
@@ -22,15 +27,36 @@ class Stream:
     want_logits: bool = False
     owner: Any = None  # the engine's handle on the request (its Ticket)
     book: KVBook = field(default_factory=KVBook)
-    prefilled: int = 0  # prompt tokens sent to the stages
+    prefilled: int = 0  # tokens of `prefix()` sent to the stages
     generated: list[int] = field(default_factory=list)  # chosen so far; the last is fed next
     in_flight: bool = False  # a step of it is between submit and outcome
     spec: Speculation | None = None  # its drafter and drafts, when it speculates
     sent: tuple[float, int, int] | None = None  # (when, rows, width) of its decode step in flight
+    resumed: int = 0  # generated tokens its prefill feeds after the prompt (since a restart)
+    replays: int = 0  # restarts so far
+    lost_at: float | None = None  # when the pipeline broke under it, until it ran again
 
     @property
     def prefilling(self) -> bool:
-        return self.prefilled < len(self.prompt)
+        return self.prefilled < len(self.prompt) + self.resumed
+
+    def prefix(self) -> list[int]:
+        """What its prefill feeds: the prompt, and after a restart the tokens generated before."""
+        return self.prompt + self.generated[: self.resumed]
+
+    def restart(self, key: int) -> None:
+        """Start again under `key` (a fresh request on every stage) from an empty cache: prefill
+        the prompt and the tokens generated so far (the last of them too, which a decode step
+        would have fed next: the prefill's last chunk samples what follows it). Drafts in flight
+        are forgotten (the drafter follows the text it is given next)."""
+        if self.in_flight:
+            raise ValueError(f"stream {self.id} still has a step in flight")
+        self.id, self.book, self.prefilled, self.sent = key, KVBook(), 0, None
+        self.resumed = len(self.generated)
+        self.replays += 1
+        if self.spec is not None:
+            self.spec.proposal, self.spec.planned = Proposal([]), False
+            self.spec._last = None  # its pace is timed from one outcome to the next: not across the outage
 
     @property
     def decoding(self) -> bool:
