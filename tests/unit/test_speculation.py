@@ -96,6 +96,10 @@ def test_k_is_deep_on_a_slow_link_and_backs_off_when_compute_bound() -> None:
     assert best_k(0.7, busy, rows=8, draft_s=0.0, k_max=8) == 0
     assert best_k(0.05, StepCost(0.02, 0.001), rows=1, draft_s=0.0, k_max=8) == 0  # drafts never stand
     assert best_k(0.9, StepCost(0.02, 0.0), rows=1, draft_s=0.02, k_max=8) <= 3  # a draft costs a trip
+    group = StepCost(base_s=0.06, per_token_s=0.002)  # a group of 4 waits for 4 rows' drafts
+    assert best_k(0.9, group, rows=1, draft_s=0.015, k_max=8) >= 3
+    assert best_k(0.9, group, rows=4, draft_s=0.015, k_max=8) == 0
+    assert best_k(0.9, group, rows=4, draft_s=0.015, k_max=8, ready=8) >= 3  # unless drawn ahead
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 

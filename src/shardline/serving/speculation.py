@@ -120,10 +120,11 @@ def expected_tokens(rate: float, k: int) -> float:
 def best_k(rate: float, cost: StepCost, rows: int, draft_s: float, k_max: int, ready: int = 0) -> int:
     """The k in 0..k_max with the most tokens per second, if that beats no drafts by MIN_GAIN
     (until a step has been timed: 1 if drafts are free, else none); `ready` drafts were drawn
-    ahead and cost nothing more."""
+    ahead and cost nothing more. A group's step waits for every row's drafts, drawn one row
+    after the other on the engine thread: a row's drafts cost `rows` times their own time."""
     if not cost.base_s:
         return min(1, k_max) if draft_s == 0 else 0
-    speed = [expected_tokens(rate, k) / (cost.base_s + k * rows * cost.slope_s + max(0, k - ready) * draft_s)
+    speed = [expected_tokens(rate, k) / (cost.base_s + rows * (k * cost.slope_s + max(0, k - ready) * draft_s))
              for k in range(k_max + 1)]
     k = int(np.argmax(speed))
     return k if speed[k] >= MIN_GAIN * speed[0] else 0
