@@ -84,8 +84,8 @@ def test_every_proposal_continues_the_accepted_text_and_drafts_ahead_cost_nothin
             assert model.runner.calls == before  # every draft offered was drawn ahead
             free += 1
         for _ in range(int(rng.integers(0, 6)) if k else 0):  # the step is out: draw ahead
-            drafter.ahead(greedy, k + 1 + 4)
-        assert len(drafter.drafts) <= 5 + 1 + 4  # never past the limit given to `ahead`
+            drafter.follow(context, greedy, k + 1 + 4)
+        assert len(drafter.drafts) <= 5 + 1 + 4  # never past the limit given to `follow`
         kept = int(rng.integers(0, k + 1))
         guess = drafter.drafts[kept].token if len(drafter.drafts) > kept else None
         truth = greedy_continuation(context + proposal[:kept], 1)[0]
@@ -107,7 +107,7 @@ def test_drafts_ahead_that_the_target_did_not_take_are_dropped() -> None:
     greedy = SamplingParams()
     context = [3, 1, 4]
     first = drafter.propose(context, 2, greedy).tokens
-    while drafter.ahead(greedy, 6):
+    while drafter.follow(context, greedy, 6):
         pass
     assert len(drafter.drafts) == 6
     assert drafter.ready(context + first + [drafter.drafts[2].token]) == 3
@@ -117,3 +117,21 @@ def test_drafts_ahead_that_the_target_did_not_take_are_dropped() -> None:
     assert drafter.propose(context, 3, greedy).tokens == greedy_continuation(context, 3)
     held = model.runner.slots[1]
     assert len(held) - drafter.book.masked == len(context) + 2  # the text, then two drafts fed
+
+
+def test_a_drafter_that_offered_nothing_catches_up_in_idle_time() -> None:
+    model = FakeModel()
+    drafter = ModelDrafter(model, 1)  # type: ignore[arg-type]
+    greedy = SamplingParams()
+    context = [3, 1, 4]
+    drafter.propose(context, 1, greedy)
+    context = context + [1, 5, 9]  # three plain steps: no proposals, the drafter fell behind
+    assert drafter.ready(context) == 0
+    assert drafter.follow(context, greedy, 4) and drafter.fed == len(context)  # caught up
+    while drafter.follow(context, greedy, 4):
+        pass
+    guess = drafter.drafts[0].token
+    assert guess == greedy_continuation(context, 1)[0] and drafter.ready(context + [guess]) == 3
+    calls = model.runner.calls
+    assert drafter.propose(context + [guess], 3, greedy).tokens == greedy_continuation(context + [guess], 3)
+    assert model.runner.calls == calls  # drawn while the step was out

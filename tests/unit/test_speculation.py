@@ -133,7 +133,7 @@ class _Fixed:
     def ready(self, context: list[int]) -> int:
         return 0
 
-    def ahead(self, params: SamplingParams, limit: int) -> bool:
+    def follow(self, context: list[int], params: SamplingParams, limit: int) -> bool:
         return False
 
     def close(self) -> None: ...

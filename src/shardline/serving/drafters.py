@@ -6,7 +6,7 @@
   target's tokenizer): a draft model, or the target's first L layers (self-speculation). Each
   stream has its own request (KV) on the shared `DraftModel`, which catches up on the tokens
   the target accepted and masks the drafts it rejected, like the target's stages (KVBook).
-  While remote stages verify its drafts, it may draw the next ones ahead (`ahead`).
+  While the stream's step is out on remote stages, it catches up or draws ahead (`follow`).
 
 Drafts are certain (greedy, lookup) or, when the stream samples and the drafter is a model,
 drawn from the draft's own distribution q, truncated to its `SUPPORT` most likely tokens (the
@@ -50,7 +50,7 @@ class Drafter(Protocol):
 
     def propose(self, context: list[int], k: int, params: SamplingParams) -> Proposal: ...
     def ready(self, context: list[int]) -> int: ...
-    def ahead(self, params: SamplingParams, limit: int) -> bool: ...
+    def follow(self, context: list[int], params: SamplingParams, limit: int) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -69,7 +69,7 @@ class LookupDrafter:
     def ready(self, context: list[int]) -> int:
         return 0  # the index holds accepted text only: it catches up from the context
 
-    def ahead(self, params: SamplingParams, limit: int) -> bool:
+    def follow(self, context: list[int], params: SamplingParams, limit: int) -> bool:
         return False  # free to propose: nothing to gain by drawing early
 
     def close(self) -> None:
@@ -121,7 +121,7 @@ class ModelDrafter:
     tokens) and then `pending`: drafts fed but not yet accepted. `drafts` is the chain drawn past
     the accepted text: `pending` and the newest draw (fed only when the next is drawn).
 
-    The chain may run past the drafts in flight (`ahead`, while remote stages verify them): the
+    The chain may run past the drafts in flight (`follow`, while remote stages verify them): the
     first extra draft guesses the target's own next token. When every draft in flight stood and
     the target chose that guess, the drafts after it are ready for the next step at no cost;
     otherwise `_sync` masks what the target did not accept, like the target's stages do."""
@@ -149,11 +149,17 @@ class ModelDrafter:
         new = context[self.fed:]
         return len(self.drafts) - len(new) if self._follows(new) else 0
 
-    def ahead(self, params: SamplingParams, limit: int) -> bool:
-        """Draw one more draft past the chain, up to `limit` in all: whether one was drawn."""
-        if not self.drafts or len(self.drafts) >= limit:
-            return False
+    def follow(self, context: list[int], params: SamplingParams, limit: int) -> bool:
+        """Idle time (the stream's step is out on remote stages): catch up with the accepted
+        text `context` if behind (a stream that offered no drafts lately), else draw one more
+        draft past the chain, up to `limit` in all. Whether the draft model ran."""
         with self.model.lock:
+            behind = not self._follows(context[self.fed:])
+            self._sync(context)
+            if behind:
+                return True
+            if len(self.drafts) >= limit or (not self.drafts and self._logits is None):
+                return False
             self._extend(params)
         return True
 

@@ -194,17 +194,21 @@ class Engine:
 
     def _draft_ahead(self) -> bool:
         """While every step is out on remote stages, this machine is idle: each speculating
-        stream whose step is out draws one more draft past it (drafts/ModelDrafter.ahead).
-        Whether any did (then outcomes are polled, not waited for)."""
+        stream whose decode step is out lets its drafter catch up with the text or draw one
+        more draft past it (drafts/ModelDrafter.follow), where drafts could pay at all.
+        Whether any drafter ran (then outcomes are polled, not waited for)."""
         if not self.pipe.idle():
             return False
         drew = False
         for s in self.scheduler.streams.values():
             spec = s.spec
-            if spec is None or not spec.proposal.tokens or not s.in_flight:
-                continue  # (a drafter that offered none has not followed the text lately)
+            if spec is None or not s.in_flight or not s.decoding:
+                continue
+            rows = len(self.scheduler.groups.members_of(s.id)) or 1
+            if not spec.worth_following(self.costs.get(rows), rows):
+                continue
             try:
-                drew = spec.drafter.ahead(s.params, spec.ahead_limit()) or drew
+                drew = spec.drafter.follow(s.prompt + s.generated, s.params, spec.ahead_limit()) or drew
             except Exception as e:  # noqa: BLE001 - drafts drawn ahead are an optimization only
                 log.warning("stream %d: no drafts ahead (%s: %s)", s.id, type(e).__name__, e)
         return drew

@@ -187,6 +187,14 @@ class Speculation:
     def offer(self, proposal: Proposal) -> None:
         self.proposal, self.planned = proposal, True
 
+    def worth_following(self, cost: StepCost | None, rows: int) -> bool:
+        """Whether its drafter should use idle time: only if drafts could pay at all (they
+        never can when a draft costs what the target's step does: following would only take
+        cores the stages may need)."""
+        if self.fixed_k is not None:
+            return True
+        return cost is not None and best_k(1.0, cost, rows, self.drafter.cost_s, self.k_max) > 0
+
     def ahead_limit(self) -> int:
         """How long the drafter's chain may grow while a step is out: the drafts in flight, a
         guess of the target's own next token, and the most the next step may offer."""
