@@ -170,10 +170,10 @@ class StageWorker:
 
     def _read(self, link: Link) -> None:
         """Per connection: handshake, then queue every message; a bad peer loses only its link."""
-        session: Session | None = None
+        joined: list[Session] = []  # its session, once the peer's Hello is accepted
         try:
-            peer = server_handshake(link, lambda p: self.shard.ready_for(link, p), self._check_peer)
-            session = self._attach(link, peer)
+            server_handshake(link, lambda p: self.shard.ready_for(link, p), lambda p: self._join(link, p, joined))
+            session = joined[0]
             slot = threading.Semaphore(MAX_QUEUED)  # this link's items not yet taken by the executor
             while True:
                 msg = link.recv()
@@ -189,20 +189,34 @@ class StageWorker:
         except Exception:  # noqa: BLE001 - a bug must cost this link only
             log.exception("dropping %s", link.name)
         link.close()
-        if session is not None and session.coordinator is link:
-            self._inbox.put(Ended(session))
+        if joined and joined[0].coordinator is link:
+            self._inbox.put(Ended(joined[0]))
 
-    def _attach(self, link: Link, peer: Hello) -> Session:
+    def _join(self, link: Link, peer: Hello, joined: list[Session]) -> str | None:
+        """Why `peer` may not join (None: it joined, its session appended to `joined`). A
+        coordinator's session exists here before this worker's Hello answers it: the coordinator
+        routes the previous worker here next, whose Hello must find the session (when it was
+        attached after the answer, a worker slow to schedule that reader refused it)."""
+        if why := self._check_peer(peer):
+            return why
+        session = self._attach(link, peer)
+        if isinstance(session, str):
+            return session
+        joined.append(session)
+        return None
+
+    def _attach(self, link: Link, peer: Hello) -> Session | str:
         """The session this link belongs to: a new one for a coordinator, its coordinator's for
-        the previous worker of a chain. (Checked by _check_peer; re-checked here under the race.)"""
+        the previous worker of a chain; or why not (checked by _check_peer, re-checked here under
+        the race)."""
         if peer.role == Role.COORDINATOR:
             session = Session(peer.session, next(self._session_nos), link)
             if self.sessions.setdefault(peer.session, session) is not session:
-                raise refuse(link, f"session {peer.session[:8]} is already connected")  # the peer hears why
+                return f"session {peer.session[:8]} is already connected"
             return session
         known = self.sessions.get(peer.session)
         if known is None:
-            raise refuse(link, f"no coordinator of session {peer.session[:8]} is connected here")
+            return f"no coordinator of session {peer.session[:8]} is connected here"
         return known
 
     def _route(self, link: Link, session: Session, msg: Route) -> None:
