@@ -216,6 +216,7 @@ def test_worker_dying_mid_stream_fails_the_step_not_hangs(three: Path) -> None:
         last.stop()
         (failed,) = run(remote, decode(1, book, [out.choices[0].token], GREEDY), timeout=60)
         assert failed.failed and ("lost worker" in failed.error or "lost the next worker" in failed.error)
+        assert failed.lost  # the chain broke under it: the engine replays such a step's streams
         remote.shutdown()
     finally:
         first.stop()

@@ -13,6 +13,12 @@ streams apart from any other coordinator's and free them all when its link drops
 A worker that lacks its shard asks for it during the handshake and the coordinator sends it
 from its own export folder (node/delivery.py). Every token comes back with the durations each
 hop measured; `Outcome.timing` breaks its round trip down (timing.py).
+
+Faults: a worker that dies breaks its link at once; one that stops answering is caught by a
+watchdog when the oldest step in flight overruns its deadline (deadline.py). Either way the
+chain is broken: every link is closed (the workers free the session), every step in flight is
+lost (`Outcome.lost`), and so is every later step that needs state the chain held (held.py).
+A stream's first step reopens the chain (repair.py), within `reconnect_s`.
 """
 
 from __future__ import annotations
@@ -21,44 +27,51 @@ import contextlib
 import queue
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 
 import numpy as np
 
 from shardline.config import RunConfig
-from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
 from shardline.model.manifest import load_manifest, verify
 from shardline.pipeline import metrics
 from shardline.pipeline.chain import Delivered, open_chain
+from shardline.pipeline.deadline import Deadlines, StepClock
+from shardline.pipeline.frames import choice, forward
+from shardline.pipeline.held import Held
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.local import prepare
-from shardline.pipeline.plan import DecodeStep, Outcome, PrefillStep, Step
+from shardline.pipeline.plan import Outcome, PrefillStep, Step
+from shardline.pipeline.repair import reopen
+from shardline.pipeline.star import StarRefused, relay
 from shardline.pipeline.timing import breakdown
 from shardline.stage.runner import StageRunner
-from shardline.wire.hops import no_hops, with_rows
+from shardline.wire.codec import WireError
 from shardline.wire.link import Link, LinkClosed, Refused
 from shardline.wire.messages import (
-    RELAY,
     Forward,
     Refuse,
     Release,
     Sampled,
     StepFailed,
-    mask_to_runs,
 )
 from shardline.wire.tls import Credentials
 
 ACTIVATIONS = {"f16": np.float16, "f32": np.float32}
-RECONNECT_S = 10.0  # how long a new stream waits for a chain that broke to come back
+RECONNECT_S = 10.0  # how long a stream's first step waits for a chain that broke to come back
 
 
 @dataclass
 class _Sent:
     step: Step
-    started: float = field(default_factory=time.perf_counter)
+    started: float = field(default_factory=time.perf_counter)  # for the step's breakdown
+    out_at: float = 0.0  # monotonic: when it left for the workers (the watchdog's clock)
+
+
+class _Lost(ShardlineError):
+    """The step cannot run: the chain broke (under it, or since its state was made)."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +81,10 @@ class _Release:
 
 class RemotePipeline:
     def __init__(self, folder: Path, workers: list[str], run: RunConfig | None = None,
-                 activations: str = "f16", topology: str = "chain", credentials: Credentials | None = None) -> None:
+                 activations: str = "f16", topology: str = "chain", credentials: Credentials | None = None, *,
+                 deadlines: Deadlines | None = None, reconnect_s: float = RECONNECT_S) -> None:
+        """`deadlines`: when a step in flight counts as lost (a worker hung); `reconnect_s`: how
+        long a stream's first step tries to reopen a chain that broke (tests make both short)."""
         if activations not in ACTIVATIONS or topology not in ("chain", "star"):
             raise ShardlineError(f"bad activations {activations!r} or topology {topology!r}")
         self.folder = folder
@@ -85,42 +101,65 @@ class RemotePipeline:
         self.delivered: Delivered = []  # (worker, file, bytes) sent to workers
         self.outbox = Outbox()
         self._seq = count()
-        self._pending: dict[int, _Sent] = {}  # by seq: steps sent and not yet answered
-        # Why the chain stopped working (a link ended or a worker refused), until a reconnect.
-        # Checked under the lock with _pending, so a step is either failed by the reader that
-        # saw the chain break, or refused before it is sent: never sent into a dead chain.
+        self.reconnect_s = reconnect_s
+        # Under the lock (with _broken, _held, _epoch and links): steps sent and not yet
+        # answered, by seq, in the order sent; and the times the watchdog judges them by.
+        self._pending: dict[int, _Sent] = {}
+        self._clock = StepClock(deadlines or Deadlines())
+        # Why the chain stopped working (a link ended, a worker refused or stopped answering),
+        # until a reconnect. Checked under the lock with _pending, so a step is either failed by
+        # whoever saw the chain break, or refused before it is sent: never sent into a dead chain.
         self._broken: str | None = None
+        self._last_break = ""  # why the chain last broke (what a step whose state went with it says)
+        self._gave_up = float("-inf")  # perf_counter when the last reconnect failed
+        self._held = Held()  # keys whose state is on the current chain
+        self._epoch = 0  # which connect the links are of: news of an older chain changes nothing
         self._lock = threading.Lock()
         self._local = 0  # steps submitted that stage 0 has not finished sending
         self._inbox: queue.Queue[Step | _Release | None] = queue.Queue()
+        self._stopping = threading.Event()
         self.connect()
         self._thread = threading.Thread(target=self._stage0_loop, daemon=True, name="stage-0")
         self._thread.start()
+        threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
 
     # --- the chain ---------------------------------------------------------------------------
 
     def connect(self) -> None:
         """(Re)open every worker link under a new session (chain.py) and read what comes back.
-        Streams of an earlier session are gone on the workers (their next steps fail)."""
-        for link in self.links:
-            link.close()
-        self.links = []
-        self.links = open_chain(self.folder, self.manifest, self.workers, self.activations, self.topology,
-                                self.delivered, self.credentials)
-        self._broken = None
-        if self.topology == "chain":  # tokens come back on the last link, refusals on any
-            for link in self.links:
-                threading.Thread(target=self._receive, args=(link,), daemon=True, name="receive").start()
+        Streams of an earlier session are gone on the workers (their next steps are lost)."""
+        self._adopt(self._open())
 
-    def _reconnect(self) -> None:
-        deadline = time.monotonic() + RECONNECT_S
-        while True:
-            try:
-                return self.connect()
-            except ShardlineError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+    def _open(self) -> list[Link]:
+        return open_chain(self.folder, self.manifest, self.workers, self.activations, self.topology,
+                          self.delivered, self.credentials)
+
+    def _adopt(self, links: list[Link]) -> None:
+        with self._lock:
+            old, self.links = self.links, links
+            self._epoch += 1
+            epoch, self._broken = self._epoch, None
+            self._held.clear()
+        for link in old:
+            link.close()
+        if self.topology == "chain":  # tokens come back on the last link, refusals on any
+            for link in links:
+                threading.Thread(target=self._receive, args=(link, epoch), daemon=True, name="receive").start()
+
+    def _reconnect(self, step: Step) -> None:
+        """Reopen the broken chain for `step` (a stream's first), or say why it is lost. A step
+        planned before the last attempt gave up gets that answer at once: the streams replayed
+        together wait for one attempt, not one each in turn."""
+        if step.made < self._gave_up:
+            raise _Lost(self._broken or self._last_break)
+        try:
+            links = reopen(self._open, self.reconnect_s, _close_all)
+        except ShardlineError as e:
+            self._gave_up = time.perf_counter()
+            with self._lock:
+                self._broken = f"{self._last_break}; {e}"
+            raise _Lost(self._broken) from None
+        self._adopt(links)
 
     # --- executing plans -----------------------------------------------------------------------
 
@@ -143,6 +182,7 @@ class RemotePipeline:
         return self._local == 0
 
     def shutdown(self) -> None:
+        self._stopping.set()
         self._inbox.put(None)
         self._thread.join(timeout=30)
         for link in self.links:
@@ -155,6 +195,8 @@ class RemotePipeline:
                 continue
             try:
                 self._send(work)
+            except _Lost as e:
+                self._fail(work, str(e), lost=True)
             except Exception as e:  # noqa: BLE001 - the step's rows fail; the next step goes on
                 why = str(e) if isinstance(e, ShardlineError) else f"{type(e).__name__}: {e}"
                 self._fail(work, why)
@@ -164,56 +206,89 @@ class RemotePipeline:
 
     def _release(self, key: int) -> None:
         self.stage0.close(key)
+        with self._lock:
+            self._held.released(key)
         for link in self.links:
             with contextlib.suppress(LinkClosed):  # a dead worker holds nothing to free
                 link.send(Release(key))
 
     def _send(self, step: Step) -> None:
         """Run stage 0 here and send the step down the chain; its tokens come back on a reader
-        thread. A chain that broke is reconnected for a new stream's first step."""
+        thread. A chain that broke is reconnected for a stream's first step; any other step
+        whose state the chain no longer holds is lost before stage 0 runs it."""
         if self._broken and isinstance(step, PrefillStep) and step.first:
-            self._reconnect()
+            self._reconnect(step)
+        with self._lock:
+            if missing := self._held.missing(step):
+                raise _Lost(f"the state of key {missing[0]} went with a chain that broke: "
+                            f"{self._broken or self._last_break}")
         sent = _Sent(step)
         inputs = prepare(self.stage0, step)
         start = time.perf_counter()
         hidden = self.stage0.run(step.key, inputs)
         graph_s = time.perf_counter() - start
-        fwd = self._forward(step, next(self._seq), hidden, graph_s, sent.started)
+        fwd = forward(step, next(self._seq), hidden.astype(self.dtype, copy=False), graph_s, sent.started)
         with self._lock:
-            if self._broken:
-                raise ShardlineError(self._broken)
+            if self._broken:  # since the check above (only this thread reconnects)
+                raise _Lost(self._broken)
+            sent.out_at = time.monotonic()
             self._pending[fwd.seq] = sent  # before the send: the token may be back at once
+            self._held.sent(step)
+            epoch = self._epoch
         if self.topology == "star":
-            return self._through_star(fwd)
+            return self._through_star(fwd, epoch)
         try:
             self.links[0].send(fwd, stamp=True)
-        except LinkClosed as e:
-            with self._lock:
-                self._pending.pop(fwd.seq, None)
-            raise ShardlineError(f"worker {self.workers[0]}: {e}") from None
+        except LinkClosed as e:  # the step is pending: breaking the chain loses it with the rest
+            self._break(f"lost worker {self.workers[0]}: {e}", epoch)
 
-    def _forward(self, step: Step, seq: int, hidden: np.ndarray, graph_s: float, started: float) -> Forward:
-        inputs = step.inputs
-        keep, merge = (step.keep, step.merge) if isinstance(step, DecodeStep) else ((), ())
-        hops = with_rows(no_hops(), [0], [graph_s], 0.0, time.perf_counter() - started - graph_s)
-        compact = isinstance(step, DecodeStep) and step.compact
-        d = step.drafted if isinstance(step, DecodeStep) else None
-        return Forward(step.key, seq, step.phase, isinstance(step, PrefillStep) and step.first,
-                       int(inputs.attention_mask.shape[1]), step.want_logits, compact, list(step.sampling),
-                       np.asarray(step.streams, np.int64), np.asarray(keep, np.int64), np.asarray(merge, np.int64),
-                       hidden.astype(self.dtype, copy=False), mask_to_runs(inputs.attention_mask),
-                       inputs.position_ids, step.sample_at, None if d is None else d.tokens,
-                       None if d is None else d.q_ids, None if d is None else d.q_probs, hops)
-
-    def _fail(self, step: Step, why: str) -> None:
+    def _fail(self, step: Step, why: str, lost: bool = False) -> None:
         for stream in step.streams:
-            self.outbox.put(Outcome(stream, error=why))
+            self.outbox.put(Outcome(stream, error=why, lost=lost))
+
+    def _break(self, reason: str, epoch: int) -> None:
+        """The chain of `epoch` is unusable: close every link (a worker frees the session when
+        its link drops, and a send blocked on a stopped worker returns), and every step in
+        flight is lost. Once broken, later news of the same chain changes nothing."""
+        with self._lock:
+            if epoch != self._epoch or self._broken:
+                return
+            self._broken = self._last_break = reason
+            self._held.clear()
+            failed, self._pending = list(self._pending.values()), {}
+            links = list(self.links)
+        _close_all(links)
+        for sent in failed:
+            self._fail(sent.step, reason, lost=True)
+
+    def _watch(self) -> None:
+        """The watchdog: the oldest step in flight past its deadline breaks the chain."""
+        tick = min(0.25, self._clock.limits.floor_s / 4)
+        while not self._stopping.wait(tick):
+            with self._lock:
+                oldest = next(iter(self._pending.values()), None)
+                epoch = self._epoch
+                late = oldest and self._clock.late(oldest.step.phase, oldest.out_at, time.monotonic())
+            if oldest and late:
+                self._break(f"the workers ({', '.join(self.workers)}) did not answer a {oldest.step.phase.value} "
+                            f"step within {late:.1f} s (one of them hung?)", epoch)
 
     # --- what comes back -------------------------------------------------------------------------
 
-    def _receive(self, link: Link) -> None:
+    def _through_star(self, fwd: Forward, epoch: int) -> None:
+        """Star: on this thread, worker after worker. A worker refusing the step fails it; a
+        link that ends or stalls breaks the chain."""
+        try:
+            reply, received_at = relay(self.links, self.workers, fwd)
+        except StarRefused as e:
+            return self._step_failed(fwd.seq, str(e))
+        except (ShardlineError, LinkClosed, Refused, WireError) as e:
+            return self._break(f"lost worker: {e}", epoch)
+        self._done(reply, self.links[-1].last_decode_s, received_at)
+
+    def _receive(self, link: Link, epoch: int) -> None:
         """Chain: tokens come back on the last worker's link, failed steps and refusals on any.
-        A refusal or a lost link fails every step in flight (the chain is unusable)."""
+        A refusal or a lost link breaks the chain (every step in flight is lost)."""
         while True:
             try:
                 msg = link.recv()
@@ -228,26 +303,25 @@ class RemotePipeline:
                 reason = f"worker {link.name}: " + (msg.reason if isinstance(msg, Refuse) else
                                                      f"unexpected {type(msg).__name__}")
                 break
-        if link not in self.links:  # a reconnect replaced this link on purpose: nothing failed
-            return
-        with self._lock:
-            self._broken = reason
-            failed, self._pending = list(self._pending.values()), {}
-        for sent in failed:
-            self._fail(sent.step, reason)
+        self._break(reason, epoch)  # nothing, if a reconnect replaced this link on purpose
 
-    def _step_failed(self, seq: int, why: str) -> None:
+    def _answered(self, seq: int, timed: bool) -> _Sent | None:
+        """The step `seq` was answered now (None: it was not in flight, e.g. lost meanwhile)."""
         with self._lock:
             sent = self._pending.pop(seq, None)
-        if sent is not None:
+            if sent is not None:
+                self._clock.answered(sent.step.phase, sent.out_at, time.monotonic(), timed)
+        return sent
+
+    def _step_failed(self, seq: int, why: str) -> None:
+        """A worker refused the step itself (it does not fit): its streams fail, not lost."""
+        if (sent := self._answered(seq, timed=False)) is not None:
             self._fail(sent.step, why)
 
     def _done(self, msg: Sampled, decode_s: float, received_at: float) -> None:
         """Tokens are back (their frame decoded at `received_at`): an outcome per row, with the
         step's breakdown."""
-        with self._lock:
-            sent = self._pending.pop(msg.seq, None)
-        if sent is None:
+        if (sent := self._answered(msg.seq, timed=True)) is None:
             return
         step = sent.step
         if msg.tokens.shape[0] != step.sample_at.shape[0]:
@@ -256,45 +330,10 @@ class RemotePipeline:
         timing = breakdown(step.phase.value, msg.hops, decode_s, now - received_at, now - sent.started)
         rows = step.sample_at[:, 0].tolist()
         for r, stream in enumerate(step.streams):
-            mine = tuple(_choice(msg, e, step.sampling[r].top_logprobs) for e, row in enumerate(rows) if row == r)
+            mine = tuple(choice(msg, e, step.sampling[r].top_logprobs) for e, row in enumerate(rows) if row == r)
             self.outbox.put(Outcome(stream, mine, timing=timing))
         metrics.observe(timing)  # after the puts: the consumer need not wait for it
 
-    def _through_star(self, fwd: Forward) -> None:
-        """Star (for comparison): every worker's output comes back here and goes on to the next;
-        each relay adds a coordinator row (stage RELAY) to the step's hops."""
-        reply: Forward | Sampled = fwd
-        received_at = time.perf_counter()
-        try:
-            for i, link in enumerate(self.links):
-                if i:
-                    assert isinstance(reply, Forward)
-                    host_s = time.perf_counter() - received_at
-                    rows = with_rows(reply.hops, [RELAY], [0.0], self.links[i - 1].last_decode_s, host_s)
-                    # the merge was done by the worker before: the next one does its own
-                    reply = replace(reply, hops=rows)
-                link.send(reply, stamp=True)
-                reply = self._expect(i, fwd.seq)
-                received_at = time.perf_counter()
-        except (ShardlineError, LinkClosed, Refused) as e:
-            return self._step_failed(fwd.seq, str(e))
-        if not isinstance(reply, Sampled):
-            return self._step_failed(fwd.seq, f"worker {self.workers[-1]} returned hidden states, not tokens")
-        self._done(reply, self.links[-1].last_decode_s, received_at)
-
-    def _expect(self, i: int, seq: int) -> Forward | Sampled:
-        reply = self.links[i].recv()
-        if isinstance(reply, Refuse | StepFailed):
-            raise ShardlineError(f"worker {self.workers[i]} refused: {reply.reason}")
-        if not isinstance(reply, Forward | Sampled) or reply.seq != seq:
-            raise ShardlineError(f"unexpected {type(reply).__name__} from worker {self.workers[i]}")
-        return reply
-
-
-def _choice(msg: Sampled, e: int, top_n: int) -> Choice:
-    top: tuple[tuple[int, float], ...] = ()
-    if top_n and msg.top_ids is not None and msg.top_logprobs is not None:
-        ids, lps = msg.top_ids[e, :top_n].tolist(), msg.top_logprobs[e, :top_n].tolist()
-        top = tuple((int(t), float(lp)) for t, lp in zip(ids, lps, strict=True) if t >= 0)
-    logits = msg.logits[e] if msg.logits is not None else None
-    return Choice(int(msg.tokens[e]), float(msg.logprobs[e]), top, logits)
+def _close_all(links: list[Link]) -> None:
+    for link in links:
+        link.close()

@@ -1,0 +1,181 @@
+"""No request lost when a worker dies or hangs: real worker processes on loopback, faults injected
+mid-generation through the engine. A worker killed (SIGKILL) and restarted on its port: the
+streams are replayed on the repaired chain and every answer equals the run without faults, token
+for token (exact precision), alone and in a decode group with speculation. A worker stopped
+(SIGSTOP) and never continued: the request ends with a clear error within the deadline."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from shardline.config import RunConfig, SamplingConfig
+from shardline.model.tokenizer import ChatTokenizer
+from shardline.node.worker import StageWorker
+from shardline.pipeline.deadline import Deadlines
+from shardline.pipeline.local import LocalPipeline
+from shardline.pipeline.remote import RemotePipeline
+from shardline.serving.admission import Limits
+from shardline.serving.drafters import LookupDrafter
+from shardline.serving.engine import Engine, Event, Request, Ticket
+from shardline.serving.replay import Replays
+from shardline.serving.scheduler import SchedulerConfig
+from shardline.serving.speculation import Drafts
+from tests.helpers import engine_tokens
+from tests.multiproc.procs import Proc, worker
+
+N_NEW = 40
+TEXTS = ["List five animals that live in the sea, one per line, each with one fact.",
+         "Explain in two sentences why the sky is blue."]
+
+
+@pytest.fixture(scope="module")
+def three(shards: Callable[..., Path]) -> Path:
+    return shards("fp32", stages=3)
+
+
+@pytest.fixture(scope="module")
+def prompts(three: Path) -> list[list[int]]:
+    tok = ChatTokenizer(three)
+    return [tok.encode_chat([{"role": "user", "content": t}]) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def clean(three: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """The answers without faults (every stage in this process)."""
+    with LocalPipeline(three) as local:
+        return [engine_tokens(local, p, SamplingConfig(max_tokens=N_NEW), groups=0) for p in prompts]
+
+
+@pytest.fixture
+def inproc_first(three: Path) -> Iterator[StageWorker]:
+    """Stage 1 on a worker in this process, to look at what it holds."""
+    w = StageWorker(three, 1, 1)
+    w.listen("127.0.0.1", 0)
+    threading.Thread(target=w.serve_forever, daemon=True).start()
+    yield w
+    w.stop()
+
+
+class Faulty:
+    """Requests through `engine`; once every stream has `at` tokens, `fault()` runs on the engine
+    thread (the engine waits for it: the fault lands mid-generation, at a known point)."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], at: int, fault: Callable[[], None]) -> None:
+        self.events: list[list[Event]] = [[] for _ in prompts]
+        self.faulted = threading.Event()
+        self._at, self._fault = at, fault
+        self._done = threading.Semaphore(0)
+        self.tickets: list[Ticket] = [engine.submit(Request(p, SamplingConfig(max_tokens=N_NEW), frozenset()),
+                                                    self._on(i)) for i, p in enumerate(prompts)]
+
+    def _on(self, i: int) -> Callable[[Event], None]:
+        def event(ev: Event) -> None:
+            self.events[i].append(ev)
+            if not self.faulted.is_set() and all(len(e) >= self._at for e in self.events):
+                self._fault()
+                self.faulted.set()
+            if ev.finish:
+                self._done.release()
+        return event
+
+    def finals(self, timeout_s: float) -> list[Event]:
+        for _ in self.events:
+            assert self._done.acquire(timeout=timeout_s)
+        return [e[-1] for e in self.events]
+
+    def tokens(self) -> list[list[int]]:
+        return [[e.token for e in events if e.token is not None] for events in self.events]
+
+
+def _restart_after_kill(old: Proc, faulty: Faulty, folder: Path, stage: str) -> Proc:
+    """Wait for the kill, then start the worker again on its port (the chain reconnects to it)."""
+    assert faulty.faulted.wait(120)
+    old.stop()  # reaped
+    return worker(folder, stage, port=old.port)
+
+
+def test_a_worker_killed_mid_answer_is_replaced_and_the_answer_goes_on(
+        three: Path, prompts: list[list[int]], clean: list[list[int]], inproc_first: StageWorker) -> None:
+    last = worker(three, "2")
+    remote = RemotePipeline(three, [f"127.0.0.1:{inproc_first.port}", last.addr], RunConfig(), "f32")
+    engine = Engine(remote, Limits(4, 4), 8192, SchedulerConfig(groups=1))
+    try:
+        faulty = Faulty(engine, prompts[:1], 6, lambda: last.proc.send_signal(signal.SIGKILL))
+        last = _restart_after_kill(last, faulty, three, "2")
+        (final,) = faulty.finals(120)
+        assert (final.finish, final.error) == ("length", "")
+        assert faulty.tokens() == clean[:1]  # each token once, none missing, none different
+        assert faulty.tickets[0].stream is not None and faulty.tickets[0].stream.replays == 1
+    finally:
+        engine.stop()
+        remote.shutdown()
+        last.stop()
+    assert remote.stage0.keys() == []  # the stream's old key and its new one, freed here
+    deadline = time.monotonic() + 10  # ... and on the worker that lived: the broken session's too
+    while (inproc_first.stages[0].keys() or inproc_first.sessions) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert inproc_first.stages[0].keys() == [] and not inproc_first.sessions
+
+
+def test_a_decode_group_survives_its_middle_worker_killed(three: Path, prompts: list[list[int]],
+                                                          clean: list[list[int]]) -> None:
+    first, last = worker(three, "1"), worker(three, "2")
+    try:
+        remote = RemotePipeline(three, [first.addr, last.addr], RunConfig(), "f32")
+        engine = Engine(remote, Limits(4, 4), 8192, SchedulerConfig(groups=1), Drafts(LookupDrafter, 3, 8))
+        try:
+            faulty = Faulty(engine, prompts, 8, lambda: first.proc.send_signal(signal.SIGKILL))
+            first = _restart_after_kill(first, faulty, three, "1")
+            assert [(f.finish, f.error) for f in faulty.finals(120)] == [("length", "")] * 2
+            assert faulty.tokens() == clean
+            assert [t.stream.replays for t in faulty.tickets if t.stream] == [1, 1]
+        finally:
+            engine.stop()
+            remote.shutdown()
+        assert remote.stage0.keys() == []
+    finally:
+        first.stop()
+        last.stop()
+
+
+def test_a_hung_worker_ends_the_request_with_why_within_the_deadline(three: Path,
+                                                                    prompts: list[list[int]]) -> None:
+    first, last = worker(three, "1"), worker(three, "2")
+    stopped_at: list[float] = []
+
+    def hang() -> None:
+        os.kill(last.proc.pid, signal.SIGSTOP)
+        stopped_at.append(time.monotonic())
+
+    try:
+        remote = RemotePipeline(three, [first.addr, last.addr], RunConfig(), "f32",
+                                deadlines=Deadlines(floor_s=1.0, multiple=5.0), reconnect_s=2.0)
+        engine = Engine(remote, Limits(4, 4), 8192, SchedulerConfig(groups=1), replays=Replays(within_s=2.0))
+        try:
+            faulty = Faulty(engine, prompts[:1], 4, hang)
+            (final,) = faulty.finals(60)
+            took = time.monotonic() - stopped_at[0]
+        finally:
+            engine.stop()
+            remote.shutdown()
+        workers = re.escape(f"{first.addr}, {last.addr}")
+        assert final.finish == "error"
+        assert re.fullmatch(rf"the pipeline broke and could not be repaired within 2 s: the workers \({workers}\) "
+                            r"did not answer a decode step within 1\.0 s \(one of them hung\?\); reconnecting for "
+                            r"2 s failed: no answer within [12]\.\d s", final.error), final.error
+        # the deadline (1 s, checked every 0.25 s), then one reconnect window (2 s); a second
+        # window at most, if the first ended a hair before the repair's 2 s had passed
+        assert 3.0 <= took < 6.0, took
+        assert len(faulty.tokens()[0]) >= 4  # what came before the hang was delivered
+    finally:
+        os.kill(last.proc.pid, signal.SIGCONT)
+        first.stop()
+        last.stop()
