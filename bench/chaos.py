@@ -9,7 +9,8 @@ with an error or never; target 0), requests whose greedy answer differs from the
 faults (target 0), e2e and TTFT p50/p99 in both runs, and per fault the time from the kill (or
 the SIGSTOP) to the first token after it (of a stream replayed since, for kills; after the
 SIGCONT, for hangs). Then a bounded soak at steady load with hangs (kills would reset the workers'
-memory) samples the RSS of every process, and this process's threads: target flat.
+memory) samples the RSS of every process (start, half way, end, and the slope over the second
+half), and this process's threads: target flat.
 
     python bench/chaos.py --quick
     python bench/chaos.py
@@ -148,46 +149,45 @@ class Outcome:
     submitted: float = 0.0
     final: Event | None = None
     ended: float = 0.0
+    ticket: Ticket | None = None  # until it ends (a finished request's stream is not kept)
 
 
 def run_requests(engine: Engine, prompts: list[list[int]], lengths: list[int], concurrency: int,
                  timeout_s: float, submit_s: float | None = None) -> list[Outcome]:
     """Request i (prompt i mod len, lengths[i] tokens, greedy, stop tokens ignored), `concurrency`
     at a time (the next starts when one ends), bounded by `timeout_s` in all; with `submit_s`,
-    none starts after that many seconds (the requests not started are left out)."""
-    results = [Outcome() for _ in lengths]
+    none starts after that many seconds. The requests started, in order."""
+    results: list[Outcome] = []
     slots = threading.Semaphore(concurrency)
-    tickets: list[Ticket | None] = [None] * len(lengths)
 
-    def on(i: int) -> Callable[[Event], None]:
+    def on(r: Outcome) -> Callable[[Event], None]:
         def event(ev: Event) -> None:  # on the engine thread
-            r, now = results[i], time.perf_counter()
+            now = time.perf_counter()
             if ev.token is not None:
-                ticket = tickets[i]
                 r.tokens.append(ev.token)
                 r.stamps.append(now)
-                r.replays_at.append(ticket.stream.replays if ticket and ticket.stream else 0)
+                r.replays_at.append(r.ticket.stream.replays if r.ticket and r.ticket.stream else 0)
             if ev.finish:
-                r.final, r.ended = ev, now
+                r.final, r.ended, r.ticket = ev, now, None
                 slots.release()
         return event
 
     deadline = time.monotonic() + timeout_s
     last_start = time.monotonic() + (timeout_s if submit_s is None else submit_s)
-    started = 0
     for i, n in enumerate(lengths):
         if not slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
             break
         if time.monotonic() > last_start:
             slots.release()
             break
-        results[i].submitted = time.perf_counter()
-        tickets[i] = engine.submit(Request(prompts[i % len(prompts)], SamplingConfig(max_tokens=n), frozenset()),
-                                   on(i))
-        started += 1
+        r = Outcome(submitted=time.perf_counter())
+        results.append(r)
+        ticket = engine.submit(Request(prompts[i % len(prompts)], SamplingConfig(max_tokens=n), frozenset()), on(r))
+        if r.final is None:  # (it may have ended already, on the engine thread)
+            r.ticket = ticket
     for _ in range(concurrency):  # every request in flight ends (or the bound runs out)
         slots.acquire(timeout=max(0.0, deadline - time.monotonic()))
-    return results[:started] if submit_s is not None else results
+    return results
 
 
 def latencies(results: list[Outcome]) -> dict[str, float]:
@@ -234,20 +234,24 @@ def soak(engine: Engine, prompts: list[list[int]], workers: list[Worker],
     sampler = threading.Thread(target=sample, daemon=True)
     rng = random.Random(args.seed + 1)
     lengths = [rng.randint(16, 48) for _ in range(100_000)]
-    with Faults(workers, args.fault_every, (args.hang_min, args.hang_max), args.seed + 2, kinds=("hang",)) as faults:
+    with Faults(workers, args.soak_fault_every, (args.hang_min, args.hang_max), args.seed + 2,
+                kinds=("hang",)) as faults:
         sampler.start()
         done = run_requests(engine, prompts, lengths, args.concurrency, args.soak_s + 300, submit_s=args.soak_s)
         stop.set()
         sampler.join()
     lost = sum(r.final is None or r.final.finish != "length" for r in done)
-    warm = samples[len(samples) // 5:] or samples  # after the first fifth: allocators settled
+    # Each process's RSS first climbs to a high-water mark (allocator arenas of the threads each
+    # new session starts, requests of an old session and a new one alive at once), then stays:
+    # the slope over the second half is what a leak would show.
+    late = samples[len(samples) // 2:] or samples
     figures: dict[str, object] = {"soak_s": args.soak_s, "soak_requests": len(done), "soak_lost": lost,
-                                  "soak_hangs": len(faults.done)}
+                                  "soak_hangs": len(faults.done), "soak_fault_every_s": args.soak_fault_every}
     for col, name in enumerate(("coordinator", "worker1", "worker2"), start=1):
-        ys = [s[col] for s in warm]
-        figures[f"{name}_rss_mb"] = [round(ys[0], 1), round(ys[-1], 1)]
-        figures[f"{name}_rss_slope_mb_min"] = round(60 * _slope([s[0] for s in warm], ys), 2)
-    figures["threads"] = [warm[0][4], warm[-1][4]]
+        ys = [s[col] for s in samples]
+        figures[f"{name}_rss_mb"] = [round(ys[0], 1), round(late[0][col], 1), round(ys[-1], 1)]  # start, half, end
+        figures[f"{name}_rss_slope_mb_min"] = round(60 * _slope([s[0] for s in late], [s[col] for s in late]), 2)
+    figures["threads"] = [samples[0][4], samples[-1][4]]
     return figures
 
 
@@ -283,7 +287,8 @@ def main() -> int:
     ap.add_argument("--hang-max", type=float, default=3.0)
     ap.add_argument("--floor", type=float, default=1.0, help="watchdog floor, seconds")
     ap.add_argument("--multiple", type=float, default=20.0, help="watchdog multiple of the recent average")
-    ap.add_argument("--soak-s", type=float, default=180.0)
+    ap.add_argument("--soak-s", type=float, default=600.0)
+    ap.add_argument("--soak-fault-every", type=float, default=2.0, help="mean seconds between hangs in the soak")
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="bound on each run of the requests")
     ap.add_argument("--seed", type=int, default=11)
@@ -329,7 +334,8 @@ def main() -> int:
 def report(args: argparse.Namespace, clean: list[Outcome], chaos: list[Outcome], chaos_s: float,
            faults: list[Fault], causes: dict[str, int], soaked: dict[str, object], quiet: bool, load: float) -> None:
     lost = [i for i, r in enumerate(chaos) if r.final is None or r.final.finish != "length"]
-    differ = [i for i, (a, b) in enumerate(zip(clean, chaos, strict=True)) if i not in lost and a.tokens != b.tokens]
+    lost += list(range(len(chaos), args.requests))  # never started: the time bound ran out
+    differ = [i for i, (a, b) in enumerate(zip(clean, chaos, strict=False)) if i not in lost and a.tokens != b.tokens]
     errors = sorted({r.final.error for r in chaos if r.final is not None and r.final.error})
     lat = {"clean": latencies(clean), "chaos": latencies(chaos)}
     rec = recovery(faults, chaos)
