@@ -58,8 +58,8 @@ def _prompts(folder: Path) -> list[list[int]]:
     return [tok.encode_chat([{"role": "user", "content": t}]) for t in CHAT_PROMPTS[:3]]
 
 
-def _remote(three: Path, workers: list[Proc], **kw: str) -> RemotePipeline:
-    return RemotePipeline(three, [w.addr for w in workers], RunConfig(), **({"activations": "f32"} | kw))
+def _remote(three: Path, workers: list[Proc], topology: str = "chain") -> RemotePipeline:
+    return RemotePipeline(three, [w.addr for w in workers], RunConfig(), "f32", topology)
 
 
 @pytest.mark.parametrize("topology", ["chain", "star"])

@@ -12,7 +12,7 @@ from shardline.decoding.sampler import Choice
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.plan import DecodeStep, Outcome, PrefillStep, Step
 from shardline.serving.admission import Limits
-from shardline.serving.engine import Engine, Event, Request
+from shardline.serving.engine import Engine, Event, Request, Ticket
 from shardline.serving.replay import Replays
 from shardline.serving.scheduler import SchedulerConfig
 
@@ -79,7 +79,8 @@ class FakeChain:
         pass
 
 
-def _serve(pipe: FakeChain, replays: Replays | None = None, n: int = 12) -> tuple[list[list[Event]], Engine]:
+def _serve(pipe: FakeChain, replays: Replays | None = None,
+           n: int = 12) -> tuple[list[list[Event]], Engine, list[Ticket]]:
     engine = Engine(pipe, Limits(4, 4), 4096, SchedulerConfig(chunk=4, groups=1), None, replays)
     events: list[list[Event]] = [[] for _ in PROMPTS]
     done = threading.Semaphore(0)
@@ -98,8 +99,7 @@ def _serve(pipe: FakeChain, replays: Replays | None = None, n: int = 12) -> tupl
             assert done.acquire(timeout=10)
     finally:
         engine.stop()
-    engine.tickets = tickets  # type: ignore[attr-defined]  # for the tests to look at
-    return events, engine
+    return events, engine, tickets
 
 
 def _tokens(events: list[Event]) -> list[int]:
@@ -108,7 +108,7 @@ def _tokens(events: list[Event]) -> list[int]:
 
 
 def test_streams_lost_in_prefill_and_in_a_group_give_the_answer_of_a_run_without_faults() -> None:
-    clean, _ = _serve(FakeChain())
+    clean, _, _ = _serve(FakeChain())
     want = [_tokens(e) for e in clean]
     assert all(len(w) == 12 for w in want)
     # the second prompt's first chunk (the first prompt's state goes too: its next chunk is
@@ -125,16 +125,16 @@ def test_streams_lost_in_prefill_and_in_a_group_give_the_answer_of_a_run_without
         return False
 
     pipe = FakeChain(lose)
-    got, engine = _serve(pipe)
+    got, _, tickets = _serve(pipe)
     assert [_tokens(e) for e in got] == want  # nothing emitted twice, nothing missing
-    tickets = engine.tickets  # type: ignore[attr-defined]
-    assert [t.stream.replays for t in tickets] == [2, 2]
-    assert all(t.stream.resumed >= 2 for t in tickets)  # the second replay came mid-generation
+    streams = [t.stream for t in tickets if t.stream is not None]
+    assert [s.replays for s in streams] == [2, 2]
+    assert all(s.resumed >= 2 for s in streams)  # the second replay came mid-generation
     assert pipe.state == {}  # every key released: the streams', the old ones' and the group's
 
 
 def test_a_pipeline_that_is_never_repaired_ends_the_request_with_why() -> None:
-    got, engine = _serve(FakeChain(lambda _: True), Replays(most=2, within_s=30.0))
+    got, engine, _ = _serve(FakeChain(lambda _: True), Replays(most=2, within_s=30.0))
     for events in got:
         (final,) = events
         assert final.finish == "error"
