@@ -4,6 +4,8 @@ and the verify steps the scheduler plans (rows with different K, compaction)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from scipy.stats import chisquare
@@ -215,19 +217,26 @@ def test_a_speculating_stream_never_holds_more_slots_than_admission_counts() -> 
         assert compactions > 10, (groups, compactions)
 
 
+def _paced(spec: Speculation, steps: int, seconds: Callable[[int], float]) -> list[int]:
+    """`steps` steps on a slow link where every draft stands and a step offering k drafts
+    takes seconds(k): the K chosen at each."""
+    slow_link = StepCost(base_s=0.2, per_token_s=0.002)
+    now, ks = 0.0, []
+    for _ in range(steps):
+        k = spec.choose_k(slow_link, rows=1, room=100)
+        ks.append(k)
+        spec.offer(spec.drafter.propose([], k, SamplingParams()))
+        now += seconds(k)
+        spec.settle(list(range(50, 50 + k)) + [7], now)
+    return ks
+
+
 def test_auto_k_backs_off_when_drafted_steps_measure_slower_and_probes_back() -> None:
     """The model says drafts pay (a slow link, drafts that stand); the stream's measured pace
     says they cost more than they give (0.3 s a token against 0.2 s): it stops
     offering drafts, but for one step in every PROBE_EVERY, which keeps both paces measured."""
     spec = Speculation(_Fixed(list(range(50, 58))), None, 8)
-    slow_link = StepCost(base_s=0.2, per_token_s=0.002)
-    now, ks = 0.0, []
-    for _ in range(6 * PROBE_EVERY):
-        k = spec.choose_k(slow_link, rows=1, room=100)
-        ks.append(k)
-        spec.offer(spec.drafter.propose([], k, SamplingParams()))
-        now += 0.3 * (k + 1) if k else 0.2  # 0.3 s a token with drafts, 0.2 s without
-        spec.settle(list(range(50, 50 + k)) + [7], now)
+    ks = _paced(spec, 6 * PROBE_EVERY, lambda k: 0.3 * (k + 1) if k else 0.2)  # 0.3 s a token with drafts
     late = ks[2 * PROBE_EVERY:]
     assert ks[0] > 0 and late.count(0) > len(late) * 0.8 and any(late), ks
     assert spec.pace.drafts_lose()
@@ -235,14 +244,7 @@ def test_auto_k_backs_off_when_drafted_steps_measure_slower_and_probes_back() ->
 
 def test_auto_k_keeps_drafting_while_drafted_steps_measure_faster() -> None:
     spec = Speculation(_Fixed(list(range(50, 58))), None, 8)
-    slow_link = StepCost(base_s=0.2, per_token_s=0.002)
-    now, ks = 0.0, []
-    for _ in range(4 * PROBE_EVERY):
-        k = spec.choose_k(slow_link, rows=1, room=100)
-        ks.append(k)
-        spec.offer(spec.drafter.propose([], k, SamplingParams()))
-        now += 0.25 if k else 0.2
-        spec.settle(list(range(50, 50 + k)) + [7], now)
+    ks = _paced(spec, 4 * PROBE_EVERY, lambda k: 0.25 if k else 0.2)
     assert ks.count(0) <= 4 and not spec.pace.drafts_lose(), ks
 
 
