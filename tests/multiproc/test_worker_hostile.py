@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import secrets
 import socket
 import threading
@@ -143,6 +144,9 @@ class Peer:
 
     def __init__(self, addr: str, hello: Hello | None = None, wait_s: float = WAIT_S) -> None:
         host, _, port = addr.rpartition(":")
+        # The OS reuses ephemeral ports, so an earlier test's link may have had this name: the
+        # worker's lines about this link are those logged from this moment on.
+        self.opened = time.time()
         self.sock = socket.create_connection((host, int(port)), timeout=10)
         self.sock.settimeout(None)
         self.name = f"127.0.0.1:{self.sock.getsockname()[1]}"
@@ -221,9 +225,21 @@ def _step(key: int, cache: int, t: int = 1, *, first: bool = False, seq: int = 0
 
 
 def _dropped(w: Proc, p: Peer) -> str:
-    """The worker's log line about dropping `p`'s link ("" when there is none)."""
-    got = w.wait_for_stderr(f"dropping {p.name}: ", timeout_s=5)
-    return next((line for line in got.splitlines() if f"dropping {p.name}: " in line), "")
+    """The worker's log line about dropping `p`'s link ("" when there is none within 5 s)."""
+    def mine() -> list[str]:
+        return [line for line in w.stderr().splitlines()
+                if f"dropping {p.name}: " in line and _logged_at(line) >= p.opened]
+    deadline = time.monotonic() + 5
+    while not (got := mine()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got[0] if got else ""
+
+
+def _logged_at(line: str) -> float:
+    """When a worker logged `line` (logging's default "YYYY-mm-dd HH:MM:SS,mmm", local time),
+    rounded up to the next millisecond so a line logged in the same millisecond counts as later."""
+    stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+    return stamp.timestamp() + 0.001
 
 
 def _fds(w: Proc) -> int:
