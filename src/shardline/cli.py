@@ -13,6 +13,7 @@ from shardline.config import (
     DEFAULT_PREFILL_CHUNK,
     WEIGHTS,
     ExportConfig,
+    RecoveryConfig,
     RunConfig,
     SamplingConfig,
     SpeculationConfig,
@@ -143,6 +144,28 @@ def _placement_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", help="with --ray-address: layer ranges for the coordinator then each node, "
                                   "e.g. 0-9,10-19,20-29 (overrides the memory split)")
     _security_flags(p)
+    _recovery_flags(p)
+
+
+def _recovery_flags(p: argparse.ArgumentParser) -> None:
+    """What the coordinator does when a worker dies or hangs (with --workers or --ray-address)."""
+    d = RecoveryConfig()
+    p.add_argument("--step-deadline", type=float, default=d.step_floor_s, metavar="S",
+                   help="a step unanswered this long (at least; or --step-deadline-multiple x its phase's recent "
+                        "average, if longer) counts as lost: its worker is taken as hung")
+    p.add_argument("--step-deadline-multiple", type=float, default=d.step_multiple, metavar="X")
+    p.add_argument("--reconnect-window", type=float, default=d.reconnect_s, metavar="S",
+                   help="how long a broken chain is reopened before its streams get an error")
+    p.add_argument("--max-replays", type=int, default=d.max_replays, metavar="N",
+                   help="times a request is replayed on the repaired chain after a fault (0: never)")
+    p.add_argument("--replay-within", type=float, default=d.replay_within_s, metavar="S",
+                   help="a replay must resume within this long of the fault, else the request gets an error")
+
+
+def _recovery(args: argparse.Namespace) -> RecoveryConfig:
+    return RecoveryConfig(step_floor_s=args.step_deadline, step_multiple=args.step_deadline_multiple,
+                          reconnect_s=args.reconnect_window, max_replays=args.max_replays,
+                          replay_within_s=args.replay_within)
 
 
 def _security_flags(p: argparse.ArgumentParser) -> None:
@@ -284,7 +307,7 @@ def _serve(args: argparse.Namespace) -> int:
                       default_max_tokens=args.max_tokens, model_id=args.model_id,
                       decode_groups=args.decode_groups, prefill_chunk=args.prefill_chunk,
                       max_prefills=args.max_prefills, max_body_bytes=args.max_body_bytes,
-                      api_key=load_key(args.api_key, args.api_key_file))
+                      api_key=load_key(args.api_key, args.api_key_file), recovery=_recovery(args))
     run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
     credentials = _credentials(args, links=bool(args.workers))
     folder = args.shards or default_shards()
@@ -305,8 +328,8 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed, logprobs=args.logprobs,
     )
     run = RunConfig(device=args.device, precision=args.precision)
+    cfg = ServeConfig(max_streams=1, max_queue=0, prefill_chunk=args.prefill_chunk, recovery=_recovery(args))
     folder = args.shards or default_shards()
-    cfg = ServeConfig(max_streams=1, max_queue=0, prefill_chunk=args.prefill_chunk)
     workers = args.workers.split(",") if args.workers else None
     credentials = _credentials(args, links=bool(workers))
     engine, _ = open_engine(folder, run, cfg, workers, args.activations, args.topology, _speculation(args, folder),

@@ -158,6 +158,33 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class RecoveryConfig:
+    """What the coordinator does when a worker dies or hangs (issue 11). A step in flight is
+    lost once it waits longer than max(`step_floor_s`, `step_multiple` x the recent average of
+    its phase); a broken chain is reopened for up to `reconnect_s`; a lost stream is replayed
+    (prompt and tokens so far prefilled again) at most `max_replays` times in its life, each
+    within `replay_within_s` of the break, else its request ends with an error."""
+
+    step_floor_s: float = 10.0
+    step_multiple: float = 20.0
+    reconnect_s: float = 10.0
+    max_replays: int = 4
+    replay_within_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.step_floor_s <= 3600:
+            raise ShardlineError(f"--step-deadline must be in (0, 3600] seconds, got {self.step_floor_s}")
+        if not 1 <= self.step_multiple <= 1000:
+            raise ShardlineError(f"--step-deadline-multiple must be in 1-1000, got {self.step_multiple}")
+        if not 0 < self.reconnect_s <= 3600:
+            raise ShardlineError(f"--reconnect-window must be in (0, 3600] seconds, got {self.reconnect_s}")
+        if not 0 <= self.max_replays <= 100:
+            raise ShardlineError(f"--max-replays must be in 0-100, got {self.max_replays}")
+        if not 0 < self.replay_within_s <= 3600:
+            raise ShardlineError(f"--replay-within must be in (0, 3600] seconds, got {self.replay_within_s}")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -177,6 +204,7 @@ class ServeConfig:
     max_prefills: int = 2  # prompts prefilling at once, oldest first
     max_body_bytes: int = 2 << 20  # larger request bodies get 413
     api_key: str | None = field(default=None, repr=False)  # /v1 requests must bear it (api/auth.py)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)  # after a worker dies or hangs
 
     def __post_init__(self) -> None:
         if self.decode_groups is not None and self.decode_groups < 0:
@@ -240,3 +268,4 @@ class SpeculationConfig:
     @property
     def layers(self) -> int:
         return int(self.draft[7:]) if self.kind == "layers" else 0
+

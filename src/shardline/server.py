@@ -6,7 +6,7 @@ import socket
 import sys
 from pathlib import Path
 
-from shardline.config import COMPACT_AT, RunConfig, ServeConfig, SpeculationConfig
+from shardline.config import COMPACT_AT, RecoveryConfig, RunConfig, ServeConfig, SpeculationConfig
 from shardline.errors import ShardlineError
 from shardline.host import available_memory
 from shardline.model.manifest import Manifest, load_manifest
@@ -14,6 +14,7 @@ from shardline.pipeline.plan import Pipeline
 from shardline.serving.admission import Limits, max_streams_for_memory, per_stream_bytes
 from shardline.serving.drafters import DraftModel, LookupDrafter
 from shardline.serving.engine import Engine
+from shardline.serving.replay import Replays
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import Drafts
 from shardline.wire.tls import Credentials
@@ -53,14 +54,19 @@ def decode_groups(asked: int | None, stages: int, remote: bool) -> int:
 
 
 def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None = None, activations: str = "f16",
-                  topology: str = "chain", credentials: Credentials | None = None) -> tuple[Pipeline, int]:
-    """The pipeline (stages 1.. here, or on `workers`, over mutual TLS with `credentials`), and
-    how many layers of it run in this process (for the memory bound)."""
+                  topology: str = "chain", credentials: Credentials | None = None,
+                  recovery: RecoveryConfig | None = None) -> tuple[Pipeline, int]:
+    """The pipeline (stages 1.. here, or on `workers`, over mutual TLS with `credentials`, its
+    step deadlines and reconnect window from `recovery`), and how many layers of it run in this
+    process (for the memory bound)."""
     manifest = load_manifest(folder)
     if workers:
+        from shardline.pipeline.deadline import Deadlines
         from shardline.pipeline.remote import RemotePipeline
 
-        pipe = RemotePipeline(folder, workers, run, activations, topology, credentials)
+        rec = recovery or RecoveryConfig()
+        pipe = RemotePipeline(folder, workers, run, activations, topology, credentials,
+                              deadlines=Deadlines(rec.step_floor_s, rec.step_multiple), reconnect_s=rec.reconnect_s)
         return pipe, manifest.stages[0].last_layer + 1
     from shardline.pipeline.local import LocalPipeline
 
@@ -92,10 +98,11 @@ def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[st
     manifest = load_manifest(folder)
     spec = spec or SpeculationConfig()
     drafts, draft = open_drafts(spec, manifest, run)
-    pipe, local_layers = open_pipeline(folder, run, workers, activations, topology, credentials)
+    pipe, local_layers = open_pipeline(folder, run, workers, activations, topology, credentials, cfg.recovery)
     limits = stream_limits(manifest, cfg, local_layers, spec, draft)
+    replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
     engine = Engine(pipe, limits, manifest.arch.max_context,
-                    scheduling(cfg, len(manifest.stages), bool(workers), spec), drafts)
+                    scheduling(cfg, len(manifest.stages), bool(workers), spec), drafts, replays)
     return engine, manifest
 
 

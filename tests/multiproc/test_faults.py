@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,7 +31,7 @@ from shardline.serving.replay import Replays
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import Drafts
 from tests.helpers import engine_tokens
-from tests.multiproc.procs import Proc, worker
+from tests.multiproc.procs import SHARDLINE, Proc, with_dispositions, worker
 
 N_NEW = 40
 TEXTS = ["List five animals that live in the sea, one per line, each with one fact.",
@@ -176,6 +178,36 @@ def test_a_hung_worker_ends_the_request_with_why_within_the_deadline(three: Path
         assert 3.0 <= took < 6.0, took
         assert len(faulty.tokens()[0]) >= 4  # what came before the hang was delivered
     finally:
+        os.kill(last.proc.pid, signal.SIGCONT)
+        first.stop()
+        last.stop()
+
+
+def test_generate_takes_its_recovery_settings_from_the_command_line(three: Path) -> None:
+    """`shardline generate --step-deadline 1 --reconnect-window 2 --replay-within 2` on workers,
+    its last worker stopped once the answer has begun: the command ends within seconds with the
+    pipeline's reason, naming the deadline and the window it was given (not the defaults: 10 s
+    each, which would take 20 s and more)."""
+    first, last = worker(three, "1"), worker(three, "2")
+    cmd = with_dispositions([SHARDLINE, "generate", TEXTS[0], "--shards", str(three), "--workers",
+                             f"{first.addr},{last.addr}", "--insecure", "--activations", "f32",
+                             "--max-tokens", "400", "--step-deadline", "1", "--reconnect-window", "2",
+                             "--replay-within", "2"])
+    gen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert gen.stdout is not None and select.select([gen.stdout], [], [], 60)[0], "no answer began"
+        os.kill(last.proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = gen.communicate(timeout=30)
+        took = time.monotonic() - stopped
+        assert gen.returncode == 1
+        line = err.decode().strip().splitlines()[-1]
+        assert line.startswith("shardline: error: the pipeline broke and could not be repaired within 2 s: ")
+        assert "did not answer a decode step within 1.0 s (one of them hung?); reconnecting for 2 s failed" in line
+        assert took < 8.0, took
+    finally:
+        gen.kill()
+        gen.wait(timeout=30)
         os.kill(last.proc.pid, signal.SIGCONT)
         first.stop()
         last.stop()

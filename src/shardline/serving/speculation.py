@@ -200,6 +200,12 @@ class Speculation:
         guess of the target's own next token, and the most the next step may offer."""
         return len(self.proposal.tokens) + 1 + (self.k_max if self.fixed_k is None else self.fixed_k)
 
+    def restart(self) -> None:
+        """Its stream starts again after a fault: the drafts in flight are forgotten (the drafter
+        follows the text it is given next), and its pace is timed from one outcome to the next,
+        never across the outage."""
+        self.proposal, self.planned, self._last = Proposal([]), False, None
+
     def settle(self, chosen: list[int], now: float | None = None) -> int:
         """The target chose `chosen` after each fed position: how many drafts stood. The counters
         (and, given the time `now`, the pace) learn of it; the proposal is cleared (the drafter

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardline.config import SamplingParams
-from shardline.serving.drafters import Proposal
 from shardline.serving.speculation import Speculation
 from shardline.stage.cache import KVBook
 
@@ -47,16 +46,14 @@ class Stream:
     def restart(self, key: int) -> None:
         """Start again under `key` (a fresh request on every stage) from an empty cache: prefill
         the prompt and the tokens generated so far (the last of them too, which a decode step
-        would have fed next: the prefill's last chunk samples what follows it). Drafts in flight
-        are forgotten (the drafter follows the text it is given next)."""
+        would have fed next: the prefill's last chunk samples what follows it)."""
         if self.in_flight:
             raise ValueError(f"stream {self.id} still has a step in flight")
         self.id, self.book, self.prefilled, self.sent = key, KVBook(), 0, None
         self.resumed = len(self.generated)
         self.replays += 1
         if self.spec is not None:
-            self.spec.proposal, self.spec.planned = Proposal([]), False
-            self.spec._last = None  # its pace is timed from one outcome to the next: not across the outage
+            self.spec.restart()
 
     @property
     def decoding(self) -> bool:
