@@ -11,7 +11,7 @@ import numpy as np
 
 from shardline.config import COMPACT_AT, SamplingConfig, SamplingParams
 from shardline.pipeline.plan import Outcome, Pipeline, decode, prefill, run
-from shardline.serving.engine import Engine, Event, Request
+from shardline.serving.engine import Engine, Event, Request, Ticket
 from shardline.serving.speculation import Drafts
 from shardline.stage.cache import KVBook, StepInputs
 from shardline.stage.runner import StageRunner
@@ -101,3 +101,35 @@ def staggered(engine: Engine, prompts: list[list[int]], lengths: list[int]) -> l
     for d in done:
         assert d.wait(120)
     return got
+
+
+class Faulty:
+    """Requests through `engine`; once every stream has `at` tokens, `fault()` runs on the engine
+    thread (the engine waits for it: the fault lands mid-generation, at a known point)."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], at: int, fault: Callable[[], None],
+                 max_tokens: int) -> None:
+        self.events: list[list[Event]] = [[] for _ in prompts]
+        self.faulted = threading.Event()
+        self._at, self._fault = at, fault
+        self._done = threading.Semaphore(0)
+        self.tickets: list[Ticket] = [engine.submit(Request(p, SamplingConfig(max_tokens=max_tokens), frozenset()),
+                                                    self._on(i)) for i, p in enumerate(prompts)]
+
+    def _on(self, i: int) -> Callable[[Event], None]:
+        def event(ev: Event) -> None:
+            self.events[i].append(ev)
+            if not self.faulted.is_set() and all(len(e) >= self._at for e in self.events):
+                self._fault()
+                self.faulted.set()
+            if ev.finish:
+                self._done.release()
+        return event
+
+    def finals(self, timeout_s: float) -> list[Event]:
+        for _ in self.events:
+            assert self._done.acquire(timeout=timeout_s)
+        return [e[-1] for e in self.events]
+
+    def tokens(self) -> list[list[int]]:
+        return [[e.token for e in events if e.token is not None] for events in self.events]

@@ -26,11 +26,11 @@ from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.remote import RemotePipeline
 from shardline.serving.admission import Limits
 from shardline.serving.drafters import LookupDrafter
-from shardline.serving.engine import Engine, Event, Request, Ticket
+from shardline.serving.engine import Engine
 from shardline.serving.replay import Replays
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import Drafts
-from tests.helpers import engine_tokens
+from tests.helpers import Faulty, engine_tokens
 from tests.multiproc.procs import SHARDLINE, Proc, with_dispositions, worker
 
 N_NEW = 40
@@ -66,37 +66,6 @@ def inproc_first(three: Path) -> Iterator[StageWorker]:
     w.stop()
 
 
-class Faulty:
-    """Requests through `engine`; once every stream has `at` tokens, `fault()` runs on the engine
-    thread (the engine waits for it: the fault lands mid-generation, at a known point)."""
-
-    def __init__(self, engine: Engine, prompts: list[list[int]], at: int, fault: Callable[[], None]) -> None:
-        self.events: list[list[Event]] = [[] for _ in prompts]
-        self.faulted = threading.Event()
-        self._at, self._fault = at, fault
-        self._done = threading.Semaphore(0)
-        self.tickets: list[Ticket] = [engine.submit(Request(p, SamplingConfig(max_tokens=N_NEW), frozenset()),
-                                                    self._on(i)) for i, p in enumerate(prompts)]
-
-    def _on(self, i: int) -> Callable[[Event], None]:
-        def event(ev: Event) -> None:
-            self.events[i].append(ev)
-            if not self.faulted.is_set() and all(len(e) >= self._at for e in self.events):
-                self._fault()
-                self.faulted.set()
-            if ev.finish:
-                self._done.release()
-        return event
-
-    def finals(self, timeout_s: float) -> list[Event]:
-        for _ in self.events:
-            assert self._done.acquire(timeout=timeout_s)
-        return [e[-1] for e in self.events]
-
-    def tokens(self) -> list[list[int]]:
-        return [[e.token for e in events if e.token is not None] for events in self.events]
-
-
 def _restart_after_kill(old: Proc, faulty: Faulty, folder: Path, stage: str) -> Proc:
     """Wait for the kill, then start the worker again on its port (the chain reconnects to it)."""
     assert faulty.faulted.wait(120)
@@ -110,7 +79,7 @@ def test_a_worker_killed_mid_answer_is_replaced_and_the_answer_goes_on(
     remote = RemotePipeline(three, [f"127.0.0.1:{inproc_first.port}", last.addr], RunConfig(), "f32")
     engine = Engine(remote, Limits(4, 4), 8192, SchedulerConfig(groups=1))
     try:
-        faulty = Faulty(engine, prompts[:1], 6, lambda: last.proc.send_signal(signal.SIGKILL))
+        faulty = Faulty(engine, prompts[:1], 6, lambda: last.proc.send_signal(signal.SIGKILL), N_NEW)
         last = _restart_after_kill(last, faulty, three, "2")
         (final,) = faulty.finals(120)
         assert (final.finish, final.error) == ("length", "")
@@ -134,7 +103,7 @@ def test_a_decode_group_survives_its_middle_worker_killed(three: Path, prompts: 
         remote = RemotePipeline(three, [first.addr, last.addr], RunConfig(), "f32")
         engine = Engine(remote, Limits(4, 4), 8192, SchedulerConfig(groups=1), Drafts(LookupDrafter, 3, 8))
         try:
-            faulty = Faulty(engine, prompts, 8, lambda: first.proc.send_signal(signal.SIGKILL))
+            faulty = Faulty(engine, prompts, 8, lambda: first.proc.send_signal(signal.SIGKILL), N_NEW)
             first = _restart_after_kill(first, faulty, three, "1")
             assert [(f.finish, f.error) for f in faulty.finals(120)] == [("length", "")] * 2
             assert faulty.tokens() == clean
@@ -162,7 +131,7 @@ def test_a_hung_worker_ends_the_request_with_why_within_the_deadline(three: Path
                                 deadlines=Deadlines(floor_s=1.0, multiple=5.0), reconnect_s=2.0)
         engine = Engine(remote, Limits(4, 4), 8192, SchedulerConfig(groups=1), replays=Replays(within_s=2.0))
         try:
-            faulty = Faulty(engine, prompts[:1], 4, hang)
+            faulty = Faulty(engine, prompts[:1], 4, hang, N_NEW)
             (final,) = faulty.finals(60)
             took = time.monotonic() - stopped_at[0]
         finally:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from ray.cluster_utils import Cluster
 
@@ -26,9 +27,13 @@ from shardline.export.defaults import planned_folder
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.remote import RemotePipeline
+from shardline.serving.admission import Limits
+from shardline.serving.engine import Engine
+from shardline.serving.replay import Replays
+from shardline.serving.scheduler import SchedulerConfig
 from shardline.wire.tls import Credentials
 from tests.conftest import CHAT_PROMPTS
-from tests.helpers import engine_tokens
+from tests.helpers import Faulty, engine_tokens
 
 SHARDLINE = str(Path(sys.executable).parent / "shardline")
 GIB = 1 << 30
@@ -145,8 +150,9 @@ def test_two_placed_workers_give_the_in_process_tokens_and_stop_cleanly(cluster:
 
 
 def test_a_dead_worker_is_named_by_its_node(cluster: Cluster, four: Path) -> None:
+    """Once Ray may restart it no more (here: never)."""
     died = f"^the stage worker on {NODE.format('b')} \\(layers 15-29\\) died$"
-    fleet = Fleet(FleetConfig(cluster.address, shards=four, coordinator_memory=GIB), RUN, io.StringIO())
+    fleet = Fleet(FleetConfig(cluster.address, shards=four, coordinator_memory=GIB, restarts=0), RUN, io.StringIO())
     with pytest.raises(ShardlineError, match=died), fleet:
         pid = fleet.watch()[1]
         host, _, port = fleet.addresses[1].rpartition(":")
@@ -155,6 +161,31 @@ def test_a_dead_worker_is_named_by_its_node(cluster: Cluster, four: Path) -> Non
             fleet.watch()
         # What the coordinator then meets is a refused connection; leaving the fleet names the node.
         socket.create_connection((host, int(port)), timeout=2)
+
+
+def test_a_killed_worker_is_restarted_by_ray_on_its_address_and_the_answer_goes_on(
+        cluster: Cluster, four: Path, in_process: list[list[int]]) -> None:
+    """SIGKILL the last worker's process mid-answer: Ray restarts the actor on its node, where it
+    listens on the port it had; the coordinator reconnects and replays the stream, and the
+    answer is the in-process one, token for token."""
+    with Fleet(FleetConfig(cluster.address, shards=four, coordinator_memory=GIB), RUN, io.StringIO()) as fleet:
+        addresses, pids = list(fleet.addresses), fleet.watch()
+        remote = RemotePipeline(fleet.folder, fleet.addresses, RUN, activations="f32", reconnect_s=60)
+        engine = Engine(remote, Limits(2, 2), 8192, SchedulerConfig(groups=1), replays=Replays(within_s=90))
+        try:
+            faulty = Faulty(engine, _prompts(four)[:1], 4, lambda: os.kill(pids[1], signal.SIGKILL), N_NEW)
+            (final,) = faulty.finals(180)
+        finally:
+            engine.stop()
+            remote.shutdown()
+        assert (final.finish, final.error) == ("length", "")
+        assert faulty.tokens() == in_process[:1]
+        assert faulty.tickets[0].stream is not None and faulty.tickets[0].stream.replays == 1
+        now = fleet.watch()
+        assert now[0] == pids[0] and now[1] != pids[1]  # the killed one is a new process ...
+        listening = {f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process(now[1]).net_connections()
+                     if c.status == psutil.CONN_LISTEN}
+        assert addresses[1] in listening  # ... on the address it had
 
 
 def test_three_placed_workers_give_the_in_process_tokens(cluster: Cluster, third_node: None, four: Path,

@@ -3,6 +3,12 @@
 Ray is the control plane only. Each actor hosts a `StageWorker` listening on its node's address,
 and the coordinator's `RemotePipeline` connects to those addresses exactly as with `--workers`:
 no token ever goes through a Ray call.
+
+A worker whose process dies is restarted by Ray (up to `FleetConfig.restarts` times) on the same
+node, where it listens on the port it was given at launch (found free there by a small Ray task
+first): its address does not change, so the coordinator's
+repair reconnects to it and replays the streams that were in flight (issue 11), as it does for a
+static worker restarted on its port.
 """
 
 from __future__ import annotations
@@ -49,10 +55,13 @@ class FleetConfig:
     # keygen's --out folder: the i-th worker gets node-i's credentials through Ray (actor
     # arguments); None: links in clear (--insecure)
     credentials: Path | None = None
+    restarts: int = 3  # times Ray restarts a worker whose process died
 
     def __post_init__(self) -> None:
         if not self.address:
             raise ShardlineError("--ray-address must name a Ray cluster (HOST:PORT, or auto)")
+        if not 0 <= self.restarts <= 100:
+            raise ShardlineError(f"worker restarts must be in 0-100, got {self.restarts}")
 
 
 class StageActor:
@@ -60,10 +69,13 @@ class StageActor:
     on the actor's node: where it already holds the stages (a shared or one-machine cluster) they
     load now; otherwise the coordinator delivers them into it on connecting, and they stay cached."""
 
-    def __init__(self, folder: str, first: int, last: int, run: RunConfig, pems: dict[str, bytes] | None) -> None:
+    def __init__(self, folder: str, first: int, last: int, run: RunConfig, pems: dict[str, bytes] | None,
+                 port: int) -> None:
         host = ray.util.get_node_ip_address()
         self.worker = StageWorker.empty(Path(folder), first, last, run, _unpack(pems))
-        port = self.worker.listen(host, 0)
+        # `port` is fixed for the actor's life: Ray restarts it (same node: hard affinity) with
+        # the same arguments, so its address holds.
+        self.worker.listen(host, port)
         # Ray calls the actor's methods on its own thread; the chain is served beside them.
         threading.Thread(target=self.worker.serve_forever, daemon=True, name="serve").start()
         self.address = f"{host}:{port}"
@@ -75,7 +87,15 @@ class StageActor:
         return os.getpid()
 
 
+def _free_port() -> int:
+    """A port free on the node this runs on, for a stage worker to listen on for its life. (Another
+    process could take it before the worker binds it; the worker then fails to start, clearly.)"""
+    with socket.create_server((ray.util.get_node_ip_address(), 0)) as sock:
+        return int(sock.getsockname()[1])
+
+
 _RemoteStageActor: Any = ray.remote(StageActor)
+_remote_free_port: Any = ray.remote(num_cpus=0)(_free_port)
 
 
 def _pack(folder: Path) -> dict[str, bytes]:
@@ -166,10 +186,12 @@ class Fleet:
                                  f"{1 + len(plan.workers)} (the coordinator's and one per worker)")
         for i, a in enumerate(plan.workers, start=1):
             pems = _pack(creds[i]) if creds else None
-            # One core in Ray's books per worker; hard affinity: the plan chose this node.
-            options = {"num_cpus": 1, "max_restarts": 0,
-                       "scheduling_strategy": NodeAffinitySchedulingStrategy(a.participant.node_id, soft=False)}
-            self._actors.append(_RemoteStageActor.options(**options).remote(str(folder), *a.stages, self.run, pems))
+            # Hard affinity: the plan chose this node. One core in Ray's books per worker.
+            on_node = NodeAffinitySchedulingStrategy(a.participant.node_id, soft=False)
+            port = ray.get(_remote_free_port.options(scheduling_strategy=on_node).remote(), timeout=READY_TIMEOUT_S)
+            options = {"num_cpus": 1, "max_restarts": self.cfg.restarts, "scheduling_strategy": on_node}
+            self._actors.append(_RemoteStageActor.options(**options).remote(str(folder), *a.stages, self.run, pems,
+                                                                            port))
         readies = [actor.ready.remote() for actor in self._actors]
         for a, ref in zip(plan.workers, readies, strict=True):
             try:
