@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from shardline.config import ExportConfig, RunConfig, SamplingParams
-from shardline.model.manifest import FORMAT_VERSION
+from shardline.model.manifest import EXPORT_TAG
 from shardline.model.source import default_model_path
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
@@ -60,7 +60,7 @@ Runner = Callable[[list[int], int], Sample]
 def shard_folder(work: Path, weights: str, stages: int) -> Path:
     from shardline.export.exporter import export
 
-    folder = work / f"smollm2-135m-{weights}-{stages}stages-f{FORMAT_VERSION}"
+    folder = work / f"smollm2-135m-{weights}-{stages}stages-{EXPORT_TAG}"
     if not (folder / "manifest.json").is_file():
         print(f"exporting {folder} ...", file=sys.stderr)
         export(ExportConfig(out=folder, stages=stages, weights=weights, progress=False))

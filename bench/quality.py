@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from shardline.config import WEIGHTS, ExportConfig, RunConfig, SamplingParams
-from shardline.model.manifest import FORMAT_VERSION
+from shardline.model.manifest import EXPORT_TAG
 from shardline.model.source import open_source
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
@@ -78,7 +78,7 @@ def shard_folder(work: Path, weights: str) -> Path:
     """A 1-stage export (named as bench/parity.py names its own, so either script reuses the other's)."""
     from shardline.export.exporter import export
 
-    folder = work / f"smollm2-135m-{weights}-1stages-f{FORMAT_VERSION}"
+    folder = work / f"smollm2-135m-{weights}-1stages-{EXPORT_TAG}"
     if not (folder / "manifest.json").is_file():
         print(f"exporting {folder} ...", file=sys.stderr)
         export(ExportConfig(out=folder, stages=1, weights=weights, isolate=False, progress=False))

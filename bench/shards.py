@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from shardline.config import ExportConfig
-from shardline.model.manifest import FORMAT_VERSION
+from shardline.model.manifest import EXPORT_TAG
 
 
 def shard_folder(work: Path, stages: int, balance: bool = False) -> Path:
@@ -14,7 +14,7 @@ def shard_folder(work: Path, stages: int, balance: bool = False) -> Path:
     manifest format: an export made by an older shardline is never picked up (it would be refused)."""
     from shardline.export.exporter import export
 
-    folder = work / f"smollm2-135m-gguf-{stages}stages{'-balanced' if balance else ''}-f{FORMAT_VERSION}"
+    folder = work / f"smollm2-135m-gguf-{stages}stages{'-balanced' if balance else ''}-{EXPORT_TAG}"
     if not (folder / "manifest.json").is_file():
         print(f"exporting {folder} ...", file=sys.stderr)
         work.mkdir(parents=True, exist_ok=True)

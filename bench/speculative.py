@@ -72,7 +72,7 @@ from procs import Proc  # bench/ is on sys.path when this script runs
 from shards import shard_folder
 
 from shardline.config import RunConfig, SamplingConfig, ServeConfig, SpeculationConfig
-from shardline.model.manifest import FORMAT_VERSION
+from shardline.model.manifest import EXPORT_TAG
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.server import open_engine
 from shardline.serving.drafters import SUPPORT
@@ -191,7 +191,7 @@ def draft_path(source: str, work: Path) -> str:
         from shardline.config import ExportConfig
         from shardline.export.exporter import export
 
-        folder = work / f"smollm2-135m-{source}-1stage-f{FORMAT_VERSION}"
+        folder = work / f"smollm2-135m-{source}-1stage-{EXPORT_TAG}"
         if not (folder / "manifest.json").is_file():
             print(f"exporting {folder} ...", file=sys.stderr)
             export(ExportConfig(out=folder, stages=1, weights=source, isolate=False, progress=False))

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from shardline.config import ExportConfig
-from shardline.model.manifest import FORMAT_VERSION, MANIFEST, load_manifest
+from shardline.model.manifest import EXPORT_TAG, MANIFEST, load_manifest
 
 DEFAULT_STAGES = 2
 DEFAULT_WEIGHTS = "gguf"
@@ -24,13 +24,13 @@ def cache_dir() -> Path:
 
 def default_shards(progress: bool = True) -> Path:
     """The default model in DEFAULT_STAGES balanced stages, exported once and cached."""
-    folder = cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-{DEFAULT_STAGES}stages-balanced-f{FORMAT_VERSION}"
+    folder = cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-{DEFAULT_STAGES}stages-balanced-{EXPORT_TAG}"
     return _cached(folder, "the default model's shards", ExportConfig(
         out=folder, stages=DEFAULT_STAGES, balance=True, weights=DEFAULT_WEIGHTS, progress=progress))
 
 
 def planned_folder(spec: str) -> Path:
-    return cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-layers-{spec.replace(',', '_')}-f{FORMAT_VERSION}"
+    return cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-layers-{spec.replace(',', '_')}-{EXPORT_TAG}"
 
 
 def planned_shards(spec: str) -> Path:
@@ -43,7 +43,7 @@ def planned_shards(spec: str) -> Path:
 def self_draft_shards(layers: int, progress: bool = True) -> Path:
     """The default model's first `layers` decoder layers, then its final norm and head, as one
     stage (a self-speculation draft for the default model), exported once and cached."""
-    folder = cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-first{layers}-f{FORMAT_VERSION}"
+    folder = cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-first{layers}-{EXPORT_TAG}"
     return _cached(folder, f"the default model's shards (first {layers} layers)", ExportConfig(
         out=folder, stages=1, weights=DEFAULT_WEIGHTS, truncate=layers, progress=progress))
 
@@ -60,7 +60,7 @@ def self_draft_for(target: Path, layers: int, progress: bool = True) -> Path:
     source = Path(m.source["path"])
     if not source.exists():
         raise ShardlineError(f"--draft layers:{layers}: the target's source model {source} is not on this machine")
-    folder = cache_dir() / f"self-{m.model_hash[:16]}-{m.weights}-first{layers}-f{FORMAT_VERSION}"
+    folder = cache_dir() / f"self-{m.model_hash[:16]}-{m.weights}-first{layers}-{EXPORT_TAG}"
     return _cached(folder, f"a self-speculation draft (the first {layers} layers of {source.name})", ExportConfig(
         out=folder, model=source, stages=1, weights=m.weights, group_size=m.group_size or 64, truncate=layers,
         progress=progress))
@@ -71,7 +71,7 @@ def default_model_layers() -> int:
     reading the GGUF takes seconds (and without a cached export, an export follows anyway)."""
     from shardline.model.source import open_source
 
-    for manifest in sorted(cache_dir().glob(f"{DEFAULT_PREFIX}*-f{FORMAT_VERSION}/{MANIFEST}")):
+    for manifest in sorted(cache_dir().glob(f"{DEFAULT_PREFIX}*-{EXPORT_TAG}/{MANIFEST}")):
         m = load_manifest(manifest.parent)
         return int(m.extra.get("truncated_from", m.arch.n_layers))  # a self draft keeps fewer
     return open_source(None).arch.n_layers

@@ -17,6 +17,10 @@ from shardline.model.source import file_sha256
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2  # 2: the last stage takes logits_index (logits only where tokens are chosen)
+# How the graphs are built, inside the same format: an older export still loads and runs, only
+# slower. 3: RoPE in the form OpenVINO fuses, and with it the KV cache inside the attention node.
+GRAPH_REVISION = 3
+EXPORT_TAG = f"f{FORMAT_VERSION}g{GRAPH_REVISION}"  # in cached exports' folder names
 
 
 @dataclass(frozen=True)
