@@ -21,7 +21,7 @@ import openvino as ov
 import openvino.opset15 as ops
 
 from shardline.export.plan import StagePlan
-from shardline.export.weights import Weights
+from shardline.export.weights import Linear, Weights
 from shardline.model.arch import Arch
 from shardline.model.source import layer_names
 
@@ -66,11 +66,27 @@ class _Builder:
         r.output(0).set_names({name})
         self.results.append(r)
 
+    def linears(self, x: ov.Output, prefix: str, names: tuple[str, ...]) -> list[ov.Output]:
+        """x @ W.T (+ bias) for the weights `prefix + name` sharing the input x: one matmul over
+        their stacked rows, split after (one by one when they cannot be stacked)."""
+        weights = tuple(f"{prefix}{n}.weight" for n in names)
+        lin = self.w.stacked(weights) if len(weights) > 1 else self.w.one(weights[0])
+        if lin is None:
+            outs = [self.project(x, self.w.one(w)) for w in weights]
+        else:
+            y = self.project(x, lin)
+            outs = [y] if len(names) == 1 else list(ops.variadic_split(y, _i64(-1), _i64(*lin.rows)).outputs())
+        if self.a.qkv_bias:
+            outs = [ops.add(y, self.w.vector(f"{prefix}{n}.bias")).output(0) if n in ("q_proj", "k_proj", "v_proj")
+                    else y for y, n in zip(outs, names, strict=True)]
+        return outs
+
     def linear(self, x: ov.Output, name: str) -> ov.Output:
-        y = ops.matmul(x, self.w.matrix(name + ".weight"), False, True)
-        if self.a.qkv_bias and name.split(".")[-1] in ("q_proj", "k_proj", "v_proj"):
-            y = ops.add(y, self.w.vector(name + ".bias"))
-        return y.output(0)
+        prefix, _, last = name.rpartition(".")
+        return self.linears(x, prefix + ".", (last,))[0]
+
+    def project(self, x: ov.Output, lin: Linear) -> ov.Output:
+        return ops.matmul(x, lin.matrix, False, True).output(0)
 
     def rms(self, x: ov.Output, name: str) -> ov.Output:
         var = ops.reduce_mean(ops.multiply(x, x), _i64(-1), True)
@@ -125,9 +141,10 @@ class _Builder:
         past_k = self.param(f"past.{i}.key", ov.Type.f32, kv_shape)
         past_v = self.param(f"past.{i}.value", ov.Type.f32, kv_shape)
         h = self.rms(x, p + "input_layernorm.weight")
-        q = self.rope(self.heads(self.linear(h, p + "self_attn.q_proj"), a.n_heads), cos, sin)
-        k = self.rope(self.heads(self.linear(h, p + "self_attn.k_proj"), a.n_kv_heads), cos, sin)
-        v = self.heads(self.linear(h, p + "self_attn.v_proj"), a.n_kv_heads)
+        q, k, v = self.linears(h, p + "self_attn.", ("q_proj", "k_proj", "v_proj"))
+        q = self.rope(self.heads(q, a.n_heads), cos, sin)
+        k = self.rope(self.heads(k, a.n_kv_heads), cos, sin)
+        v = self.heads(v, a.n_kv_heads)
         k_all = ops.concat([past_k, k], 2).output(0)
         v_all = ops.concat([past_v, v], 2).output(0)
         self.result(k_all, f"present.{i}.key")
@@ -136,8 +153,8 @@ class _Builder:
         attn = ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, a.n_heads * a.head_dim), True)
         x = ops.add(x, self.linear(attn.output(0), p + "self_attn.o_proj")).output(0)
         h = self.rms(x, p + "post_attention_layernorm.weight")
-        gate = ops.swish(self.linear(h, p + "mlp.gate_proj"))
-        up = self.linear(h, p + "mlp.up_proj")
+        gate, up = self.linears(h, p + "mlp.", ("gate_proj", "up_proj"))
+        gate = ops.swish(gate)
         return ops.add(x, self.linear(ops.multiply(gate, up).output(0), p + "mlp.down_proj")).output(0)
 
     def build(self) -> ov.Model:
@@ -161,7 +178,7 @@ class _Builder:
             index = self.param("logits_index", ov.Type.i64, [-1, -1]).output(0)
             x = ops.gather(x, index, np.int64(1), batch_dims=1).output(0)
             head = "model.embed_tokens.weight" if a.tied_embeddings else "lm_head.weight"
-            x = ops.matmul(self.rms(x, "model.norm.weight"), self.w.matrix(head), False, True).output(0)
+            x = self.project(self.rms(x, "model.norm.weight"), self.w.one(head))
             self.result(x, "logits")
         else:
             self.result(x, "out_hidden")

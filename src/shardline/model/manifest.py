@@ -18,8 +18,9 @@ from shardline.model.source import file_sha256
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2  # 2: the last stage takes logits_index (logits only where tokens are chosen)
 # How the graphs are built, inside the same format: an older export still loads and runs, only
-# slower. 3: RoPE in the form OpenVINO fuses, and with it the KV cache inside the attention node.
-GRAPH_REVISION = 3
+# slower. 3: RoPE in the form OpenVINO fuses, and with it the KV cache inside the attention node;
+# 4: q, k and v (and gate and up) as one matmul each.
+GRAPH_REVISION = 4
 EXPORT_TAG = f"f{FORMAT_VERSION}g{GRAPH_REVISION}"  # in cached exports' folder names
 
 
