@@ -183,8 +183,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="smoke run: fast precision, 8 steps")
     args = ap.parse_args()
-    quiet, load = wait_quiet(max_wait_s=600)
+    if args.quick:
+        args.precision, args.steps, args.warmup = "fast", 8, 2
+    quiet, load = wait_quiet(max_wait_s=0 if args.quick else 600)
     ours_xml = shard_folder(args.work, args.weights, 1) / "stage0.xml"
     theirs_xml = genai_graph(args.work)
     figures: dict[str, Any] = {}
