@@ -97,6 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     key = s.add_mutually_exclusive_group()
     key.add_argument("--api-key", help="require 'Authorization: Bearer KEY' of /v1 requests (401 otherwise)")
     key.add_argument("--api-key-file", type=Path, help="the same, the key read from this file's first line")
+    s.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let pages from this origin (e.g. http://localhost:3000, or *) call the API; repeatable")
     s.add_argument("--threads", type=int, help="OpenVINO threads per stage")
     s.add_argument("--device", default="CPU")
     s.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact")
@@ -307,7 +309,8 @@ def _serve(args: argparse.Namespace) -> int:
                       default_max_tokens=args.max_tokens, model_id=args.model_id,
                       decode_groups=args.decode_groups, prefill_chunk=args.prefill_chunk,
                       max_prefills=args.max_prefills, max_body_bytes=args.max_body_bytes,
-                      api_key=load_key(args.api_key, args.api_key_file), recovery=_recovery(args))
+                      api_key=load_key(args.api_key, args.api_key_file), recovery=_recovery(args),
+                      cors_origins=tuple(args.cors_origin))
     run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
     credentials = _credentials(args, links=bool(args.workers))
     folder = args.shards or default_shards()

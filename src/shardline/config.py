@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,6 +158,9 @@ class SamplingParams:
         return self.temperature == 0
 
 
+_ORIGIN = re.compile(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")
+
+
 @dataclass(frozen=True)
 class RecoveryConfig:
     """What the coordinator does when a worker dies or hangs (issue 11). A step in flight is
@@ -205,6 +209,8 @@ class ServeConfig:
     max_body_bytes: int = 2 << 20  # larger request bodies get 413
     api_key: str | None = field(default=None, repr=False)  # /v1 requests must bear it (api/auth.py)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)  # after a worker dies or hangs
+    # Browser origins allowed to call the API from their pages (CORS); none unless given.
+    cors_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.decode_groups is not None and self.decode_groups < 0:
@@ -225,6 +231,11 @@ class ServeConfig:
             raise ShardlineError("--max-tokens must be >= 1")
         if not 0 < self.memory_fraction <= 1:
             raise ShardlineError("--memory-fraction must be in (0, 1]")
+        if len(self.cors_origins) > 32:
+            raise ShardlineError(f"at most 32 --cors-origin, got {len(self.cors_origins)}")
+        for origin in self.cors_origins:
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ShardlineError(f"--cors-origin must be '*' or SCHEME://HOST[:PORT] with no path, got {origin!r}")
 
 
 DRAFT_K_MAX = 8  # drafts per verify step at most (auto K stays within it)

@@ -68,3 +68,11 @@ def test_bad_api_keys(tmp_path: Path, key: str, message: str, capsys: pytest.Cap
 def test_an_api_key_file_that_is_not_there(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _fails(capsys, ["serve", "--shards", str(tmp_path), "--api-key-file", str(tmp_path / "nope")],
            f"--api-key-file {tmp_path / 'nope'}: [Errno 2] No such file or directory")
+
+
+@pytest.mark.parametrize("origin", ["localhost:3000", "http://localhost:3000/", "http://a.b/path", "ftp://x", "",
+                                    "http://x y"])
+def test_a_cors_origin_that_is_not_one_is_refused(tmp_path: Path, origin: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    _fails(capsys, ["serve", "--shards", str(tmp_path), "--cors-origin", origin],
+           f"--cors-origin must be '*' or SCHEME://HOST[:PORT] with no path, got {origin!r}")

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -43,6 +44,7 @@ class Served:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     retry_after_s: int = 1  # Retry-After of a 429 when every stream and queue slot is taken
     api_key: str | None = None  # required of /v1 requests when set (api/auth.py)
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (none: CORS off)
 
 
 class Json(JSONResponse):
@@ -57,7 +59,10 @@ def build_app(served: Served) -> FastAPI:
     app = FastAPI(title="shardline", docs_url=None, redoc_url=None, default_response_class=Json)
     app.add_middleware(BodyLimit, max_bytes=served.max_body_bytes)
     if served.api_key is not None:
-        app.add_middleware(ApiKey, key=served.api_key)  # added last: runs first, before the body is read
+        app.add_middleware(ApiKey, key=served.api_key)  # added after: runs before, before the body is read
+    if served.cors_origins:  # outermost: a browser's preflight carries no key, and gets its answer here
+        app.add_middleware(CORSMiddleware, allow_origins=list(served.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     metrics = ServerMetrics(served.engine)
     token_text = TokenText(served.tok)
     _errors(app)
