@@ -26,6 +26,7 @@ import openvino as ov
 from quiet import wait_quiet  # bench/ is on sys.path when this script runs
 
 from shardline.config import RunConfig
+from shardline.stage.zero_points import split_zero_points
 
 PROMPT = 46
 
@@ -38,9 +39,12 @@ def graph_xml(folder: Path) -> Path:
 
 
 class Graph:
-    def __init__(self, xml: Path, props: dict[str, Any]) -> None:
+    def __init__(self, xml: Path, props: dict[str, Any], split: bool) -> None:
         core = ov.Core()
-        self.compiled = core.compile_model(core.read_model(xml), "CPU", props)
+        model = core.read_model(xml)
+        if split:
+            split_zero_points(model)
+        self.compiled = core.compile_model(model, "CPU", props)
         self.names = {i.any_name for i in self.compiled.inputs}
 
     def _feed(self, ids: np.ndarray, slots: int) -> dict[str, np.ndarray]:
@@ -70,7 +74,9 @@ class Graph:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("graphs", nargs="+", metavar="LABEL=DIR")
-    ap.add_argument("--precision", default="fast", help="exact, fast, plugin or bf16, comma-separated")
+    ap.add_argument("--precision", default="fast",
+                    help="comma-separated: exact, fast (as shardline compiles it: Q4_1 zero points split), "
+                         "fast-zp (fast, zero points kept), bf16 (fast with bf16 compute), plugin")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=9)
@@ -82,13 +88,13 @@ def main() -> int:
     graphs: dict[str, Graph] = {}
     for precision in args.precision.split(","):
         # bf16: fast with bf16 compute (this CPU has AVX512-BF16); the others as shardline sets them
-        base = "fast" if precision == "bf16" else precision
+        base = "fast" if precision in ("bf16", "fast-zp") else precision
         props: dict[str, Any] = RunConfig(precision=base, threads=args.threads).ov_properties()
         if precision == "bf16":
             props["INFERENCE_PRECISION_HINT"] = "bf16"
         for spec in args.graphs:
             label, _, folder = spec.partition("=")
-            graphs[f"{label} {precision}"] = Graph(graph_xml(Path(folder)), props)
+            graphs[f"{label} {precision}"] = Graph(graph_xml(Path(folder)), props, precision in ("fast", "bf16"))
     for g in graphs.values():
         g.run(16)  # warm-up
     runs: dict[str, list[tuple[float, float, list[int]]]] = {name: [] for name in graphs}

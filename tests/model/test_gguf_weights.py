@@ -12,7 +12,14 @@ import pytest
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from shardline.config import RunConfig
+from shardline.model.manifest import load_manifest
 from shardline.model.source import default_model_path, open_source
+from shardline.model.tokenizer import ChatTokenizer
+from shardline.pipeline.local import LocalPipeline
+from shardline.stage.zero_points import split_zero_points
+from tests.conftest import CHAT_PROMPTS
+from tests.helpers import greedy_ours
 
 
 def _raw(name: str) -> tuple[np.ndarray, str]:
@@ -63,3 +70,19 @@ def test_q_and_k_unpermuted_like_transformers() -> None:
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
                  "model.layers.7.mlp.up_proj.weight", "model.norm.weight"):
         np.testing.assert_allclose(ours.tensor(name), hf.state_dict()[name].numpy(), atol=1e-6, rtol=0)
+
+
+def test_fast_precision_splits_the_q4_1_zero_points_and_tokens_do_not_depend_on_the_split(
+        shards: Callable[..., Path]) -> None:
+    """`--precision fast` rewrites every Q4_1 matmul of a stage (stage/zero_points.py) so that its
+    activations may be quantized; as in every precision, 2 stages give the tokens of 1."""
+    two, one = shards("gguf", stages=2), shards("gguf", stages=1)
+    manifest = load_manifest(two)
+    first = manifest.stages[0]
+    model = ov.Core().read_model(two / first.xml)
+    # per layer: q|k|v stacked, o, gate|up stacked, down (the head is Q8_0: no zero point)
+    assert split_zero_points(model) == 4 * (first.last_layer - first.first_layer + 1)
+    prompt = ChatTokenizer(one).encode_chat([{"role": "user", "content": CHAT_PROMPTS[0]}])
+    fast = RunConfig(precision="fast", threads=2)
+    with LocalPipeline(one, fast) as p1, LocalPipeline(two, fast) as p2:
+        assert greedy_ours(p2, prompt, 48)[0] == greedy_ours(p1, prompt, 48)[0]
