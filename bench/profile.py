@@ -2,9 +2,9 @@
 openvino_genai builds from the same GGUF, side by side (issue 12).
 
 Both graphs are compiled in this process with the same properties (`--precision`: exact or fast,
-as shardline sets them) and PERF_COUNT on; each gets the same 46-token prompt, then `--steps`
-decode steps, whose counters (after `--warmup` steps) are summed per executed node. Reported per
-step:
+as shardline sets them, and for fast with its Q4_1 rewrite, stage/zero_points.py) and PERF_COUNT
+on; each gets the same 46-token prompt, then `--steps` decode steps, whose counters (after
+`--warmup` steps) are summed per executed node. Reported per step:
 
 - by kernel: the node type the CPU plugin ran (after its fusions) and its implementation
   (brgemm/jit kernels, or `ref` for a reference one), time and count;
@@ -43,6 +43,7 @@ from quiet import wait_quiet
 
 from shardline.config import RunConfig
 from shardline.model.source import default_model_path
+from shardline.stage.zero_points import split_zero_points
 
 PROMPT = 46  # tokens, as bench/parity.py's chat prompt
 FUSED = {  # what each fusion looks like once compiled: the node type the plugin runs
@@ -122,9 +123,12 @@ def genai_graph(work: Path) -> Path:
     return xml
 
 
-def profile(name: str, xml: Path, props: dict[str, Any], steps: int, warmup: int) -> Profile:
+def profile(name: str, xml: Path, props: dict[str, Any], steps: int, warmup: int, split: bool) -> Profile:
     core = ov.Core()
-    compiled = core.compile_model(core.read_model(xml), "CPU", props | {"PERF_COUNT": True})
+    model = core.read_model(xml)
+    if split:  # as StageRunner compiles for `fast` (a no-op on integer zero points, as genai's)
+        split_zero_points(model)
+    compiled = core.compile_model(model, "CPU", props | {"PERF_COUNT": True})
     names = {i.any_name for i in compiled.inputs}
     request = compiled.create_infer_request()
     n = PROMPT
@@ -193,8 +197,9 @@ def main() -> int:
     figures: dict[str, Any] = {}
     for precision in (("exact", "fast") if args.precision == "both" else (args.precision,)):
         props: dict[str, Any] = RunConfig(precision=precision, threads=args.threads).ov_properties()
-        ours = profile(f"shardline ({args.weights})", ours_xml, props, args.steps, args.warmup)
-        theirs = profile("openvino_genai (GGUF)", theirs_xml, props, args.steps, args.warmup)
+        split = precision == "fast"
+        ours = profile(f"shardline ({args.weights})", ours_xml, props, args.steps, args.warmup, split)
+        theirs = profile("openvino_genai (GGUF)", theirs_xml, props, args.steps, args.warmup, split)
         figures[precision] = report(precision, ours, theirs)
     ratios = {f"ours_vs_genai_step_{p}": round(f["ours_us"] / f["genai_us"], 3) for p, f in figures.items()}
     print(json.dumps(ratios | {"weights": args.weights, "quiet": quiet, "load_avg_1m": round(load, 2)} | figures))
