@@ -252,7 +252,18 @@ def soak(engine: Engine, prompts: list[list[int]], workers: list[Worker],
         figures[f"{name}_rss_mb"] = [round(ys[0], 1), round(late[0][col], 1), round(ys[-1], 1)]  # start, half, end
         figures[f"{name}_rss_slope_mb_min"] = round(60 * _slope([s[0] for s in late], [s[col] for s in late]), 2)
     figures["threads"] = [samples[0][4], samples[-1][4]]
+    if args.samples_csv:
+        write_samples(args.samples_csv, samples)
     return figures
+
+
+def write_samples(path: Path, samples: list[tuple[float, float, float, float, int]]) -> None:
+    """The soak's RSS curve, one row per sample (atomic: temp then rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    rows = ["t_s,coordinator_mb,worker1_mb,worker2_mb,threads"]
+    rows += [f"{t:.1f},{c:.1f},{w1:.1f},{w2:.1f},{n}" for t, c, w1, w2, n in samples]
+    tmp.write_text("\n".join(rows) + "\n")
+    tmp.replace(path)
 
 
 def _slope(xs: list[float], ys: list[float]) -> float:
@@ -290,6 +301,7 @@ def main() -> int:
     ap.add_argument("--soak-s", type=float, default=600.0)
     ap.add_argument("--soak-fault-every", type=float, default=2.0, help="mean seconds between hangs in the soak")
     ap.add_argument("--sample-s", type=float, default=5.0)
+    ap.add_argument("--samples-csv", type=Path, help="write the soak's RSS samples here")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="bound on each run of the requests")
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--quick", action="store_true", help="20 requests, a 30 s soak")
