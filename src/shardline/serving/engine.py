@@ -34,7 +34,7 @@ from shardline.serving.admission import Limits, accepts, to_admit
 from shardline.serving.drafters import Proposal
 from shardline.serving.replay import Replays, refusal
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
-from shardline.serving.speculation import Drafts, SpecStats, StepCost
+from shardline.serving.speculation import Drafts, SpecStats, Speculation, StepCost
 from shardline.serving.stream import Stream
 
 log = logging.getLogger("shardline.engine")
@@ -181,9 +181,12 @@ class Engine:
             spec = s.spec
             if spec is None or spec.planned or not s.idle_decoder():
                 continue
+            if not self._group_drafts(s.id, spec):
+                spec.hold()
+                continue
             try:
                 rows = len(self.scheduler.groups.members_of(s.id)) or 1
-                cost = self.costs.setdefault(rows, StepCost())
+                cost = self.costs.setdefault(rows, StepCost(rows=rows))
                 context = s.prompt + s.generated
                 k = spec.choose_k(cost, rows, room=s.max_tokens - len(s.generated) - 1,
                                   ready=spec.drafter.ready(context))
@@ -205,7 +208,7 @@ class Engine:
             if spec is None or not s.in_flight or not s.decoding:
                 continue
             rows = len(self.scheduler.groups.members_of(s.id)) or 1
-            if not spec.worth_following(self.costs.get(rows), rows):
+            if not self._group_drafts(s.id, spec) or not spec.worth_following(self.costs.get(rows), rows):
                 continue
             try:
                 drew = spec.drafter.follow(s.prompt + s.generated, s.params, spec.ahead_limit()) or drew
@@ -213,17 +216,36 @@ class Engine:
                 log.warning("stream %d: no drafts ahead (%s: %s)", s.id, type(e).__name__, e)
         return drew
 
+    def _group_drafts(self, stream: int, spec: Speculation) -> bool:
+        """Whether `stream`'s decode group lets its rows offer drafts (GroupPace; a fixed K is
+        the user's choice and stands)."""
+        group = self.scheduler.groups.group_of(stream)
+        return group is None or group.pace.allow or spec.fixed_k is not None
+
     def _dispatch(self) -> None:
         for step in self.scheduler.plan():
             if isinstance(step, DecodeStep):
                 self.scheduler.streams[step.streams[0]].sent = (time.perf_counter(), step.inputs.rows,
                                                                step.inputs.new_tokens)
+                self._group_launched(step)
             try:
                 self.pipe.submit(step)
             except Exception as e:  # noqa: BLE001 - a step that cannot start fails its streams
                 self._step_failed(step, f"{type(e).__name__}: {e}")
         for key in self.scheduler.releases():
             self.pipe.release(key)
+
+    def _group_launched(self, step: DecodeStep) -> None:
+        group = self.scheduler.groups.by_key(step.key)
+        if group is not None:
+            streams = [self.scheduler.streams[s] for s in step.streams]
+            group.pace.launched(len(streams), any(s.spec and s.spec.proposal.tokens for s in streams),
+                                steady=not step.merge)
+
+    def _group_settled(self, stream: Stream, tokens: int) -> None:
+        group = self.scheduler.groups.group_of(stream.id)
+        if group is not None:
+            group.pace.settled(tokens, time.perf_counter(), len(group.members()))
 
     def _step_failed(self, step: Step, why: str) -> None:
         for s in step.streams:
@@ -271,7 +293,9 @@ class Engine:
             if outcome.failed:
                 return self._finish(stream, "error", outcome.error)
             stream.lost_at = None  # it runs again: a later loss is a new repair
-            for choice in self._verified(stream, outcome):
+            stood = self._verified(stream, outcome)
+            self._group_settled(stream, len(stood))
+            for choice in stood:
                 if self._emit(stream, choice):
                     return
             if self._ticket(stream).cancelled:
@@ -311,7 +335,7 @@ class Engine:
         """A decode step of `stream` (its group's first row) came back: its time, for K."""
         if stream.sent is not None:
             when, rows, width = stream.sent
-            self.costs.setdefault(rows, StepCost()).record(time.perf_counter() - when, rows, width)
+            self.costs.setdefault(rows, StepCost(rows=rows)).record(time.perf_counter() - when, rows, width)
             stream.sent = None
 
     def _emit(self, stream: Stream, choice: Choice) -> bool:

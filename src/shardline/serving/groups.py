@@ -27,7 +27,7 @@ import numpy as np
 
 from shardline.pipeline.plan import DecodeStep
 from shardline.serving.drafters import Proposal
-from shardline.serving.speculation import drafted
+from shardline.serving.speculation import GroupPace, drafted
 from shardline.serving.stream import Stream
 from shardline.stage.cache import StepInputs
 
@@ -47,6 +47,7 @@ class Group:
     rows: list[int] = field(default_factory=list)  # live row streams, in KV row order
     held: list[int] = field(default_factory=list)  # whose rows the KV state holds (last step)
     joining: list[int] = field(default_factory=list)  # prefilled, not yet rows
+    pace: GroupPace = field(default_factory=GroupPace)  # whether drafts pay the group as a whole
 
     def members(self) -> list[int]:
         return self.rows + self.joining
@@ -123,6 +124,12 @@ class Groups:
         """The members of `stream`'s group (none when it is in no group)."""
         group = self._of.get(stream)
         return group.members() if group else []
+
+    def group_of(self, stream: int) -> Group | None:
+        return self._of.get(stream)
+
+    def by_key(self, key: int) -> Group | None:
+        return next((g for g in self._all if g.key == key), None)
 
     def join(self, stream: int) -> Group:
         """`stream` has its first token: it joins the least loaded group (a new one if all are full)."""

@@ -61,13 +61,20 @@ class StepCost:
     """Measured seconds of a decode step, fitted as base_s + per_token_s x (extra positions):
     `base_s` for one position per row, `per_token_s` for each extra position of a row (a step's
     rows are padded to the longest). A least-squares line over recent steps (older ones decay);
-    until steps of different widths were seen, the last slope stands, at first a quarter of the
-    base (measured here: an extra position costs 25-30% of a one-token step of the default model
-    on 2 cores, BENCHMARKS.md)."""
+    until steps of different widths were seen, the last slope stands, at first the prior: an
+    extra position costs a quarter of a one-row step (measured here: 25-30% for the default model
+    on 2 cores, BENCHMARKS.md), and so, as a step of R rows costs (1 + (R - 1) / 4) one-row
+    steps, a fraction 1 / (4 + R - 1) of its own base per extra row-position."""
 
     base_s: float = 0.0
     per_token_s: float = -1.0  # -1: not measured yet
+    rows: int = 1  # the steps it times have this many rows
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # n, x, y, xx, xy (decayed)
+
+    @property
+    def _prior(self) -> float:
+        """The prior slope relative to the base (see above)."""
+        return PRIOR_SLOPE / (1 + PRIOR_SLOPE * (self.rows - 1))
 
     def record(self, seconds: float, rows: int, width: int) -> None:
         """A step of `rows` rows of `width` positions took `seconds`, planning to outcome."""
@@ -79,12 +86,12 @@ class StepCost:
         if spread > 1e-9 * max(1.0, n * sxx):
             slope = self.per_token_s = max(0.0, (n * sxy - sx * sy) / spread)
         elif slope < 0:  # one width so far: the prior slope, relative to what was measured
-            slope = PRIOR_SLOPE * (sy / n) / (1 + PRIOR_SLOPE * sx / n)
+            slope = self._prior * (sy / n) / (1 + self._prior * sx / n)
         self.base_s = max(1e-6, (sy - slope * sx) / n)
 
     @property
     def slope_s(self) -> float:
-        measured = self.per_token_s if self.per_token_s >= 0 else PRIOR_SLOPE * self.base_s
+        measured = self.per_token_s if self.per_token_s >= 0 else self._prior * self.base_s
         return max(measured, MIN_SLOPE * self.base_s)
 
 
@@ -110,6 +117,61 @@ class Pace:
         if min(self.steps) < MIN_PACE_STEPS:
             return False
         return self.seconds[1] / self.tokens[1] > self.seconds[0] / self.tokens[0]
+
+
+@dataclass
+class GroupPace:
+    """A decode group's measured tokens per wall second over its steps with drafts and without,
+    kept per number of rows. A row's drafts pad every row of its group's step and are drawn on
+    the engine thread while the others wait; a row's own pace (`Pace`) sees what its drafts
+    gave it, not what they cost the others. A step's time runs from the moment the group's step
+    before it was settled (so drafting for it counts) to the moment its own last row is.
+
+    Its verdict, for groups of two rows or more: drafts only while steps with drafts have given
+    the group at least the tokens per second of steps without; every PROBE_EVERY steps the other
+    choice, so both paces stay measured. Hence speculation in a group costs at most the probes
+    when it does not pay (the server is never slower with it on than off, beyond that)."""
+
+    paces: dict[int, Pace] = field(default_factory=dict)  # by the step's rows
+    allow: bool = True  # whether the group's next step may offer drafts
+    _since_probe: int = 0
+    _pending: int = 0  # rows of the step in flight not yet settled
+    _step: tuple[int, bool, bool] = (0, False, False)  # its rows, whether it drafted, whether steady
+    _tokens: int = 0  # tokens its rows have settled
+    _settled: float | None = None  # when the step before it was settled (None: not timed)
+
+    def launched(self, rows: int, drafted: bool, steady: bool) -> None:
+        """A step of `rows` rows left; `steady`: no row joined (a joiner's prefill ran before
+        it, and would be counted)."""
+        if self._pending:  # the step before never settled (lost with a chain): time afresh
+            self._settled = None
+        self._pending, self._step, self._tokens = rows, (rows, drafted, steady), 0
+
+    def settled(self, tokens: int, now: float, members: int) -> None:
+        """One row of the step in flight came back with `tokens` tokens that stand; at the
+        last, the step is timed and the verdict for the group's next step (of `members` rows)
+        is drawn."""
+        if not self._pending:
+            return
+        self._tokens += tokens
+        self._pending -= 1
+        if self._pending:
+            return
+        rows, drafted, steady = self._step
+        if steady and self._settled is not None:
+            self.paces.setdefault(rows, Pace()).record(drafted, now - self._settled, self._tokens)
+        self._settled = now
+        self.allow = self._verdict(members)
+
+    def _verdict(self, rows: int) -> bool:
+        if rows < 2:  # one row: its own pace decides (Speculation.choose_k)
+            return True
+        lose = rows in self.paces and self.paces[rows].drafts_lose()
+        self._since_probe += 1
+        if self._since_probe >= PROBE_EVERY:
+            self._since_probe = 0
+            return lose
+        return not lose
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -183,6 +245,11 @@ class Speculation:
                     k = max(1, modelled)  # only if drafts that all stood could pay at all
         self.k = max(0, min(k, room))
         return self.k
+
+    def hold(self) -> None:
+        """No drafts for the next step: its group's measured pace says they do not pay."""
+        self.k = 0
+        self.offer(Proposal([]))
 
     def offer(self, proposal: Proposal) -> None:
         self.proposal, self.planned = proposal, True
