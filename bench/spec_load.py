@@ -1,7 +1,8 @@
 """Speculation under load (issue 10, item 4): is a server with speculation on (auto K) ever slower
 than with it off? Aggregate decode tokens/s of N concurrent streams, N = 1, 2, 4, 8, through
-one engine (decode groups as `shardline serve` sets them), speculation off vs prompt lookup with
-auto K vs a fixed K, side by side; the settings interleave within each round; medians.
+one engine (decode groups as `shardline serve` sets them), speculation off vs drafts (prompt
+lookup by default) with auto K vs a fixed K, side by side; the settings interleave within each
+round; medians.
 
 In process by default (every stage on its own thread, the default 2-stage gguf export); with
 --workers N the stages after 0 run on N worker processes on 127.0.0.1 (a 1+N-stage export),
@@ -9,6 +10,7 @@ optionally behind `shardline relay` with --delay-ms per hop.
 
     python bench/spec_load.py --quick
     python bench/spec_load.py --streams 1,2,4,8 --rounds 3
+    python bench/spec_load.py --draft int8 --workers 2   # a draft model on the coordinator
 
 The last line on stdout is one JSON object with the figures, ratios first.
 """
@@ -25,6 +27,7 @@ from typing import Any
 
 from procs import Proc  # bench/ is on sys.path when this script runs
 from shards import shard_folder
+from speculative import draft_path
 
 from shardline.config import RunConfig, SamplingConfig, ServeConfig, SpeculationConfig
 from shardline.model.tokenizer import ChatTokenizer
@@ -84,6 +87,7 @@ def main() -> None:
     ap.add_argument("--fixed-k", type=int, default=4)
     ap.add_argument("--workers", type=int, default=0, help="worker processes for stages 1..N (0: in process)")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="relay delay per hop (with --workers)")
+    ap.add_argument("--draft", default="ngram", help="ngram (default), int8, int4, layers:L or an export folder")
     ap.add_argument("--quick", action="store_true", help="1 and 4 streams, 32 tokens, 1 round")
     args = ap.parse_args()
     streams = [1, 4] if args.quick else [int(x) for x in args.streams.split(",")]
@@ -91,8 +95,9 @@ def main() -> None:
     folder = shard_folder(args.work, 1 + args.workers if args.workers else 2, balance=not args.workers)
     tok = ChatTokenizer(folder)
     prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in TEXTS]
-    settings = {"off": SpeculationConfig(), "auto": SpeculationConfig(draft="ngram"),
-                f"k{args.fixed_k}": SpeculationConfig(draft="ngram", k=args.fixed_k)}
+    draft = draft_path(args.draft, args.work)
+    settings = {"off": SpeculationConfig(), "auto": SpeculationConfig(draft=draft),
+                f"k{args.fixed_k}": SpeculationConfig(draft=draft, k=args.fixed_k)}
     procs: list[Proc] = []
     try:
         addrs = _workers(folder, args.workers, args.delay_ms, procs)
@@ -126,7 +131,8 @@ def main() -> None:
     for m in names[1:]:
         figures |= {f"{m}_over_off_{n}": round(med[(m, n)] / med[("off", n)], 3) for n in streams}
     figures |= {f"{m}_tok_s_{n}": round(med[(m, n)], 2) for m in names for n in streams}
-    figures |= {"workers": args.workers, "delay_ms": args.delay_ms, "tokens": tokens, "rounds": rounds}
+    figures |= {"draft": args.draft, "workers": args.workers, "delay_ms": args.delay_ms, "tokens": tokens,
+                "rounds": rounds}
     print(json.dumps(figures))
 
 
