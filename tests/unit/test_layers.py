@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "serving": {"model", "wire", "stage", "decoding", "pipeline"},
     "api": {"model", "serving"},
     "cluster": {"model", "wire", "stage", "decoding", "export", "node"},
+    "disagg": {"model", "wire", "stage", "decoding", "pipeline", "serving"},
     "server": {"model", "stage", "pipeline", "serving", "api", "wire"},
     "cli": {"model", "export", "pipeline", "serving", "api", "cluster", "node", "server", "decoding", "wire"},
 }

@@ -1,0 +1,1 @@
+"""Disaggregated serving (TetriInfer): prefill and decode instances and their control plane."""
