@@ -251,6 +251,11 @@ def soak(engine: Engine, prompts: list[list[int]], workers: list[Worker],
         ys = [s[col] for s in samples]
         figures[f"{name}_rss_mb"] = [round(ys[0], 1), round(late[0][col], 1), round(ys[-1], 1)]  # start, half, end
         figures[f"{name}_rss_slope_mb_min"] = round(60 * _slope([s[0] for s in late], [s[col] for s in late]), 2)
+        # A process that gives freed heap back (host.trim_memory_every) swings between a floor (what
+        # is live) and a peak: a leak raises the floor from one fifth of the soak to the next.
+        fifths = [ys[i * len(ys) // 5:(i + 1) * len(ys) // 5] or ys for i in range(5)]
+        figures[f"{name}_rss_floor_mb"] = [round(min(f), 1) for f in fifths]
+        figures[f"{name}_rss_peak_mb"] = [round(max(f), 1) for f in fifths]
     figures["threads"] = [samples[0][4], samples[-1][4]]
     if args.samples_csv:
         write_samples(args.samples_csv, samples)

@@ -1,6 +1,12 @@
-"""What this machine offers and how peers are named: available memory, HOST:PORT addresses."""
+"""What this machine offers and how peers are named: available memory, HOST:PORT addresses; the
+heap given back to the OS in long-running processes."""
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+import time
 
 import psutil
 
@@ -20,3 +26,30 @@ def parse_hostport(spec: str, what: str = "address") -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ShardlineError(f"{what} must be HOST:PORT with a port in 0-65535, got {spec!r}")
     return host, int(port)
+
+
+TRIM_EVERY_S = 30.0
+_trimming = threading.Event()
+
+
+def trim_memory_every(period_s: float = TRIM_EVERY_S) -> None:
+    """Give the heap glibc holds free back to the OS every `period_s`, on a daemon thread (once per
+    process; nothing where there is no glibc). Why: streams and sessions come and go (a replay
+    opens fresh ones on every stage), each with its own buffers allocated from several threads;
+    glibc keeps what they free in its arenas, so without this a long-running process's RSS
+    creeps up under churn although nothing leaks (BENCHMARKS.md, issue 11 soak)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    if _trimming.is_set():
+        return
+    _trimming.set()
+
+    def loop() -> None:
+        while True:
+            time.sleep(period_s)
+            trim(0)
+
+    threading.Thread(target=loop, daemon=True, name="trim-memory").start()

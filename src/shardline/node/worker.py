@@ -39,7 +39,7 @@ import numpy as np
 
 from shardline.config import RunConfig
 from shardline.errors import ShardlineError, StepRefused
-from shardline.host import parse_hostport
+from shardline.host import parse_hostport, trim_memory_every
 from shardline.node.execute import run_stages, sampled
 from shardline.node.session import MAX_QUEUED, Ended, Item, Received, Routed, Session, check_peer
 from shardline.node.shard import Shard
@@ -258,6 +258,7 @@ class StageWorker:
     # --- execution -------------------------------------------------------------------------
 
     def serve_forever(self) -> None:
+        trim_memory_every()  # sessions come and go for as long as this runs
         while True:
             # Bounded: a signal that lands while this thread is on its way into an unbounded
             # wait (handing the GIL over) would not interrupt it, and Ctrl-C would be lost.

@@ -29,6 +29,7 @@ from itertools import count
 from shardline.config import SamplingConfig
 from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
+from shardline.host import trim_memory_every
 from shardline.pipeline.plan import DecodeStep, Outcome, Pipeline, Step
 from shardline.serving.admission import Limits, accepts, to_admit
 from shardline.serving.drafters import Proposal
@@ -106,6 +107,7 @@ class Engine:
         self.failed: str | None = None  # why the engine thread stopped, if it did (then unhealthy)
         self._thread = threading.Thread(target=self._loop, daemon=True, name="engine")
         self._thread.start()
+        trim_memory_every()  # streams come and go for as long as it runs
 
     # --- callers' side (any thread) ----------------------------------------------------------
 
