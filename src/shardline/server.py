@@ -12,7 +12,7 @@ from shardline.host import available_memory
 from shardline.model.manifest import Manifest, load_manifest
 from shardline.pipeline.plan import Pipeline
 from shardline.serving.admission import Limits, max_streams_for_memory, per_stream_bytes
-from shardline.serving.drafters import DraftModel, LookupDrafter
+from shardline.serving.drafters import LOOKUP_PRIOR, DraftModel, LookupDrafter
 from shardline.serving.engine import Engine
 from shardline.serving.replay import Replays
 from shardline.serving.scheduler import SchedulerConfig
@@ -84,7 +84,7 @@ def open_drafts(spec: SpeculationConfig, target: Manifest, run: RunConfig) -> tu
     if spec.kind == "off":
         return None, None
     if spec.kind == "ngram":
-        return Drafts(LookupDrafter, spec.k, spec.k_max), None
+        return Drafts(LookupDrafter, spec.k, spec.k_max, LOOKUP_PRIOR), None
     if spec.kind == "layers":
         raise ShardlineError("--draft layers:L must be resolved to its export folder first")
     model = DraftModel(Path(spec.draft), target, run)

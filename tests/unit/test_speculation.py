@@ -15,11 +15,12 @@ from shardline.decoding.lookup import PromptLookup
 from shardline.decoding.sampler import choose_at, probabilities
 from shardline.decoding.speculative import Drafted, accepted, verify_draw
 from shardline.pipeline.plan import DecodeStep
-from shardline.serving.drafters import Proposal
+from shardline.serving.drafters import LOOKUP_PRIOR, Proposal
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
 from shardline.serving.speculation import (
     PROBE_EVERY,
     Acceptance,
+    Drafts,
     Speculation,
     StepCost,
     best_k,
@@ -261,3 +262,18 @@ def test_drafts_that_could_never_pay_are_never_tried() -> None:
     assert [spec.choose_k(fast, rows=1, room=100) for _ in range(3 * PROBE_EVERY)] == [0] * 3 * PROBE_EVERY
     lookup = Speculation(_Fixed([1, 2]), None, 8)
     assert lookup.choose_k(StepCost(), rows=1, room=100) == 1  # free drafts are tried at once
+
+
+def test_prompt_lookup_is_credited_with_its_measured_acceptance_before_it_drafts() -> None:
+    """On a fast link an extra verified position costs a quarter of a step: a free draft pays
+    only if likelier than ~40% to stand. At the default prior (1 in 3) prompt lookup would never
+    offer its first draft; at its own (LOOKUP_PRIOR) it does, and then its record decides."""
+    fast = StepCost(base_s=0.01, per_token_s=0.0025)
+    assert Drafts(lambda: _Fixed([1, 2]), None, 8).speculation().choose_k(fast, rows=1, room=100) == 0
+    spec = Drafts(lambda: _Fixed([1, 2]), None, 8, LOOKUP_PRIOR).speculation()
+    assert spec.acceptance.rate == pytest.approx(LOOKUP_PRIOR)
+    assert spec.choose_k(fast, rows=1, room=100) >= 1
+    for _ in range(6):  # its drafts keep failing: it stops
+        spec.offer(Proposal([1]))
+        spec.settle([7, 7])
+    assert spec.choose_k(fast, rows=1, room=100) == 0

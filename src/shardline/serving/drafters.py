@@ -54,6 +54,14 @@ class Drafter(Protocol):
     def close(self) -> None: ...
 
 
+# Prompt lookup offers a draft only where 2-4 tokens of the text recur, and there its drafts
+# stood 69% of the time over the 8 prompt types (BENCHMARKS.md, issue 10). With the default
+# prior of one in three, auto K hardly ever offered its first draft on a fast link (a draft
+# must look likelier than ~40% to pay for its verified position), so the text never got the
+# chance to prove it. Its own pace and acceptance take over once it drafts.
+LOOKUP_PRIOR = 0.6
+
+
 class LookupDrafter:
     cost_s = 0.0
 

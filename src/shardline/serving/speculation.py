@@ -47,6 +47,11 @@ class Acceptance:
     hits: float = 1.0
     tries: float = 3.0
 
+    @classmethod
+    def prior(cls, rate: float) -> Acceptance:
+        """A prior of `rate` worth three tries."""
+        return cls(3.0 * rate, 3.0)
+
     def record(self, offered: int, kept: int) -> None:
         self.hits = DECAY * self.hits + kept
         self.tries = DECAY * self.tries + kept + (1 if kept < offered else 0)
@@ -323,6 +328,7 @@ class Drafts:
     new_drafter: Callable[[], Drafter]
     k: int | None  # None: auto
     k_max: int
+    prior: float = 1 / 3  # the acceptance a stream's drafts are credited with before they are tried
 
     def speculation(self) -> Speculation:
-        return Speculation(self.new_drafter(), self.k, self.k_max)
+        return Speculation(self.new_drafter(), self.k, self.k_max, Acceptance.prior(self.prior))
