@@ -1,0 +1,329 @@
+"""A discrete-event simulator of serving on `Costs`: coupled instances here, disaggregated ones in
+simulator_disagg.py. Pure: no processes, no clock, deterministic for its inputs (and seed).
+
+Time model, common to both modes:
+- An instance runs one step at a time: a prefill chunk or one decode group's step. Stages sharing
+  a machine's cores run a step's graphs one after another (BENCHMARKS.md, issue 9 prefill (a):
+  chunks in flight together gained 0.92-1.07x), so steps queued on an instance serialize.
+- A prefill chunk of n positions after c cached tokens costs `Costs.prefill_s(n, c)`.
+- A decode step charges `Costs.decode_s(R, w)`: R the group's rows, w the widest row's context
+  (prompt + tokens generated so far, the token fed now included), since a group's rows are
+  left-padded to the widest (serving/groups.py). Every row's next token comes out at the step's end.
+- A request's first token is sampled by its last prefill chunk and reaches the client at that
+  chunk's end; a request of one token ends there. Each later token costs one decode step.
+- An instance plans its next steps when its last planned step ends, or, when idle, once every
+  event of the instant new work came has run (requests arriving together are planned together).
+
+Coupled serving (the baseline, the real engine's policy, serving/scheduler.py): a new request goes
+to the instance with the fewest active + queued requests (the lowest index on a tie); an instance
+admits up to `max_streams` (the rest wait, first come first served). Each iteration plans what the
+real `Scheduler.plan()` submits at once: one step of every decode group, then one chunk of each of
+the `max_prefills` oldest prompts; its steps run in that order, and the next iteration is planned
+when the last ends. So a long prompt's chunks sit between a running stream's tokens: the
+interference disaggregation removes. A prefilled stream joins the decode group with the fewest
+members (a new group when all have `max_rows`) and decodes from the next iteration.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from types import MappingProxyType
+
+from shardline.config import DEFAULT_PREFILL_CHUNK
+from shardline.disagg.costs import Costs
+from shardline.disagg.metrics import Interval, RequestRecord, Slo, Summary, summarize
+from shardline.disagg.state import LengthRange, Role
+from shardline.disagg.workloads import RequestSpec
+from shardline.errors import ShardlineError
+
+# The real engine's defaults, not imported: serving/ loads OpenVINO. A unit test keeps them equal.
+MAX_ROWS = 8  # serving/groups.py MAX_ROWS: rows per decode group
+MAX_PREFILLS = 2  # serving/scheduler.py SchedulerConfig.max_prefills: prompts prefilling at once
+# Streams an instance holds: what `shardline serve` allows on this 24 GiB machine at the 8192-token
+# context (BENCHMARKS.md, "What the serving engine does with this": 30 streams).
+MAX_STREAMS = 30
+
+Finish = Callable[[float], None]  # a step's effect, applied at its end time
+Step = Callable[[], tuple[float, Finish]]  # called when the step starts: its seconds and its effect
+
+
+class EventLoop:
+    """Callbacks at simulated times; equal times run in the order they were scheduled."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()  # the tie-break that makes a run deterministic
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        if not t >= self.now:  # also refuses NaN
+            raise ShardlineError(f"simulator: an event at {t} s scheduled at {self.now} s (time runs forward)")
+        heapq.heappush(self._heap, (t, next(self._seq), fn))
+
+    def pending(self) -> int:
+        return len(self._heap)
+
+    def run(self) -> None:
+        while self._heap:
+            self.now, _, fn = heapq.heappop(self._heap)
+            fn()
+
+
+@dataclass(eq=False)
+class Req:
+    """One request's progress. Invariant: 0 <= generated <= decode_tokens; first_s then finish_s
+    are set once each, in that order."""
+
+    spec: RequestSpec
+    prefilled: int = 0
+    generated: int = 0  # tokens generated, the first one included
+    first_s: float | None = None
+    finish_s: float | None = None
+    predicted: LengthRange | None = None  # disaggregated only
+
+    @property
+    def prompt(self) -> int:
+        return self.spec.prompt_tokens
+
+    @property
+    def context(self) -> int:
+        """Positions its next decode step attends over: the prompt and every token so far."""
+        return self.prompt + self.generated
+
+    def first_token(self, t: float) -> bool:
+        """The last prefill chunk sampled the first token at `t`; True when that ends the request."""
+        if self.first_s is not None or self.prefilled != self.prompt:
+            raise ShardlineError(f"simulator: request {self.spec.index} got a first token twice or early")
+        self.first_s = t
+        return self.advance(t)
+
+    def advance(self, t: float) -> bool:
+        """One more token at `t`; True when it was the last (the request finishes then)."""
+        if self.finish_s is not None:
+            raise ShardlineError(f"simulator: request {self.spec.index} stepped after it finished")
+        self.generated += 1
+        if self.generated == self.spec.decode_tokens:
+            self.finish_s = t
+        return self.finish_s is not None
+
+    def record(self) -> RequestRecord:
+        if self.first_s is None or self.finish_s is None:
+            raise ShardlineError(f"simulator: request {self.spec.index} never finished")
+        return RequestRecord(self.spec.arrival_s, self.first_s, self.finish_s, self.generated)
+
+
+class Groups:
+    """Decode groups as serving/groups.py forms them: a stream joins the group with the fewest
+    members (the lowest index on a tie; a new group when all have `max_rows`) and leaves when it
+    ends; empty groups stay and are reused."""
+
+    def __init__(self, n: int, max_rows: int) -> None:
+        self._all: list[list[Req]] = [[] for _ in range(n)]
+        self._max_rows = max_rows
+
+    def join(self, r: Req) -> None:
+        room = [g for g in range(len(self._all)) if len(self._all[g]) < self._max_rows]
+        if not room:
+            self._all.append([])
+        g = min(room, key=lambda g: (len(self._all[g]), g)) if room else -1
+        self._all[g].append(r)
+
+    def leave(self, r: Req) -> None:
+        for g in self._all:
+            if r in g:
+                g.remove(r)
+
+    def members(self) -> int:
+        return sum(len(g) for g in self._all)
+
+    def ready(self) -> list[list[Req]]:
+        """Each non-empty group's rows as of now: the rows of its next step."""
+        return [list(g) for g in self._all if g]
+
+
+class Server:
+    """An instance's cores: runs its planned steps one at a time; plans again when they run out.
+    Subclasses say what to run (`next_plan`) and call `kick` when new work may have come."""
+
+    def __init__(self, name: str, loop: EventLoop) -> None:
+        self.name = name
+        self.loop = loop
+        self.busy: list[Interval] = []
+        self.running = False  # a step is in flight
+        self.last_end = 0.0  # when the last step ended: the start of the current idle spell
+        self._plan: deque[Step] = deque()
+        self._woken = False  # a kick is scheduled for this instant
+
+    def next_plan(self) -> list[Step]:
+        raise NotImplementedError
+
+    def idle(self) -> bool:
+        return not self.running and not self._plan
+
+    def wake(self) -> None:
+        """New work came from outside: plan once every event of this instant has run, so that
+        requests arriving together are planned together (as one engine round would take them)."""
+        if not self._woken:
+            self._woken = True
+            self.loop.at(self.loop.now, self._woken_kick)
+
+    def _woken_kick(self) -> None:
+        self._woken = False
+        self.kick()
+
+    def kick(self) -> None:
+        if self.running:
+            return
+        if not self._plan:
+            self._plan.extend(self.next_plan())
+        if not self._plan:
+            return
+        seconds, finish = self._plan.popleft()()
+        start, self.running = self.loop.now, True
+
+        def done() -> None:
+            self.busy.append((start, self.loop.now))
+            finish(self.loop.now)  # a kick from inside it waits: the effect is applied whole first
+            self.running, self.last_end = False, self.loop.now
+            self.kick()
+
+        self.loop.at(start + seconds, done)
+
+
+def decode_step(costs: Costs, rows: list[Req], ended: Callable[[Req], None]) -> Step:
+    """One group's decode step over `rows` (module docstring: how it is charged); `ended` is
+    called for each row whose last token this step made."""
+
+    def start() -> tuple[float, Finish]:
+        seconds = costs.decode_s(len(rows), max(r.context for r in rows))
+
+        def finish(t: float) -> None:
+            for r in rows:
+                if r.advance(t):
+                    ended(r)
+
+        return seconds, finish
+
+    return start
+
+
+@dataclass(frozen=True)
+class Flipped:
+    time_s: float
+    instance: str
+    role: Role  # the role it took
+
+
+@dataclass(frozen=True)
+class SimResult:
+    records: tuple[RequestRecord, ...]  # one per request, in the order of the specs given
+    busy: Mapping[str, tuple[Interval, ...]]  # each instance's steps (KV transfers are not busy time)
+    instances: int
+    kv_overflow_peak: int = 0  # most KV tokens a decode instance held past its capacity at once
+    flips: tuple[Flipped, ...] = field(default=())
+
+    def summary(self, slo: Slo) -> Summary:
+        return summarize(self.records, self.busy, self.instances, slo)
+
+
+def requests(specs: Sequence[RequestSpec]) -> list[Req]:
+    if not specs:
+        raise ShardlineError("simulator: no requests to simulate")
+    if len({s.index for s in specs}) != len(specs):
+        raise ShardlineError("simulator: two requests share an index")
+    return [Req(s) for s in specs]
+
+
+def result(reqs: Sequence[Req], servers: Iterable[Server], kv_overflow_peak: int = 0,
+           flips: Sequence[Flipped] = ()) -> SimResult:
+    servers = list(servers)
+    busy = MappingProxyType({s.name: tuple(s.busy) for s in servers})
+    return SimResult(tuple(r.record() for r in reqs), busy, len(servers), kv_overflow_peak, tuple(flips))
+
+
+def check_counts(**counts: int) -> None:
+    wrong = {k: v for k, v in counts.items() if v < 1}
+    if wrong:
+        raise ShardlineError(f"simulator: these must be >= 1: {wrong}")
+
+
+@dataclass(frozen=True)
+class CoupledConfig:
+    instances: int = 2
+    chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per prefill step (no padding, as the engine)
+    max_prefills: int = MAX_PREFILLS
+    groups: int = 1  # decode groups an instance starts with (the in-process default)
+    max_rows: int = MAX_ROWS
+    max_streams: int = MAX_STREAMS
+
+    def __post_init__(self) -> None:
+        check_counts(instances=self.instances, chunk=self.chunk, max_prefills=self.max_prefills,
+                     groups=self.groups, max_rows=self.max_rows, max_streams=self.max_streams)
+
+
+class _Coupled(Server):
+    def __init__(self, name: str, loop: EventLoop, costs: Costs, cfg: CoupledConfig) -> None:
+        super().__init__(name, loop)
+        self.costs, self.cfg = costs, cfg
+        self.queue: deque[Req] = deque()  # not admitted yet (the stream limit)
+        self.prefilling: list[Req] = []  # admitted, in admission order: the oldest prefill first
+        self.groups = Groups(cfg.groups, cfg.max_rows)
+
+    def load(self) -> int:
+        return len(self.queue) + len(self.prefilling) + self.groups.members()
+
+    def offer(self, r: Req) -> None:
+        self.queue.append(r)
+        self._admit()
+        self.wake()
+
+    def _admit(self) -> None:
+        while self.queue and len(self.prefilling) + self.groups.members() < self.cfg.max_streams:
+            self.prefilling.append(self.queue.popleft())
+
+    def next_plan(self) -> list[Step]:
+        decodes = [decode_step(self.costs, rows, self._ended) for rows in self.groups.ready()]
+        return decodes + [self._chunk(r) for r in self.prefilling[: self.cfg.max_prefills]]
+
+    def _ended(self, r: Req) -> None:
+        self.groups.leave(r)
+        self._admit()
+
+    def _chunk(self, r: Req) -> Step:
+        def start() -> tuple[float, Finish]:
+            n = min(self.cfg.chunk, r.prompt - r.prefilled)
+            seconds = self.costs.prefill_s(n, r.prefilled)
+
+            def finish(t: float) -> None:
+                r.prefilled += n
+                if r.prefilled < r.prompt:
+                    return
+                self.prefilling.remove(r)
+                if r.first_token(t):
+                    self._admit()
+                else:
+                    self.groups.join(r)
+
+            return seconds, finish
+
+        return start
+
+
+def simulate_coupled(specs: Sequence[RequestSpec], costs: Costs, cfg: CoupledConfig | None = None) -> SimResult:
+    """Every request served by coupled instances (module docstring: the policy and the timing)."""
+    cfg = cfg or CoupledConfig()
+    reqs, loop = requests(specs), EventLoop()
+    instances = [_Coupled(f"c{i:03d}", loop, costs, cfg) for i in range(cfg.instances)]
+
+    def arrive(r: Req) -> None:
+        min(instances, key=lambda x: (x.load(), x.name)).offer(r)
+
+    for r in reqs:
+        loop.at(r.spec.arrival_s, partial(arrive, r))
+    loop.run()
+    return result(reqs, instances)
