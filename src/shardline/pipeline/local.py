@@ -5,6 +5,11 @@ stage 0 can work on the next (OpenVINO releases the GIL inside infer), and the c
 (the engine's) never waits for a graph. Steps go through the stages in the order they were
 submitted; each stage opens a first prefill's request and applies a decode step's merges just
 before running it, so a stage's state changes in exactly the order of its steps.
+
+Releases, KV exports and KV imports travel the same queues as the steps: each stage acts on its
+own part when the item reaches it, so an export sees every step submitted before it and a step
+submitted after an import runs on the imported state. An export or import that fails fails its
+Future (ShardlineError), never the stage thread.
 """
 
 from __future__ import annotations
@@ -12,18 +17,21 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import openvino as ov
 
 from shardline.config import RunConfig
 from shardline.decoding.sampler import choose_at
-from shardline.errors import StepRefused
+from shardline.errors import ShardlineError, StepRefused
 from shardline.model.manifest import Manifest, load_manifest, verify
 from shardline.pipeline import metrics
 from shardline.pipeline.inflight import Outbox
+from shardline.pipeline.kv import KvSnapshot, StageKv, StageLayout, check, export_identity, frozen, snapshot
 from shardline.pipeline.plan import DecodeStep, Outcome, PrefillStep, Step
 from shardline.pipeline.timing import Timing
 from shardline.stage.cache import StepInputs, logits_index
@@ -50,7 +58,39 @@ class _Release:
     key: int
 
 
-_Work = tuple[Step, "np.ndarray | None", _Trace] | _Release | None  # None stops the thread
+@dataclass(frozen=True)
+class _Export:
+    """Each stage adds its copy of the key's KV to `parts` in turn; the last one resolves."""
+
+    key: int
+    export: str
+    future: Future[KvSnapshot]
+    parts: list[StageKv] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Import:
+    """Each stage opens the key and writes its part in turn; the last one resolves."""
+
+    key: int
+    snapshot: KvSnapshot
+    future: Future[None]
+
+
+@dataclass(frozen=True)
+class _Undo:
+    """An import failed on stage `upto`: stages 0..upto-1, which opened the key for it, close it
+    (in queue order, from stage 0); the last of them fails the import's Future, so no key is left
+    half imported once the caller hears of the failure."""
+
+    key: int
+    upto: int
+    future: Future[None]
+    error: ShardlineError
+
+
+_Control = _Release | _Export | _Import | _Undo
+_Work = tuple[Step, "np.ndarray | None", _Trace] | _Control | None  # None stops the thread
 
 
 class LocalPipeline:
@@ -67,6 +107,8 @@ class LocalPipeline:
         self.outbox = Outbox()
         self._inboxes: list[queue.Queue[_Work]] = [queue.Queue() for _ in self.stages]
         self._threads: list[threading.Thread] = []
+        self.identity = export_identity(self.manifest)  # what a KV snapshot of this pipeline names
+        self._layout: list[StageLayout] | None = None  # what an import must fit, made on the first
 
     def submit(self, step: Step) -> None:
         """Start `step`; one outcome per row comes out of `outcomes`."""
@@ -77,6 +119,35 @@ class LocalPipeline:
         """Free `key` on every stage, after every step submitted before."""
         self._start_threads()
         self._inboxes[0].put(_Release(key))
+
+    def export_kv(self, key: int) -> Future[KvSnapshot]:
+        """A copy of `key`'s KV on every stage, after every step submitted before (the key stays
+        open). Fails (ShardlineError) for a key some stage does not hold, or whose stages disagree."""
+        future: Future[KvSnapshot] = _started()
+        self._start_threads()
+        self._inboxes[0].put(_Export(key, self.identity, future))
+        return future
+
+    def import_kv(self, key: int, snap: KvSnapshot) -> Future[None]:
+        """Open `key` on every stage with the state of `snap`, before every step submitted after.
+        Fails (ShardlineError), leaving the key closed everywhere, for a snapshot of another
+        export or layout (checked here, before any stage sees it) or a key already open."""
+        future: Future[None] = _started()
+        try:
+            check(snap, self.identity, self.layout())
+        except ShardlineError as e:
+            future.set_exception(e)
+            return future
+        self._start_threads()
+        self._inboxes[0].put(_Import(key, snap, future))
+        return future
+
+    def layout(self) -> list[StageLayout]:
+        """Each stage's layers and state variables (dtype, kv_heads, head_dim), as an empty
+        request of its compiled model reports them ([0, kv_heads, 0, head_dim])."""
+        if self._layout is None:
+            self._layout = [_stage_layout(stage) for stage in self.stages]
+        return self._layout
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome]:
         return self.outbox.take(timeout)
@@ -90,9 +161,12 @@ class LocalPipeline:
     def shutdown(self) -> None:
         """Stop the stage threads once every step and release submitted before has run."""
         self._inboxes[0].put(None)  # passed down the stages after everything queued before it
-        for t in self._threads:
+        threads, self._threads = self._threads, []
+        for t in threads:
             t.join(timeout=30)
-        self._threads = []
+        if not any(t.is_alive() for t in threads):  # what is left would never run: an undo queued
+            for inbox in self._inboxes:  # after the stop, say; its Future must still resolve
+                _abandon(inbox)
 
     def __enter__(self) -> LocalPipeline:
         return self
@@ -108,44 +182,126 @@ class LocalPipeline:
         if self._threads:
             return
         for k, stage in enumerate(self.stages):
-            nxt = self._inboxes[k + 1] if k + 1 < len(self.stages) else None
-            t = threading.Thread(target=_stage_loop, args=(k, stage, self._inboxes[k], nxt, self.outbox),
+            t = threading.Thread(target=_stage_loop, args=(k, stage, self._inboxes, self.outbox),
                                  daemon=True, name=f"stage-{k}")
             t.start()
             self._threads.append(t)
 
 
-def _stage_loop(k: int, stage: StageRunner, inbox: queue.Queue[_Work], nxt: queue.Queue[_Work] | None,
-                outbox: Outbox) -> None:
+def _stage_loop(k: int, stage: StageRunner, inboxes: list[queue.Queue[_Work]], outbox: Outbox) -> None:
     """Stage k's thread: prepare, run and pass on each step in order; the last stage samples.
     A step that fails fails its rows alone; the stage goes on with the next. None stops the
     thread, after the next stage has been told."""
+    inbox, nxt = inboxes[k], inboxes[k + 1] if k + 1 < len(inboxes) else None
     while (work := inbox.get()) is not None:
-        if isinstance(work, _Release):
-            stage.close(work.key)
-            if nxt is not None:
-                nxt.put(work)
-            continue
-        step, hidden, trace = work
-        try:
-            inputs = prepare(stage, step)
-            if nxt is None:
-                index, pick = logits_index(step.sample_at, inputs.rows)
-                inputs = replace(inputs, logits_index=index)
-            start = time.perf_counter()
-            out = stage.run(step.key, inputs, hidden)
-            trace.graph_s[k] = time.perf_counter() - start
-            if nxt is not None:
-                # `out` is a view of this stage's output for this key; the key's next step comes
-                # here only after this one's outcomes, so the view lives until stage k+1 reads it.
-                nxt.put((step, out, trace))
-            else:
-                finish(outbox, step, out, pick, trace.timing())
-        except Exception as e:  # noqa: BLE001 - the rows fail (with the reason); the stage goes on
-            why = str(e) if isinstance(e, StepRefused) else f"{type(e).__name__}: {e}"
-            fail(outbox, step, f"stage {k}: {why}")
+        if isinstance(work, tuple):
+            _step(k, stage, work, nxt, outbox)
+        else:
+            _control(k, stage, work, nxt, inboxes[0])
     if nxt is not None:
         nxt.put(None)
+
+
+def _step(k: int, stage: StageRunner, work: tuple[Step, np.ndarray | None, _Trace], nxt: queue.Queue[_Work] | None,
+          outbox: Outbox) -> None:
+    step, hidden, trace = work
+    try:
+        inputs = prepare(stage, step)
+        if nxt is None:
+            index, pick = logits_index(step.sample_at, inputs.rows)
+            inputs = replace(inputs, logits_index=index)
+        start = time.perf_counter()
+        out = stage.run(step.key, inputs, hidden)
+        trace.graph_s[k] = time.perf_counter() - start
+        if nxt is not None:
+            # `out` is a view of this stage's output for this key; the key's next step comes
+            # here only after this one's outcomes, so the view lives until stage k+1 reads it.
+            nxt.put((step, out, trace))
+        else:
+            finish(outbox, step, out, pick, trace.timing())
+    except Exception as e:  # noqa: BLE001 - the rows fail (with the reason); the stage goes on
+        why = str(e) if isinstance(e, StepRefused) else f"{type(e).__name__}: {e}"
+        fail(outbox, step, f"stage {k}: {why}")
+
+
+def _control(k: int, stage: StageRunner, work: _Control, nxt: queue.Queue[_Work] | None,
+             head: queue.Queue[_Work]) -> None:
+    """Stage k's part of a release, export, import or undo; then pass it on (or resolve its
+    Future on the last stage it concerns). A failure fails the item's Future and stops the item
+    here: the stage goes on with its next work."""
+    try:
+        done = _apply(k, stage, work, last=nxt is None)
+    except Exception as e:  # noqa: BLE001 - the item's Future fails with the reason; the stage goes on
+        _failed(k, work, e, head)
+        return
+    if not done and nxt is not None:
+        nxt.put(work)
+
+
+def _apply(k: int, stage: StageRunner, work: _Control, last: bool) -> bool:
+    """Stage k's part of `work`; whether the item ends here."""
+    if isinstance(work, _Release):
+        stage.close(work.key)
+    elif isinstance(work, _Export):
+        e = stage.entry
+        work.parts.append(StageKv(e.first_layer, e.last_layer, frozen(stage.kv(work.key))))
+        if last:
+            work.future.set_result(snapshot(work.export, work.parts))
+    elif isinstance(work, _Import):
+        _write(stage, work.key, work.snapshot.stages[k])
+        if last:
+            work.future.set_result(None)
+    else:
+        stage.close(work.key)
+        if k == work.upto - 1:
+            work.future.set_exception(work.error)
+            return True
+    return False
+
+
+def _write(stage: StageRunner, key: int, part: StageKv) -> None:
+    """Open `key` with `part` as its state, or leave the stage as it was."""
+    stage.open(key)  # refuses a key already open: a live key is never overwritten (nor closed below)
+    try:
+        stage.set_kv(key, dict(part.arrays))
+    except BaseException:
+        stage.close(key)
+        raise
+
+
+def _failed(k: int, work: _Control, e: Exception, head: queue.Queue[_Work]) -> None:
+    """Fail `work`'s Future with `e`; an import that stage 0 had got past is undone first."""
+    what = type(work).__name__.strip("_").lower()
+    why = str(e) if isinstance(e, ShardlineError) else f"{type(e).__name__}: {e}"
+    error = ShardlineError(f"cannot {what} the KV of key {work.key}: stage {k}: {why}")
+    if isinstance(work, _Import) and k > 0:
+        head.put(_Undo(work.key, k, work.future, error))
+    elif isinstance(work, _Export | _Import | _Undo) and not work.future.done():
+        work.future.set_exception(error)
+
+
+def _started() -> Future[Any]:
+    """A Future the caller can no longer cancel: its item is on its way through the stages."""
+    future: Future[Any] = Future()
+    future.set_running_or_notify_cancel()
+    return future
+
+
+def _abandon(inbox: queue.Queue[_Work]) -> None:
+    """Fail the Futures of the items left in a stopped stage's inbox."""
+    while True:
+        try:
+            work = inbox.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(work, _Export | _Import | _Undo) and not work.future.done():
+            work.future.set_exception(ShardlineError(f"the pipeline stopped before the KV of key {work.key} moved"))
+
+
+def _stage_layout(stage: StageRunner) -> StageLayout:
+    states = {s.name: (s.state.data.dtype, int(s.state.shape[1]), int(s.state.shape[3]))
+              for s in stage.compiled.create_infer_request().query_state()}
+    return StageLayout(stage.entry.first_layer, stage.entry.last_layer, states)
 
 
 def prepare(stage: StageRunner, step: Step) -> StepInputs:

@@ -17,6 +17,7 @@ last stage computes logits for those alone and the sampler chooses a token at ea
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -26,6 +27,7 @@ from shardline.config import SamplingParams
 from shardline.decoding.sampler import Choice
 from shardline.decoding.speculative import Drafted
 from shardline.errors import ShardlineError
+from shardline.pipeline.kv import KvSnapshot
 from shardline.pipeline.timing import Timing
 from shardline.stage.cache import KVBook, StepInputs
 from shardline.wire.messages import Phase
@@ -107,6 +109,9 @@ class Pipeline(Protocol):
 
     def submit(self, step: Step) -> None: ...
     def release(self, key: int) -> None: ...
+    # A key's KV out of every stage / into a fresh key, in order with the steps (pipeline/kv.py).
+    def export_kv(self, key: int) -> Future[KvSnapshot]: ...
+    def import_kv(self, key: int, snap: KvSnapshot) -> Future[None]: ...
     def outcomes(self, timeout: float | None = None) -> list[Outcome]: ...
     def wake(self) -> None: ...
     def idle(self) -> bool: ...  # no graph work of this pipeline runs or waits on this machine

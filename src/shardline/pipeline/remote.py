@@ -27,6 +27,7 @@ import contextlib
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
@@ -42,6 +43,7 @@ from shardline.pipeline.deadline import Deadlines, StepClock
 from shardline.pipeline.frames import choice, forward
 from shardline.pipeline.held import Held
 from shardline.pipeline.inflight import Outbox
+from shardline.pipeline.kv import KvSnapshot
 from shardline.pipeline.local import prepare
 from shardline.pipeline.plan import Outcome, PrefillStep, Step
 from shardline.pipeline.repair import reopen
@@ -170,6 +172,12 @@ class RemotePipeline:
 
     def release(self, key: int) -> None:
         self._inbox.put(_Release(key))
+
+    def export_kv(self, key: int) -> Future[KvSnapshot]:
+        raise ShardlineError("KV export is not supported over workers yet (only in process: LocalPipeline)")
+
+    def import_kv(self, key: int, snap: KvSnapshot) -> Future[None]:
+        raise ShardlineError("KV import is not supported over workers yet (only in process: LocalPipeline)")
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome]:
         return self.outbox.take(timeout)
