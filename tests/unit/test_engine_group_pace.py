@@ -1,16 +1,20 @@
 """The engine stops a decode group's drafts when they cost the group more than they give, though
-the row that drafts gains: over a fake pipeline whose steps take time by their width."""
+the row that drafts gains: over a fake pipeline whose steps take time by their width. The time is
+a fake clock the engine reads (steps and proposals advance it), so no verdict depends on how
+busy the machine running the test is."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
+
+import pytest
 
 from shardline.config import SamplingConfig, SamplingParams
 from shardline.decoding.sampler import Choice
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.plan import DecodeStep, Outcome, Step
+from shardline.serving import engine as engine_module
 from shardline.serving.admission import Limits
 from shardline.serving.drafters import Drafter, Proposal
 from shardline.serving.engine import Engine, Event, Request
@@ -19,6 +23,25 @@ from shardline.serving.speculation import PROBE_EVERY, Drafts
 
 BASE_S, PER_POSITION_S = 0.010, 0.001  # a step: 10 ms, plus 1 ms per extra position of its widest row
 HIDDEN_S = 0.025  # what a proposal really costs (a drafter taking the cores the stages need)
+
+
+class Clock:
+    """What the engine reads as `time`: only steps and proposals (on the engine thread) move it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+CLOCK = Clock()
 
 
 def _next(position: int) -> int:
@@ -40,7 +63,7 @@ class TimedChain:
         width = step.inputs.input_ids.shape[1]
         if isinstance(step, DecodeStep):
             self.decodes.append((step.inputs.rows, width > 1))
-            time.sleep(BASE_S + PER_POSITION_S * (width - 1))
+            CLOCK.advance(BASE_S + PER_POSITION_S * (width - 1))
         pos = step.inputs.position_ids
         for r, s in enumerate(step.streams):
             self.outbox.put(Outcome(s, tuple(Choice(_next(int(pos[r, t])), 0.0)
@@ -69,7 +92,7 @@ class Oracle:
     cost_s = 0.0
 
     def propose(self, context: list[int], k: int, params: SamplingParams) -> Proposal:
-        time.sleep(HIDDEN_S)
+        CLOCK.advance(HIDDEN_S)
         return Proposal([_next(len(context) - 1 + i) for i in range(k)])
 
     def ready(self, context: list[int]) -> int:
@@ -91,11 +114,12 @@ def _drafters() -> Callable[[], Drafter]:
     return lambda: next(made)
 
 
-def test_a_group_whose_drafting_row_slows_the_others_stops_drafting() -> None:
+def test_a_group_whose_drafting_row_slows_the_others_stops_drafting(monkeypatch: pytest.MonkeyPatch) -> None:
     """4 rows, only the first drafts, and all its drafts stand. With 4 drafts a step takes 25 +
     14 ms for 5 of its tokens (128/s against 100/s without), so its own pace says draft; the
     group gets 5 + 3 tokens in 39 ms against 4 in 10 ms without: the group's pace says no, and it
     drafts only at its probes (the answers are the target's either way)."""
+    monkeypatch.setattr(engine_module, "time", CLOCK)
     pipe = TimedChain()
     engine = Engine(pipe, Limits(4, 4), 4096, SchedulerConfig(chunk=16, groups=1),
                     Drafts(_drafters(), None, 4))
