@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from itertools import combinations
@@ -43,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from shardline.disagg.files import read_json, write_text_atomic
 from shardline.errors import ShardlineError
 
 FORMAT = "shardline-disagg-costs"
@@ -127,24 +126,11 @@ class Costs:
     def to_json(self, path: Path) -> None:
         """Written atomically: a temporary file in the same folder, then renamed over `path`."""
         doc = {"format": FORMAT, "version": VERSION, **asdict(self)}
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(doc, f, indent=1)
-                f.write("\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
 
     @classmethod
     def from_json(cls, path: Path) -> Costs:
-        try:
-            if path.stat().st_size > MAX_FILE_BYTES:
-                raise ShardlineError(f"costs file {path}: larger than {MAX_FILE_BYTES} bytes")
-            doc = json.loads(path.read_bytes())
-        except (OSError, ValueError, RecursionError) as e:
-            raise ShardlineError(f"cannot read the costs file {path}: {type(e).__name__}: {e}") from None
+        doc = read_json(path, "costs file", MAX_FILE_BYTES)
         try:
             return cls(**_fields(doc))
         except ShardlineError as e:

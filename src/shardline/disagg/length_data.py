@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
 import random
 import sys
 import threading
@@ -40,6 +39,7 @@ import numpy as np
 
 from shardline.config import DEFAULT_PREFILL_CHUNK, RunConfig, SamplingConfig
 from shardline.disagg.features import FEATURE_KIND, FeatureExtractor
+from shardline.disagg.files import write_text_atomic
 from shardline.errors import ShardlineError
 from shardline.model.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
@@ -216,20 +216,6 @@ def decode_features(text: str, size: int) -> np.ndarray:
     if not np.isfinite(v).all():
         raise ShardlineError("features hold a value that is not finite")
     return v
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """All or nothing: a reader never sees a half-written file (temp file, fsync, rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with tmp.open("w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def write_jsonl_atomic(path: Path, lines: list[dict[str, Any]]) -> None:

@@ -42,7 +42,8 @@ from sklearn.model_selection import GridSearchCV, KFold, train_test_split
 from sklearn.pipeline import Pipeline, make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from shardline.disagg.length_data import read_dataset, write_text_atomic
+from shardline.disagg.files import write_text_atomic
+from shardline.disagg.length_data import read_dataset
 from shardline.disagg.predictor import LengthPredictor
 from shardline.errors import ShardlineError
 

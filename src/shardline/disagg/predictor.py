@@ -12,7 +12,6 @@ separate the scheduler's gain from the predictor's accuracy.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from shardline.disagg.files import read_json
 from shardline.disagg.state import LengthRange, bucket
 from shardline.errors import ShardlineError
 
@@ -69,12 +69,7 @@ class LengthPredictor:
 
     @classmethod
     def load(cls, path: Path) -> LengthPredictor:
-        try:
-            if path.stat().st_size > MAX_FILE_BYTES:
-                raise ShardlineError(f"length predictor {path}: larger than {MAX_FILE_BYTES} bytes")
-            doc = json.loads(path.read_bytes())
-        except (OSError, ValueError, RecursionError) as e:
-            raise ShardlineError(f"cannot read the length predictor {path}: {type(e).__name__}: {e}") from None
+        doc = read_json(path, "length predictor", MAX_FILE_BYTES)
         try:
             return cls.from_dict(doc)
         except ShardlineError as e:
