@@ -15,6 +15,7 @@ from shardline.decoding.sampler import Choice
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.plan import DecodeStep, Outcome, Step
 from shardline.serving import engine as engine_module
+from shardline.serving import engine_spec
 from shardline.serving.admission import Limits
 from shardline.serving.drafters import Drafter, Proposal
 from shardline.serving.engine import Engine, Event, Request
@@ -120,6 +121,7 @@ def test_a_group_whose_drafting_row_slows_the_others_stops_drafting(monkeypatch:
     group gets 5 + 3 tokens in 39 ms against 4 in 10 ms without: the group's pace says no, and it
     drafts only at its probes (the answers are the target's either way)."""
     monkeypatch.setattr(engine_module, "time", CLOCK)
+    monkeypatch.setattr(engine_spec, "time", CLOCK)
     pipe = TimedChain()
     engine = Engine(pipe, Limits(4, 4), 4096, SchedulerConfig(chunk=16, groups=1),
                     Drafts(_drafters(), None, 4))

@@ -32,10 +32,10 @@ from shardline.errors import ShardlineError
 from shardline.host import trim_memory_every
 from shardline.pipeline.plan import DecodeStep, Outcome, Pipeline, Step
 from shardline.serving.admission import Limits, accepts, to_admit
-from shardline.serving.drafters import Proposal
+from shardline.serving.engine_spec import SpecDriver
 from shardline.serving.replay import Replays, refusal
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
-from shardline.serving.speculation import Drafts, SpecStats, Speculation, StepCost
+from shardline.serving.speculation import Drafts, SpecStats
 from shardline.serving.stream import Stream
 
 log = logging.getLogger("shardline.engine")
@@ -87,14 +87,10 @@ class Engine:
                  replays: Replays | None = None) -> None:
         self.pipe = pipe
         self.replays = replays or Replays()  # how often and how long a lost stream is replayed
-        self.drafts = drafts  # where speculating streams' drafts come from (None: no speculation)
-        # Measured decode steps by their number of rows (a step's base cost grows with its rows),
-        # for each stream's choice of K.
-        self.costs: dict[int, StepCost] = {}
-        self.spec_ended = SpecStats(0, 0, 0, 0)  # the sums over streams that ended (k unused)
         self.limits = limits
         self.max_context = max_context
         self.scheduler = Scheduler(scheduling)
+        self.spec = SpecDriver(drafts, self.scheduler, pipe)
         self._waiting: deque[Ticket] = deque()
         self._cancels: deque[Ticket] = deque()
         self._lock = threading.Lock()  # guards _waiting, _cancels and _taken (callers' threads)
@@ -145,12 +141,11 @@ class Engine:
 
     def speculating(self) -> dict[int, SpecStats]:
         """Running streams' speculation so far, by stream (read from any thread: a snapshot)."""
-        for _ in range(10):  # the engine thread may add or remove a stream while this reads
-            try:
-                return {s.id: s.spec.stats() for s in list(self.scheduler.streams.values()) if s.spec}
-            except RuntimeError:
-                continue
-        return {}
+        return self.spec.running()
+
+    @property
+    def spec_ended(self) -> SpecStats:
+        return self.spec.ended
 
     def stop(self) -> None:
         self._running = False
@@ -162,12 +157,12 @@ class Engine:
     def _loop(self) -> None:
         try:
             while self._running:
-                drew = self._draft_ahead()
+                drew = self.spec.draft_ahead()
                 for outcome in self.pipe.outcomes(timeout=0.0 if drew else 1.0):
                     self._apply(outcome)
                 self._apply_cancels()
                 self._admit()
-                self._draft()
+                self.spec.draft()
                 self._dispatch()
             self._fail_all("cancelled", "")
         except BaseException as e:  # noqa: BLE001 - the thread must not die silently
@@ -176,78 +171,16 @@ class Engine:
                 self.failed = f"{type(e).__name__}: {e}"
             self._fail_all("error", f"the engine stopped: {self.failed}")
 
-    def _draft(self) -> None:
-        """Drafts for each speculating stream about to decode (graph work of the draft model, if
-        any, runs here: it is small, and its proposal must exist before the step is planned)."""
-        for s in self.scheduler.streams.values():
-            spec = s.spec
-            if spec is None or spec.planned or not s.idle_decoder():
-                continue
-            if not self._group_drafts(s.id, spec):
-                spec.hold()
-                continue
-            try:
-                rows = len(self.scheduler.groups.members_of(s.id)) or 1
-                cost = self.costs.setdefault(rows, StepCost(rows=rows))
-                context = s.prompt + s.generated
-                k = spec.choose_k(cost, rows, room=s.max_tokens - len(s.generated) - 1,
-                                  ready=spec.drafter.ready(context))
-                spec.offer(spec.drafter.propose(context, k, s.params) if k else Proposal([]))
-            except Exception as e:  # noqa: BLE001 - a drafter's failure costs its stream the drafts only
-                log.warning("stream %d: no drafts (%s: %s)", s.id, type(e).__name__, e)
-                spec.offer(Proposal([]))
-
-    def _draft_ahead(self) -> bool:
-        """While every step is out on remote stages, this machine is idle: each speculating
-        stream whose decode step is out lets its drafter catch up with the text or draw one
-        more draft past it (drafts/ModelDrafter.follow), where drafts could pay at all.
-        Whether any drafter ran (then outcomes are polled, not waited for)."""
-        if not self.pipe.idle():
-            return False
-        drew = False
-        for s in self.scheduler.streams.values():
-            spec = s.spec
-            if spec is None or not s.in_flight or not s.decoding:
-                continue
-            rows = len(self.scheduler.groups.members_of(s.id)) or 1
-            if not self._group_drafts(s.id, spec) or not spec.worth_following(self.costs.get(rows), rows):
-                continue
-            try:
-                drew = spec.drafter.follow(s.prompt + s.generated, s.params, spec.ahead_limit()) or drew
-            except Exception as e:  # noqa: BLE001 - drafts drawn ahead are an optimization only
-                log.warning("stream %d: no drafts ahead (%s: %s)", s.id, type(e).__name__, e)
-        return drew
-
-    def _group_drafts(self, stream: int, spec: Speculation) -> bool:
-        """Whether `stream`'s decode group lets its rows offer drafts (GroupPace; a fixed K is
-        the user's choice and stands)."""
-        group = self.scheduler.groups.group_of(stream)
-        return group is None or group.pace.allow or spec.fixed_k is not None
-
     def _dispatch(self) -> None:
         for step in self.scheduler.plan():
             if isinstance(step, DecodeStep):
-                self.scheduler.streams[step.streams[0]].sent = (time.perf_counter(), step.inputs.rows,
-                                                               step.inputs.new_tokens)
-                self._group_launched(step)
+                self.spec.launched(step)
             try:
                 self.pipe.submit(step)
             except Exception as e:  # noqa: BLE001 - a step that cannot start fails its streams
                 self._step_failed(step, f"{type(e).__name__}: {e}")
         for key in self.scheduler.releases():
             self.pipe.release(key)
-
-    def _group_launched(self, step: DecodeStep) -> None:
-        group = self.scheduler.groups.by_key(step.key)
-        if group is not None:
-            streams = [self.scheduler.streams[s] for s in step.streams]
-            group.pace.launched(len(streams), any(s.spec and s.spec.proposal.tokens for s in streams),
-                                steady=not step.merge)
-
-    def _group_settled(self, stream: Stream, tokens: int) -> None:
-        group = self.scheduler.groups.group_of(stream.id)
-        if group is not None:
-            group.pace.settled(tokens, time.perf_counter(), len(group.members()))
 
     def _step_failed(self, step: Step, why: str) -> None:
         for s in step.streams:
@@ -257,9 +190,10 @@ class Engine:
                 self._finish(stream, "error", why)
 
     def _admit(self) -> None:
+        """Waiting requests start as streams while there are slots (a role may admit more)."""
         with self._lock:
             n = to_admit(len(self._waiting), self._taken, self.limits)
-            starting = [self._waiting.popleft() for _ in range(n)]
+            starting = self._next_waiting(n)
             self._taken += n
         for ticket in starting:
             if ticket.cancelled:
@@ -271,9 +205,17 @@ class Engine:
             params = r.sampling.params(secrets.randbits(63))
             ticket.stream = Stream(next(self._ids), list(r.prompt), params, r.sampling.max_tokens, r.stop_ids,
                                    r.sampling.want_logits, owner=ticket)
-            if self.drafts is not None and r.speculative:
-                ticket.stream.spec = self.drafts.speculation()
+            if r.speculative:
+                ticket.stream.spec = self.spec.speculation()
             self.scheduler.add(ticket.stream)
+
+    def _next_waiting(self, n: int) -> list[Ticket]:
+        """The `n` waiting tickets that start now, taken off the queue (under the lock): the
+        oldest. A prefill instance orders them by its policy instead."""
+        return [self._waiting.popleft() for _ in range(n)]
+
+    def _stepped(self, stream: Stream) -> None:
+        """An outcome of `stream` was applied and it runs on (a prefill instance hands off here)."""
 
     def _apply_cancels(self) -> None:
         with self._lock:
@@ -281,7 +223,9 @@ class Engine:
         for ticket in tickets:
             ticket.cancelled = True  # a waiting ticket is dropped when its turn comes
             stream = ticket.stream
-            if stream is not None and stream.id in self.scheduler.streams and not stream.in_flight:
+            # Identity, not the id: a stream that moved here from another engine (disaggregated
+            # serving) may have had an id this engine uses for another.
+            if stream is not None and self.scheduler.streams.get(stream.id) is stream and not stream.in_flight:
                 self._finish(stream, "cancelled")
 
     def _apply(self, outcome: Outcome) -> None:
@@ -295,13 +239,14 @@ class Engine:
             if outcome.failed:
                 return self._finish(stream, "error", outcome.error)
             stream.lost_at = None  # it runs again: a later loss is a new repair
-            stood = self._verified(stream, outcome)
-            self._group_settled(stream, len(stood))
+            stood = self.spec.verified(stream, outcome)
+            self.spec.settled(stream, len(stood))
             for choice in stood:
                 if self._emit(stream, choice):
                     return
             if self._ticket(stream).cancelled:
-                self._finish(stream, "cancelled")
+                return self._finish(stream, "cancelled")
+            self._stepped(stream)
         except Exception as e:  # noqa: BLE001 - a bug in one stream's handling fails it alone
             log.exception("stream %d failed", stream.id)
             if stream.id in self.scheduler.streams:
@@ -319,26 +264,6 @@ class Engine:
         old = stream.id
         self.scheduler.replay(stream, next(self._ids))
         log.warning("stream %d replayed as %d after %d tokens: %s", old, stream.id, len(stream.generated), why)
-
-    def _verified(self, stream: Stream, outcome: Outcome) -> tuple[Choice, ...]:
-        """The choices that stand: all of a plain step's; of a verify step, the target's choices
-        up to and including the first that differs from the draft offered (the drafts after it
-        are masked out of the cache, and the logical position steps back over them)."""
-        self._timed(stream)
-        spec = stream.spec
-        if spec is None or not spec.planned:
-            return outcome.choices
-        offered = len(spec.proposal.tokens)
-        kept = spec.settle([c.token for c in outcome.choices], time.perf_counter())
-        stream.book.mask_last(offered - kept)
-        return outcome.choices[: kept + 1]
-
-    def _timed(self, stream: Stream) -> None:
-        """A decode step of `stream` (its group's first row) came back: its time, for K."""
-        if stream.sent is not None:
-            when, rows, width = stream.sent
-            self.costs.setdefault(rows, StepCost(rows=rows)).record(time.perf_counter() - when, rows, width)
-            stream.sent = None
 
     def _emit(self, stream: Stream, choice: Choice) -> bool:
         """Deliver one chosen token; True once the stream has ended."""
@@ -370,14 +295,8 @@ class Engine:
 
     def _finish(self, stream: Stream, reason: str, error: str = "") -> None:
         self.scheduler.remove(stream)
-        if stream.spec is not None:
-            stream.spec.drafter.close()
+        stats = self.spec.closed(stream)
         self._release_slot()
-        stats = stream.spec.stats() if stream.spec else None
-        if stats is not None:
-            e = self.spec_ended
-            self.spec_ended = SpecStats(e.drafted + stats.drafted, e.accepted + stats.accepted,
-                                        e.steps + stats.steps, 0)
         self._ticket(stream).on_event(Event(None, finish=reason, error=error, spec=stats))
 
     def _fail_all(self, reason: str, error: str) -> None:
