@@ -17,6 +17,7 @@ from shardline.config import (
     RunConfig,
     SamplingConfig,
     SpeculationConfig,
+    disaggregation,
 )
 from shardline.errors import ShardlineError
 from shardline.export.defaults import default_shards
@@ -103,6 +104,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="CPU")
     s.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact")
     _speculation_flags(s)
+    s.add_argument("--disaggregate", metavar="P:D", help="P prefill and D decode instances in this process, "
+                   "each with every stage, behind the one API (TetriInfer); default: one coupled instance")
+    s.add_argument("--admission", default="reserve-dynamic", help="a decode instance's admission: "
+                   "vanilla, reserve-static or reserve-dynamic (with --disaggregate)")
+    s.add_argument("--prefill-policy", default="fcfs", help="a prefill instance's order: fcfs, sjf or ljf")
 
     k = sub.add_parser("keygen", help="make a cluster CA and one TLS credentials folder per node")
     k.add_argument("--out", type=Path, required=True, help="new folder: ca.pem, ca-key.pem, node-0 .. node-(N-1)")
@@ -310,8 +316,13 @@ def _serve(args: argparse.Namespace) -> int:
                       decode_groups=args.decode_groups, prefill_chunk=args.prefill_chunk,
                       max_prefills=args.max_prefills, max_body_bytes=args.max_body_bytes,
                       api_key=load_key(args.api_key, args.api_key_file), recovery=_recovery(args),
-                      cors_origins=tuple(args.cors_origin))
+                      cors_origins=tuple(args.cors_origin),
+                      disaggregate=disaggregation(args.disaggregate) if args.disaggregate else None,
+                      admission=args.admission, prefill_policy=args.prefill_policy)
     run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
+    if cfg.disaggregate and (args.workers or args.draft):
+        raise ShardlineError("--disaggregate runs every instance in this process, without speculation: "
+                             "it cannot be combined with --workers or --draft yet")
     credentials = _credentials(args, links=bool(args.workers))
     folder = args.shards or default_shards()
     serve(folder, run, cfg, args.workers.split(",") if args.workers else None, _speculation(args, folder),

@@ -211,6 +211,12 @@ class ServeConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)  # after a worker dies or hangs
     # Browser origins allowed to call the API from their pages (CORS); none unless given.
     cors_origins: tuple[str, ...] = ()
+    # Disaggregated serving (disagg/): (prefill instances, decode instances), each a pipeline of
+    # every stage in this process; None: one coupled instance. Its decode admission policy and
+    # its prefill instances' local policy.
+    disaggregate: tuple[int, int] | None = None
+    admission: str = "reserve-dynamic"
+    prefill_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.decode_groups is not None and self.decode_groups < 0:
@@ -231,11 +237,32 @@ class ServeConfig:
             raise ShardlineError("--max-tokens must be >= 1")
         if not 0 < self.memory_fraction <= 1:
             raise ShardlineError("--memory-fraction must be in (0, 1]")
+        if self.disaggregate is not None and not (
+                len(self.disaggregate) == 2 and all(1 <= n <= 16 for n in self.disaggregate)):
+            raise ShardlineError(f"--disaggregate P:D needs 1-16 prefill and 1-16 decode instances, "
+                                 f"got {self.disaggregate}")
+        if self.admission not in ADMISSIONS:
+            raise ShardlineError(f"--admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ShardlineError(f"--prefill-policy must be one of {', '.join(PREFILL_POLICIES)}, "
+                                 f"got {self.prefill_policy!r}")
         if len(self.cors_origins) > 32:
             raise ShardlineError(f"at most 32 --cors-origin, got {len(self.cors_origins)}")
         for origin in self.cors_origins:
             if origin != "*" and not _ORIGIN.fullmatch(origin):
                 raise ShardlineError(f"--cors-origin must be '*' or SCHEME://HOST[:PORT] with no path, got {origin!r}")
+
+
+ADMISSIONS = ("vanilla", "reserve-static", "reserve-dynamic")  # disagg/instance.py Admission
+PREFILL_POLICIES = ("fcfs", "sjf", "ljf")  # disagg/policies.py PrefillPolicy
+
+
+def disaggregation(text: str) -> tuple[int, int]:
+    """`--disaggregate P:D` as (P, D); the range is checked by ServeConfig."""
+    p, sep, d = text.partition(":")
+    if not sep or not p.strip().isdigit() or not d.strip().isdigit():
+        raise ShardlineError(f"--disaggregate must be P:D (prefill and decode instances), got {text!r}")
+    return int(p), int(d)
 
 
 DRAFT_K_MAX = 8  # drafts per verify step at most (auto K stays within it)

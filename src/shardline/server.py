@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardline.config import COMPACT_AT, RecoveryConfig, RunConfig, ServeConfig, SpeculationConfig
 from shardline.errors import ShardlineError
@@ -13,12 +16,17 @@ from shardline.model.manifest import Manifest, load_manifest
 from shardline.pipeline.plan import Pipeline
 from shardline.serving.admission import Limits, max_streams_for_memory, per_stream_bytes
 from shardline.serving.drafters import LOOKUP_PRIOR, DraftModel, LookupDrafter
-from shardline.serving.engine import Engine
+from shardline.serving.engine import Engine, Serving
 from shardline.serving.replay import Replays
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import Drafts
 from shardline.wire.tls import Credentials
 
+if TYPE_CHECKING:
+    from shardline.disagg.front import Disaggregated
+
+# The predicted decode length's bucket width (disagg/length_train.py chose 64 for this model).
+DISAGG_G = 64
 STREAM_CAP = 64
 SHUTDOWN_GRACE_S = 3
 # What one open stream costs beyond its KV, per stage (its InferRequest's buffers). Measured
@@ -106,6 +114,41 @@ def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[st
     return engine, manifest
 
 
+def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig) -> tuple[Disaggregated, Manifest]:
+    """`cfg.disaggregate` (P, D): P prefill and D decode instances, each a LocalPipeline of every
+    stage (threads: as given, else this machine's cores shared out), behind one front end.
+    Predicted decode lengths: the oracle on each request's max_tokens (no trained predictor runs
+    on live requests yet), in buckets of the predictor's width."""
+    from shardline.disagg.decode import DecodeEngine
+    from shardline.disagg.front import Disaggregated, FrontConfig
+    from shardline.disagg.instance import Admission
+    from shardline.disagg.policies import PrefillPolicy
+    from shardline.disagg.prefill import PrefillEngine, oracle_predict
+    from shardline.disagg.workloads import THRESHOLDS
+    from shardline.pipeline.local import LocalPipeline
+
+    assert cfg.disaggregate is not None
+    manifest = load_manifest(folder)
+    n_prefill, n_decode = cfg.disaggregate
+    cores = os.cpu_count() or 1
+    run = replace(run, threads=run.threads or max(1, cores // (n_prefill + n_decode)))
+    share = replace(cfg, memory_fraction=cfg.memory_fraction / (n_prefill + n_decode))
+    limits = stream_limits(manifest, share, manifest.arch.n_layers)
+    context = manifest.arch.max_context
+    replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
+    front = Disaggregated(FrontConfig(heavy_from=THRESHOLDS.heavy_decode[0]))
+    predict = oracle_predict(DISAGG_G, max(2, context // DISAGG_G))
+    prefills = {f"prefill-{i}": PrefillEngine(LocalPipeline(folder, run), limits, context, cfg.prefill_chunk,
+                                              front.dispatch, predict, PrefillPolicy(cfg.prefill_policy),
+                                              replays=replays) for i in range(n_prefill)}
+    decodes = {f"decode-{i}": DecodeEngine(LocalPipeline(folder, run), limits, context,
+                                           scheduling(cfg, len(manifest.stages), False), Admission(cfg.admission),
+                                           limits.max_streams * context, THRESHOLDS.heavy_decode[0],
+                                           replays=replays) for i in range(n_decode)}
+    front.start(prefills, decodes)
+    return front, manifest
+
+
 def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None,
           spec: SpeculationConfig | None = None, credentials: Credentials | None = None) -> None:
     import uvicorn
@@ -113,7 +156,11 @@ def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | N
     from shardline.api.app import Served, build_app
     from shardline.model.tokenizer import ChatTokenizer
 
-    engine, manifest = open_engine(folder, run, cfg, workers, spec=spec, credentials=credentials)
+    engine: Serving
+    if cfg.disaggregate:
+        engine, manifest = open_disaggregated(folder, run, cfg)
+    else:
+        engine, manifest = open_engine(folder, run, cfg, workers, spec=spec, credentials=credentials)
     served = Served(engine, ChatTokenizer(folder), model_id(manifest, cfg), cfg.default_max_tokens,
                     cfg.max_body_bytes, api_key=cfg.api_key, cors_origins=cfg.cors_origins)
     sock = socket.create_server((cfg.host, cfg.port))  # bound here, so port 0 reports its real port
@@ -126,5 +173,4 @@ def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | N
     try:
         server.run(sockets=[sock])
     finally:
-        engine.stop()
-        engine.pipe.shutdown()
+        engine.shutdown()

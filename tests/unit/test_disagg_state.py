@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from shardline.disagg.state import ClusterState, DecodeLoad, LengthRange, Load, PrefillLoad, bucket
+from shardline.disagg.policies import least_loaded_prefill
+from shardline.disagg.state import (
+    ClusterState,
+    DecodeLoad,
+    LengthRange,
+    Load,
+    PrefillLoad,
+    bucket,
+    sent_decode,
+    sent_prefill,
+)
 from shardline.errors import ShardlineError
 
 
@@ -72,3 +82,34 @@ def test_cluster_state_invalid() -> None:
         ClusterState({"": PrefillLoad(0, 0, False)})
     with pytest.raises(ShardlineError, match="instance 'x' needs a name and a prefill or decode load"):
         ClusterState({"x": 3})  # type: ignore[dict-item]
+
+
+def test_sent_prefill_counts_a_request_until_the_next_reading() -> None:
+    state = ClusterState({"p0": PrefillLoad(0, 0, False), "p1": PrefillLoad(1, 50, True),
+                          "d0": DecodeLoad(0, 0, 0, 0, 100, 0)})
+    after = sent_prefill(state, "p0", 80)
+    assert after.loads["p0"] == PrefillLoad(1, 80, False)
+    assert after.loads["p1"] is state.loads["p1"] and state.loads["p0"] == PrefillLoad(0, 0, False)
+    # a burst inside one period spreads: the least-loaded instance changes as requests are counted
+    assert least_loaded_prefill(state) == "p0" and least_loaded_prefill(after) == "p1"
+
+
+def test_sent_decode_counts_a_stream_and_its_predicted_slots() -> None:
+    state = ClusterState({"d0": DecodeLoad(1, 0, 1, 30, 100, 0), "p0": PrefillLoad(0, 0, False)})
+    after = sent_decode(state, "d0", 90, heavy=True)
+    assert after.loads["d0"] == DecodeLoad(2, 1, 1, 100, 100, 1)  # used capped at the total
+    assert sent_decode(state, "d0", 5, heavy=False).loads["d0"] == DecodeLoad(2, 0, 2, 35, 100, 1)
+
+
+@pytest.mark.parametrize("name, tokens", [("d0", 5), ("nowhere", 5), ("p0", 0)])
+def test_sent_prefill_invalid(name: str, tokens: int) -> None:
+    state = ClusterState({"p0": PrefillLoad(0, 0, False), "d0": DecodeLoad(0, 0, 0, 0, 100, 0)})
+    with pytest.raises(ShardlineError, match="cannot count a request"):
+        sent_prefill(state, name, tokens)
+
+
+@pytest.mark.parametrize("name, tokens", [("p0", 5), ("nowhere", 5), ("d0", 0)])
+def test_sent_decode_invalid(name: str, tokens: int) -> None:
+    state = ClusterState({"p0": PrefillLoad(0, 0, False), "d0": DecodeLoad(0, 0, 0, 0, 100, 0)})
+    with pytest.raises(ShardlineError, match="cannot count a stream"):
+        sent_decode(state, name, tokens, heavy=False)

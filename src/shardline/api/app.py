@@ -28,7 +28,7 @@ from shardline.api.metrics import ServerMetrics
 from shardline.api.prompt import tokenize
 from shardline.api.schemas import ApiError, ChatRequest, CompletionRequest, Sampling, now, usage
 from shardline.model.tokenizer import ChatTokenizer
-from shardline.serving.engine import Engine
+from shardline.serving.engine import Serving
 
 log = logging.getLogger("shardline.api")
 T = TypeVar("T")
@@ -37,7 +37,7 @@ Formatter = Callable[[list[TokenLogprob]], dict[str, Any]]
 
 @dataclass(frozen=True)
 class Served:
-    engine: Engine
+    engine: Serving
     tok: ChatTokenizer
     model_id: str
     default_max_tokens: int = 256

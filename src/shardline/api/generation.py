@@ -21,7 +21,7 @@ from shardline.api.schemas import ApiError, Sampling
 from shardline.config import SamplingConfig
 from shardline.errors import ShardlineError
 from shardline.model.tokenizer import ChatTokenizer, StreamDecoder
-from shardline.serving.engine import Engine, Event, Overloaded, Request
+from shardline.serving.engine import Event, Overloaded, Request, Serving
 from shardline.serving.stops import StopMatcher
 
 # How often a request waiting for its next token checks that the engine thread is still alive
@@ -43,18 +43,18 @@ class Collected:
     logprobs: list[TokenLogprob]
 
 
-def engine_failed(engine: Engine) -> ApiError:
+def engine_failed(engine: Serving) -> ApiError:
     return ApiError(503, f"the engine has failed: {engine.failed}", "server_error", code="engine_failed")
 
 
-def check_alive(engine: Engine) -> None:
+def check_alive(engine: Serving) -> None:
     if engine.failed:
         raise engine_failed(engine)
 
 
 @dataclass
 class Generation:
-    engine: Engine
+    engine: Serving
     tok: ChatTokenizer
     metrics: ServerMetrics
     endpoint: str

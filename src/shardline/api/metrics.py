@@ -10,13 +10,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, Collector
 
-from shardline.serving.engine import Engine
+from shardline.serving.engine import Serving
 
 _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Serving) -> None:
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("shardline_time_to_first_token_seconds", "request arrival to first token",
                               buckets=_LATENCY, registry=r)
@@ -55,7 +55,7 @@ class SpeculationCollector(Collector):
     """Speculative decoding at scrape time: totals over every stream (ended and running), and
     each running stream's drafts offered, accepted and its last K (labelled by stream id)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Serving) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:

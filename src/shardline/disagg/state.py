@@ -9,7 +9,7 @@ distinct types and an instance's type says its role.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from types import MappingProxyType
 
@@ -110,3 +110,24 @@ class ClusterState:
 
     def decode(self) -> dict[str, DecodeLoad]:
         return {n: x for n, x in self.loads.items() if isinstance(x, DecodeLoad)}
+
+
+def sent_prefill(state: ClusterState, name: str, prompt_tokens: int) -> ClusterState:
+    """`state` once the front has sent prefill instance `name` a request of `prompt_tokens`
+    (until the monitor's next reading shows it)."""
+    old = state.prefill().get(name)
+    if old is None or prompt_tokens < 1:
+        raise ShardlineError(f"cannot count a request of {prompt_tokens} tokens sent to prefill instance {name!r}")
+    return ClusterState({**state.loads, name: replace(old, queued=old.queued + 1,
+                                                      queued_tokens=old.queued_tokens + prompt_tokens)})
+
+
+def sent_decode(state: ClusterState, name: str, tokens: int, heavy: bool) -> ClusterState:
+    """`state` once a stream predicted to hold `tokens` KV slots (heavy or light) was
+    dispatched to decode instance `name`: queued there, with its predicted slots taken."""
+    old = state.decode().get(name)
+    if old is None or tokens < 1:
+        raise ShardlineError(f"cannot count a stream of {tokens} tokens sent to decode instance {name!r}")
+    return ClusterState({**state.loads, name: replace(
+        old, queued=old.queued + 1, used=min(old.total, old.used + tokens),
+        running=old.running + 1, heavy=old.heavy + heavy, light=old.light + (not heavy))})

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
+from typing import Protocol
 
 from shardline.config import SamplingConfig
 from shardline.decoding.sampler import Choice
@@ -79,6 +80,27 @@ class Ticket:
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     stream: Stream | None = None  # once admitted
+
+
+class Serving(Protocol):
+    """What the HTTP app serves through: one Engine, or a front end over several instances
+    (disagg/front.py)."""
+
+    @property
+    def limits(self) -> Limits: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def active(self) -> int: ...
+    @property
+    def failed(self) -> str | None: ...  # why it cannot serve, if it cannot (then unhealthy)
+    @property
+    def spec_ended(self) -> SpecStats: ...
+    def submit(self, request: Request, on_event: Callable[[Event], None]) -> Ticket: ...
+    def cancel(self, ticket: Ticket) -> None: ...
+    def speculating(self) -> dict[int, SpecStats]: ...
+    def stop(self) -> None: ...
+    def shutdown(self) -> None: ...  # stop, then close the pipelines
 
 
 class Engine:
@@ -147,10 +169,23 @@ class Engine:
     def spec_ended(self) -> SpecStats:
         return self.spec.ended
 
+    def _streams(self) -> list[Stream]:
+        """The running streams (read from any thread: a snapshot)."""
+        for _ in range(10):  # the engine thread may add or remove a stream while this reads
+            try:
+                return list(self.scheduler.streams.values())
+            except RuntimeError:
+                continue
+        return []
+
     def stop(self) -> None:
         self._running = False
         self.pipe.wake()
         self._thread.join(timeout=10)
+
+    def shutdown(self) -> None:
+        self.stop()
+        self.pipe.shutdown()
 
     # --- the engine thread ---------------------------------------------------------------------
 

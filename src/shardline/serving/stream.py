@@ -34,6 +34,9 @@ class Stream:
     resumed: int = 0  # generated tokens its prefill feeds after the prompt (since a restart)
     replays: int = 0  # restarts so far
     lost_at: float | None = None  # when the pipeline broke under it, until it ran again
+    # Decode tokens predicted for it (the low end of a length prediction; 0: none made). A
+    # decode instance of disaggregated serving reserves KV for them (disagg/instance.py).
+    expect: int = 0
 
     @property
     def prefilling(self) -> bool:

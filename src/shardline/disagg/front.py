@@ -1,0 +1,155 @@
+"""The front of disaggregated serving: one object the HTTP app serves through, in front of P
+prefill and D decode instances (TetriInfer's global scheduler, cluster monitor and the
+prefill instances' dispatcher).
+
+- A cluster monitor thread reads every instance's load each `period` (100 ms) into one
+  ClusterState.
+- `submit` sends a request to the least-loaded prefill instance; `dispatch` (called by a
+  prefill instance for each prefilled stream) picks its decode instance by power of two
+  choices. Both decide with policies.py's pure functions over the last state, with what this
+  front sent since then added (state.py `sent_prefill` / `sent_decode`): without that, every
+  request of a burst inside one period would go to the same instance.
+- A cancel goes to every instance: the one holding the stream ends it, the others only mark
+  the ticket (an instance that receives it later drops it).
+
+It offers what the app uses of an Engine (submit, cancel, waiting, active, failed, limits,
+speculating, spec_ended, stop).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from shardline.disagg.decode import DecodeEngine
+from shardline.disagg.policies import dispatch, is_heavy, least_loaded_prefill
+from shardline.disagg.prefill import Moving, PrefillEngine
+from shardline.disagg.state import ClusterState, sent_decode, sent_prefill
+from shardline.errors import ShardlineError
+from shardline.serving.admission import Limits
+from shardline.serving.engine import Engine, Event, Request, Ticket
+from shardline.serving.speculation import SpecStats
+
+log = logging.getLogger("shardline.disagg")
+
+MONITOR_PERIOD_S = 0.1  # TetriInfer's cluster monitor period
+
+
+@dataclass(frozen=True)
+class FrontConfig:
+    heavy_from: int  # decode tokens from which a predicted decode counts as heavy
+    period_s: float = MONITOR_PERIOD_S
+    seed: int = 0  # the dispatcher's power-of-two draws
+
+    def __post_init__(self) -> None:
+        if self.heavy_from < 1 or not 0 < self.period_s <= 10:
+            raise ShardlineError(f"the front needs heavy_from >= 1 and a monitor period in (0, 10] s, "
+                                 f"got {self.heavy_from} and {self.period_s}")
+
+
+class Disaggregated:
+    def __init__(self, cfg: FrontConfig) -> None:
+        self.cfg = cfg
+        self.prefills: dict[str, PrefillEngine] = {}
+        self.decodes: dict[str, DecodeEngine] = {}
+        self._rng = random.Random(cfg.seed)
+        self._lock = threading.Lock()  # guards _state and _rng (callers' and prefill engines' threads)
+        self._state = ClusterState({})
+        self._stopping = threading.Event()
+        self._monitor: threading.Thread | None = None
+
+    def start(self, prefills: dict[str, PrefillEngine], decodes: dict[str, DecodeEngine]) -> None:
+        """Serve through these instances (built with `self.dispatch` as their send)."""
+        if not prefills or not decodes or prefills.keys() & decodes.keys():
+            raise ShardlineError("disaggregated serving needs >= 1 prefill and >= 1 decode instance, named apart")
+        self.prefills, self.decodes = prefills, decodes
+        self._gather()
+        self._monitor = threading.Thread(target=self._watch, daemon=True, name="cluster-monitor")
+        self._monitor.start()
+
+    @property
+    def state(self) -> ClusterState:
+        with self._lock:
+            return self._state
+
+    # --- what the app uses ---------------------------------------------------------------------
+
+    def submit(self, request: Request, on_event: Callable[[Event], None]) -> Ticket:
+        with self._lock:
+            name = least_loaded_prefill(self._state)
+            self._state = sent_prefill(self._state, name, len(request.prompt))
+        return self.prefills[name].submit(request, on_event)
+
+    def dispatch(self, moving: Moving) -> None:
+        """A prefilled stream's decode instance (a prefill engine's thread calls this)."""
+        heavy = is_heavy(moving.predicted, self.cfg.heavy_from)
+        with self._lock:
+            name = dispatch(self._state, moving.prompt_tokens, moving.predicted, self._rng, self.cfg.heavy_from)
+            self._state = sent_decode(self._state, name, moving.prompt_tokens + moving.predicted.lo, heavy)
+        self.decodes[name].adopt(moving)
+
+    def cancel(self, ticket: Ticket) -> None:
+        for engine in self._engines():
+            engine.cancel(ticket)
+
+    @property
+    def waiting(self) -> int:
+        return sum(e.waiting for e in self._engines())
+
+    @property
+    def active(self) -> int:
+        return sum(e.active for e in self._engines())
+
+    @property
+    def failed(self) -> str | None:
+        return next((f"{n}: {e.failed}" for n, e in self._named() if e.failed), None)
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(sum(e.limits.max_streams for e in self.decodes.values()),
+                      sum(e.limits.max_queue for e in self.prefills.values()))
+
+    def speculating(self) -> dict[int, SpecStats]:
+        return {}  # decode instances do not speculate (yet)
+
+    @property
+    def spec_ended(self) -> SpecStats:
+        return SpecStats(0, 0, 0, 0)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout=5)
+        for engine in self._engines():
+            engine.stop()
+
+    def shutdown(self) -> None:
+        """Stop, then close every instance's pipeline."""
+        self.stop()
+        for engine in self._engines():
+            engine.pipe.shutdown()
+
+    # --- the cluster monitor -------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.cfg.period_s):
+            try:
+                self._gather()
+            except Exception:  # noqa: BLE001 - a bad reading keeps the last state; the monitor goes on
+                log.exception("the cluster monitor could not read a load")
+
+    def _gather(self) -> None:
+        loads = {n: e.load() for n, e in self.prefills.items()} | {n: e.load() for n, e in self.decodes.items()}
+        state = ClusterState(loads)
+        with self._lock:
+            self._state = state
+
+    def _named(self) -> Iterable[tuple[str, Engine]]:
+        yield from self.prefills.items()
+        yield from self.decodes.items()
+
+    def _engines(self) -> list[Engine]:
+        return [e for _, e in self._named()]

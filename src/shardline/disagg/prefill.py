@@ -1,0 +1,159 @@
+"""A prefill instance: an engine over its own pipeline that only prefills (TetriInfer).
+
+Requests wait in its queue; its local policy (FCFS, SJF, LJF) orders each batch of up to
+`batch` queued requests, which then run to their end before the next batch is ordered
+(non-preemptive: a short prompt arriving meanwhile waits). Prompts go through in fixed-size
+chunks, one prompt at a time. When a prompt's last chunk has sampled its first token (sent to
+the caller from here, so the time to first token never waits for a transfer), the stream
+leaves: its KV is exported in queue order (behind every step already submitted), its key
+released, and the stream with its KV, its book and its predicted decode length is handed to
+`send` (the front end's dispatcher), which gives it to a decode instance.
+
+Invariants:
+- A stream is in at most one place: this engine's scheduler, its exports in transit, or
+  handed on. Once handed on, this engine never touches its ticket again.
+- Every ticket gets exactly one final event: here (stop, length 1, cancelled, an export that
+  failed, a dispatch that failed, the engine stopping) or from the decode instance.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from shardline.disagg.policies import DEFAULT_PREFILL_BATCH, PrefillPolicy, Queued, next_batch
+from shardline.disagg.state import LengthRange, PrefillLoad
+from shardline.pipeline.kv import Handoff, KvSnapshot, handoff
+from shardline.pipeline.plan import Pipeline
+from shardline.serving.admission import Limits
+from shardline.serving.engine import Engine, Event, Request, Ticket
+from shardline.serving.replay import Replays
+from shardline.serving.scheduler import SchedulerConfig
+from shardline.serving.stream import Stream
+
+log = logging.getLogger("shardline.disagg")
+
+
+@dataclass(frozen=True, eq=False)
+class Moving:
+    """A prefilled stream on its way to a decode instance: the caller's ticket, the stream's
+    record (its id is the prefill instance's key: the decode instance gives it its own), its
+    KV with the book of it, and its predicted decode length."""
+
+    ticket: Ticket
+    stream: Stream
+    handoff: Handoff
+    predicted: LengthRange
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.stream.prefix())
+
+
+@dataclass(eq=False)
+class _Export:
+    ticket: Ticket
+    stream: Stream
+    predicted: LengthRange
+    future: Future[KvSnapshot]
+
+
+class PrefillEngine(Engine):
+    def __init__(self, pipe: Pipeline, limits: Limits, max_context: int, chunk: int,
+                 send: Callable[[Moving], None], predict: Callable[[Request], LengthRange],
+                 policy: PrefillPolicy = PrefillPolicy.FCFS, batch: int = DEFAULT_PREFILL_BATCH,
+                 replays: Replays | None = None) -> None:
+        self.send, self.predict, self.policy, self.batch = send, predict, policy, batch
+        self._batch_left = 0  # tickets at the head of the queue that form the current batch
+        self._exports: deque[_Export] = deque()  # engine thread only
+        # No decode groups: a stream never decodes here. One prompt at a time, in policy order.
+        scheduling = SchedulerConfig(chunk=chunk, groups=0, max_prefills=1)
+        super().__init__(pipe, limits, max_context, scheduling, None, replays)
+
+    def load(self) -> PrefillLoad:
+        """What the cluster monitor reads (any thread): requests waiting for or in their
+        prefill, and their prompt tokens not yet prefilled."""
+        with self._lock:
+            waiting = [len(t.request.prompt) for t in self._waiting]
+        streams = self._streams()
+        prefilling = [s for s in streams if not s.decoding]
+        left = sum(max(1, len(s.prefix()) - s.prefilled) for s in prefilling)
+        return PrefillLoad(len(waiting) + len(prefilling), sum(waiting) + left, any(s.in_flight for s in streams))
+
+    # --- the engine thread ---------------------------------------------------------------------
+
+    def _next_waiting(self, n: int) -> list[Ticket]:
+        out = []
+        for _ in range(n):
+            if self._batch_left == 0:
+                self._order_batch()
+            out.append(self._waiting.popleft())
+            self._batch_left -= 1
+        return out
+
+    def _order_batch(self) -> None:
+        """The next `batch` queued tickets, reordered in place by the policy (under the lock)."""
+        window = [self._waiting.popleft() for _ in range(min(self.batch, len(self._waiting)))]
+        order = next_batch([Queued(t.id, t.id, len(t.request.prompt)) for t in window], self.policy, self.batch)
+        by_id = {t.id: t for t in window}
+        self._waiting.extendleft(reversed([by_id[q.id] for q in order]))
+        self._batch_left = len(window)
+
+    def _stepped(self, stream: Stream) -> None:
+        if stream.decoding and not stream.done:
+            self._leave(stream)
+
+    def _leave(self, stream: Stream) -> None:
+        """`stream` has its first token: its KV is exported, then its key released (queue order)."""
+        ticket = self._ticket(stream)
+        future = self.pipe.export_kv(stream.id)
+        self.scheduler.remove(stream)
+        self._release_slot()
+        ticket.stream = None
+        predicted = self.predict(ticket.request)
+        stream.expect = predicted.lo
+        self._exports.append(_Export(ticket, stream, predicted, future))
+        future.add_done_callback(lambda _: self.pipe.wake())
+
+    def _admit(self) -> None:
+        self._hand_on()
+        super()._admit()
+
+    def _hand_on(self) -> None:
+        """Exports that finished go on to `send`, in the order they left."""
+        while self._exports and self._exports[0].future.done():
+            x = self._exports.popleft()
+            if (error := x.future.exception()) is not None:
+                x.ticket.on_event(Event(None, finish="error", error=f"the KV export failed: {error}"))
+            elif x.ticket.cancelled:
+                x.ticket.on_event(Event(None, finish="cancelled"))
+            else:
+                self._send(x)
+
+    def _send(self, x: _Export) -> None:
+        try:
+            self.send(Moving(x.ticket, x.stream, handoff(x.future.result(), x.stream.book), x.predicted))
+        except Exception as e:  # noqa: BLE001 - no decode instance takes it: this request alone fails
+            log.warning("request %d: no decode instance took it (%s: %s)", x.ticket.id, type(e).__name__, e)
+            x.ticket.on_event(Event(None, finish="error", error=f"no decode instance took the request: {e}"))
+
+    def _fail_all(self, reason: str, error: str) -> None:
+        exports, self._exports = list(self._exports), deque()
+        for x in exports:
+            try:
+                x.ticket.on_event(Event(None, finish=reason, error=error))
+            except Exception:  # noqa: BLE001 - logged; the others must still be told
+                log.exception("while ending a request")
+        super()._fail_all(reason, error)
+
+
+def oracle_predict(g: int, buckets: int) -> Callable[[Request], LengthRange]:
+    """A request's decode length taken from its max_tokens (exact for requests that ignore
+    end-of-text, as the benchmark's do), as the bucket of width `g` a predictor would name."""
+    from shardline.disagg.state import bucket
+
+    return lambda r: bucket(r.sampling.max_tokens, g, buckets)
+
