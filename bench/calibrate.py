@@ -55,6 +55,7 @@ from pathlib import Path
 import numpy as np
 from quality import TEXT  # bench/ is on sys.path when this script runs
 from quiet import wait_quiet
+from shards import shard_folder
 
 from shardline.config import DEFAULT_PREFILL_CHUNK, RunConfig, SamplingParams
 from shardline.disagg.costs import Costs
@@ -284,6 +285,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=41, help="counted decode steps per group")
     ap.add_argument("--warm", type=int, default=4, help="decode steps per group not counted")
     ap.add_argument("--max-wait", type=float, default=600.0, help="seconds to wait for a quiet machine")
+    ap.add_argument("--stages", type=int, default=0,
+                    help="calibrate a gguf export of this many stages (under --work); 0: the default export")
+    ap.add_argument("--threads", type=int, help="OpenVINO threads per stage (default: the plugin's)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/shardline-bench"))
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: fewer cells (chunks 16,128; contexts 0,512; rows 1,4 at 64,512; "
                          "64-1024 tokens), 2 reps, 5 steps, no wait")
@@ -304,11 +309,12 @@ def main() -> int:
 
     quiet, load = wait_quiet(max_wait_s=args.max_wait)
     began = time.perf_counter()
-    folder = default_shards(progress=False)
+    folder = shard_folder(args.work, args.stages) if args.stages else default_shards(progress=False)
+    run_cfg = RunConfig(threads=args.threads)
     lengths = ({c - 1 for c in p_contexts if c} | set(t_lengths)
                | {decode_base(c, args.warm, args.steps, max(rows)) for c in d_contexts})
     ids = ids_for(folder, max([*lengths, *(c + max(chunks) for c in p_contexts)]))
-    with LocalPipeline(folder, RunConfig()) as pipe:
+    with LocalPipeline(folder, run_cfg) as pipe:
         snaps = snapshots(pipe, ids, lengths)
         print(f"snapshots at {sorted(lengths)} tokens ready ({time.perf_counter() - began:.0f} s)",
               file=sys.stderr, flush=True)
@@ -325,7 +331,7 @@ def main() -> int:
     t_samples = [(snaps[n].nbytes, med(v["both"])) for n, v in t_times.items()]
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     source = (f"bench/calibrate.py, {stamp}, {socket.gethostname()} ({os.cpu_count()} CPUs, "
-              f"{'quiet' if quiet else 'NOT quiet'}, load {load:.2f}): {folder.name} in process, RunConfig(); "
+              f"{'quiet' if quiet else 'NOT quiet'}, load {load:.2f}): {folder.name} in process, {run_cfg}; "
               f"medians of {args.reps} reps ({args.steps} decode steps); least squares over "
               f"{len(p_samples)} prefill, {len(d_samples)} decode, {len(t_samples)} transfer samples "
               f"(export + import in process, no wire)")
@@ -338,7 +344,7 @@ def main() -> int:
     samples += [Sample("transfer", f"t{n}", f"{n:>5} tok {b / 1e6:>6.1f} MB", s, costs.transfer_s(b),
                        iqr(t_times[n]["both"])) for (b, s), n in zip(t_samples, t_lengths, strict=True)]
 
-    print(f"\n{folder.name}, in process, RunConfig() (exact); medians of {args.reps} reps "
+    print(f"\n{folder.name}, in process, {run_cfg}; medians of {args.reps} reps "
           f"(decode: {args.steps} steps after {args.warm}); {'quiet' if quiet else 'NOT quiet'} machine "
           f"(load {load:.2f} at start); {elapsed:.0f} s")
     print("prefill: n positions after c cached; decode: R rows, the widest attending over c; "

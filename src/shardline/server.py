@@ -131,7 +131,7 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig) -> tuple[
     manifest = load_manifest(folder)
     n_prefill, n_decode = cfg.disaggregate
     cores = os.cpu_count() or 1
-    run = replace(run, threads=run.threads or max(1, cores // (n_prefill + n_decode)))
+    run = replace(run, threads=run.threads or max(1, cores // (n_prefill + n_decode)), pinned=False)
     share = replace(cfg, memory_fraction=cfg.memory_fraction / (n_prefill + n_decode))
     limits = stream_limits(manifest, share, manifest.arch.n_layers)
     context = manifest.arch.max_context
