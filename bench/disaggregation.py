@@ -199,7 +199,7 @@ def workload(kind: str, n: int, seed: int, costs: Costs, load: float) -> list[Re
 
 def simulated(specs: Sequence[RequestSpec], costs: Costs) -> dict[str, Summary]:
     c = simulate_coupled(specs, costs, CoupledConfig(instances=2, max_streams=STREAMS))
-    d = simulate_disaggregated(specs, costs, from_length(Oracle(G, BUCKETS)),
+    d = simulate_disaggregated(specs, costs, ORACLE,
                                DisaggConfig(pad_chunks=False, admission=Admission.VANILLA, max_streams=STREAMS))
     return {"coupled": c.summary(SLO), "disagg": d.summary(SLO)}
 
@@ -211,6 +211,45 @@ def medians(runs: list[Summary]) -> dict[str, float]:
     return {f: statistics.median(r.as_dict()[f] for r in runs) for f in FIGS}
 
 
+ORACLE = from_length(Oracle(G, BUCKETS))
+
+
+def ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None  # nothing met the SLO under the baseline: no ratio
+
+
+def fleet(kinds: list[str], sizes: list[int], per_instance: int, costs: Costs, load: float) -> None:
+    """Simulated only: N coupled instances against N/2 prefill + N/2 decode (the split is fixed
+    before anything is tuned), the same requests (per_instance x N of them, the rate scaled by
+    N / 2); then the best split of N/4, N/2 and 3N/4 prefill instances by Mixed-free goodput."""
+    print(f"\nSIMULATED fleets ({per_instance} requests per instance, load {load}; SLO as above)")
+    print(f"{'N':>3} {'class':<6} {'system':<14}" + "".join(f"{f:>14}" for f in FIGS))
+    out: dict[str, dict[str, float | None]] = {}
+    for n in sizes:
+        for kind in kinds:
+            shape = generate(Workload(kind, per_instance * n, 1.0, 0))
+            specs = generate(Workload(kind, per_instance * n, rate_for(shape, costs, load) * n / 2, 0))
+            rows = {"coupled": simulate_coupled(specs, costs, CoupledConfig(instances=n, max_streams=STREAMS))}
+            for p in sorted({max(1, n // 4), n // 2, min(n - 1, 3 * n // 4)}):
+                cfg = DisaggConfig(prefill=p, decode=n - p, pad_chunks=False, admission=Admission.VANILLA,
+                                   max_streams=STREAMS)
+                rows[f"disagg {p}:{n - p}"] = simulate_disaggregated(specs, costs, ORACLE, cfg)
+            sums = {name: r.summary(SLO).as_dict() for name, r in rows.items()}
+            for name, m in sums.items():
+                print(f"{n:>3} {kind:<6} {name:<14}" + "".join(f"{m[f]:>14.3f}" for f in FIGS))
+            half = sums[f"disagg {n // 2}:{n - n // 2}"]
+            c = sums["coupled"]
+            best = max((k for k in sums if k != "coupled"), key=lambda k: (sums[k]["goodput_rps"], k))
+            out[f"N{n}_{kind}"] = {
+                "ttft_p50_half_over_coupled": round(half["ttft_p50_s"] / c["ttft_p50_s"], 3),
+                "jct_p50_half_over_coupled": round(half["jct_p50_s"] / c["jct_p50_s"], 3),
+                "goodput_half_over_coupled": ratio(half["goodput_rps"], c["goodput_rps"]),
+                "best_split": float(best.split()[1].split(":")[0]),
+                "goodput_best_over_coupled": ratio(sums[best]["goodput_rps"], c["goodput_rps"]),
+            }
+    print(json.dumps(out))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--classes", default=",".join(KINDS))
@@ -220,6 +259,7 @@ def main() -> int:
     ap.add_argument("--costs", type=Path, default=Path("/tmp/shardline-bench/costs-1stage-1thread.json"))
     ap.add_argument("--work", type=Path, default=Path("/tmp/shardline-bench"))
     ap.add_argument("--max-wait", type=float, default=1200.0, help="seconds to wait for a quiet machine")
+    ap.add_argument("--fleet", default="", help="simulate only, fleets of these sizes (e.g. 8,16,64)")
     ap.add_argument("--quick", action="store_true", help="smoke: LPLD and HPLD, 6 requests, 1 repeat, no wait")
     args = ap.parse_args()
     if args.quick:
@@ -228,6 +268,12 @@ def main() -> int:
     if not set(kinds) <= set(KINDS) or args.requests < 4 or args.repeats < 1 or not 0 < args.load <= 2:
         ap.error(f"classes from {', '.join(KINDS)}; --requests >= 4; --repeats >= 1; --load in (0, 2]")
     costs = Costs.from_json(args.costs) if args.costs.is_file() else Costs()
+    if args.fleet:
+        sizes = [int(x) for x in args.fleet.split(",")]
+        if min(sizes) < 2:
+            ap.error("--fleet sizes must be >= 2")
+        fleet(kinds, sizes, args.requests, costs, args.load)
+        return 0
     quiet, load = wait_quiet(max_wait_s=args.max_wait)
     folder = shard_folder(args.work, 1)
     pipes = [LocalPipeline(folder, RunConfig(precision="exact", threads=1, pinned=False)) for _ in range(2)]
@@ -271,17 +317,14 @@ def report(kinds: list[str], real: dict[tuple[str, str], list[Summary]], sims: d
                 m = medians(table[kind, system])
                 print(f"{kind:<6} {system:<8} {where:<9}" + "".join(f"{m[f]:>14.3f}" for f in FIGS))
                 row |= {f"{where}_{system}_{f}": round(m[f], 4) for f in FIGS}
-        out[kind] = ratios(row) | row
+        out[kind] = {**ratios(row), **row}
     print(json.dumps(out))
 
 
 def ratios(row: dict[str, float]) -> dict[str, float | None]:
     """Measured disagg/coupled ratios first, then the simulator's relative errors."""
-    def r(a: float, b: float) -> float | None:
-        return round(a / b, 3) if b else None  # goodput 0 under coupled: no ratio
-
     out: dict[str, float | None] = {
-        f"disagg_over_coupled_{f}": r(row[f"measured_disagg_{f}"], row[f"measured_coupled_{f}"])
+        f"disagg_over_coupled_{f}": ratio(row[f"measured_disagg_{f}"], row[f"measured_coupled_{f}"])
         for f in ("ttft_p50_s", "jct_p50_s", "goodput_rps")}
     for system in ("coupled", "disagg"):
         for f in ("ttft_p50_s", "ttft_p90_s", "jct_p50_s", "jct_p90_s"):

@@ -223,6 +223,7 @@ class ServeConfig:
     disaggregate: tuple[int, int] | None = None
     admission: str = "reserve-dynamic"
     prefill_policy: str = "fcfs"
+    flip: bool = False  # idle instances change role when the other role's queues are under pressure
 
     def __post_init__(self) -> None:
         if self.decode_groups is not None and self.decode_groups < 0:

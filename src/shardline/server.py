@@ -121,9 +121,10 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig) -> tuple[
     on live requests yet), in buckets of the predictor's width."""
     from shardline.disagg.decode import DecodeEngine
     from shardline.disagg.front import Disaggregated, FrontConfig
-    from shardline.disagg.instance import Admission
+    from shardline.disagg.instance import Admission, FlipConfig
     from shardline.disagg.policies import PrefillPolicy
     from shardline.disagg.prefill import PrefillEngine, oracle_predict
+    from shardline.disagg.state import Role
     from shardline.disagg.workloads import THRESHOLDS
     from shardline.pipeline.local import LocalPipeline
 
@@ -136,16 +137,25 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig) -> tuple[
     limits = stream_limits(manifest, share, manifest.arch.n_layers)
     context = manifest.arch.max_context
     replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
-    front = Disaggregated(FrontConfig(heavy_from=THRESHOLDS.heavy_decode[0]))
+    front = Disaggregated(FrontConfig(heavy_from=THRESHOLDS.heavy_decode[0],
+                                      flip=FlipConfig() if cfg.flip else None))
     predict = oracle_predict(DISAGG_G, max(2, context // DISAGG_G))
-    prefills = {f"prefill-{i}": PrefillEngine(LocalPipeline(folder, run), limits, context, cfg.prefill_chunk,
-                                              front.dispatch, predict, PrefillPolicy(cfg.prefill_policy),
-                                              replays=replays) for i in range(n_prefill)}
-    decodes = {f"decode-{i}": DecodeEngine(LocalPipeline(folder, run), limits, context,
-                                           scheduling(cfg, len(manifest.stages), False), Admission(cfg.admission),
-                                           limits.max_streams * context, THRESHOLDS.heavy_decode[0],
-                                           replays=replays) for i in range(n_decode)}
-    front.start(prefills, decodes)
+
+    def prefill_on(pipe: Pipeline) -> PrefillEngine:
+        return PrefillEngine(pipe, limits, context, cfg.prefill_chunk, front.dispatch, predict,
+                             PrefillPolicy(cfg.prefill_policy), replays=replays)
+
+    def decode_on(pipe: Pipeline) -> DecodeEngine:
+        return DecodeEngine(pipe, limits, context, scheduling(cfg, len(manifest.stages), False),
+                            Admission(cfg.admission), limits.max_streams * context, THRESHOLDS.heavy_decode[0],
+                            replays=replays)
+
+    def make(role: Role, pipe: Pipeline) -> PrefillEngine | DecodeEngine:
+        return prefill_on(pipe) if role is Role.PREFILL else decode_on(pipe)
+
+    prefills = {f"instance-{i}": prefill_on(LocalPipeline(folder, run)) for i in range(n_prefill)}
+    decodes = {f"instance-{n_prefill + i}": decode_on(LocalPipeline(folder, run)) for i in range(n_decode)}
+    front.start(prefills, decodes, make)
     return front, manifest
 
 

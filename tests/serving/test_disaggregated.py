@@ -15,11 +15,13 @@ import pytest
 from shardline.config import RunConfig, SamplingConfig
 from shardline.disagg.decode import DecodeEngine
 from shardline.disagg.front import Disaggregated, FrontConfig
-from shardline.disagg.instance import Admission
+from shardline.disagg.instance import Admission, FlipConfig
 from shardline.disagg.policies import PrefillPolicy
 from shardline.disagg.prefill import Moving, PrefillEngine, oracle_predict
+from shardline.disagg.state import Role
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
+from shardline.pipeline.plan import Pipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Request, Serving
 from shardline.serving.scheduler import SchedulerConfig
@@ -249,3 +251,33 @@ def test_sjf_and_ljf_order_a_queued_batch(pipes: list[LocalPipeline], prompts: l
             assert order == want
         finally:
             engine.stop()
+
+
+def test_an_idle_decode_instance_flips_to_prefill_and_no_request_is_lost(
+        pipes: list[LocalPipeline], prompts: list[list[int]]) -> None:
+    """1 prefill + 2 decode instances with flips on: a burst of long prompts queues on the prefill
+    instance while both decode instances are idle, so one of them becomes a second prefill
+    instance. Every request completes with the tokens a coupled engine gives it."""
+    burst = [Request(prompts[i % 5] * 3, SamplingConfig(max_tokens=6), frozenset()) for i in range(8)]
+    engine = Engine(pipes[0], Limits(8, 16), CONTEXT, SchedulerConfig(chunk=16, groups=1))
+    try:
+        alone = _run(engine, burst)
+    finally:
+        engine.stop()
+    front = Disaggregated(FrontConfig(heavy_from=64, period_s=0.02, flip=FlipConfig(idle_s=0.05, pressure=1.0)))
+
+    def prefill_on(pipe: Pipeline) -> PrefillEngine:
+        return PrefillEngine(pipe, Limits(8, 16), CONTEXT, 16, front.dispatch, PREDICT)
+
+    def decode_on(pipe: Pipeline) -> DecodeEngine:
+        return DecodeEngine(pipe, Limits(8, 16), CONTEXT, SchedulerConfig(chunk=16, groups=1), Admission.VANILLA,
+                            8 * CONTEXT, 64)
+
+    front.start({"i0": prefill_on(pipes[0])}, {"i1": decode_on(pipes[1]), "i2": decode_on(pipes[2])},
+                lambda role, pipe: prefill_on(pipe) if role is Role.PREFILL else decode_on(pipe))
+    try:
+        assert _run(front, burst) == alone
+        assert [(f.old, f.new) for f in front.flips][:1] == [(Role.DECODE, Role.PREFILL)]
+        assert len(front.prefills) + len(front.decodes) == 3 and front.decodes and front.failed is None
+    finally:
+        front.stop()

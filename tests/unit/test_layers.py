@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "api": {"model", "serving"},
     "cluster": {"model", "wire", "stage", "decoding", "export", "node"},
     "disagg": {"model", "wire", "stage", "decoding", "pipeline", "serving"},
-    "server": {"model", "stage", "pipeline", "serving", "api", "wire"},
+    "server": {"model", "stage", "pipeline", "serving", "api", "wire", "disagg"},
     "cli": {"model", "export", "pipeline", "serving", "api", "cluster", "node", "server", "decoding", "wire"},
 }
 

@@ -21,6 +21,10 @@ from shardline.wire.messages import (
     Activations,
     Forward,
     Hello,
+    KvDone,
+    KvPart,
+    KvPull,
+    KvPush,
     Message,
     Phase,
     Refuse,
@@ -81,6 +85,10 @@ SAMPLES: list[Message] = [
     ShardRequest("stage1.bin"),
     ShardChunk("stage1.bin", 1024, 4096, "cd" * 32, np.arange(256, dtype=np.uint8)),
     Route("127.0.0.1:7001"),
+    KvPull(11, 7),
+    KvPush(12, 7, 1, 9, 4),
+    KvPart(12, 15, 29, "past.15.key", rng.standard_normal((1, 3, 9, 64)).astype(np.float32)),
+    KvDone(11, 4, ""),
 ]
 
 

@@ -31,6 +31,8 @@ from shardline.wire.codec import HEADER, MAGIC, WireError, decode, encode
 from shardline.wire.link import HANDSHAKE_PAYLOAD, Link, LinkClosed, TimedOut
 from shardline.wire.messages import (
     HOP_COLUMNS,
+    MAX_KV_PARTS,
+    MAX_NAME,
     MAX_ROWS,
     MAX_SLOTS,
     MESSAGES,
@@ -39,6 +41,10 @@ from shardline.wire.messages import (
     Arr,
     Forward,
     Hello,
+    KvDone,
+    KvPart,
+    KvPull,
+    KvPush,
     Message,
     Phase,
     Refuse,
@@ -134,10 +140,26 @@ def hellos(draw: Any) -> Hello:
                  draw(st.sampled_from(Activations)), draw(st.text(max_size=64)))
 
 
+seqs = st.integers(0, I64_MAX)
+
+
+@st.composite
+def kv_parts(draw: Any) -> KvPart:
+    first = draw(st.integers(0, (1 << 16) - 1))
+    shape = (draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(0, 5)), draw(st.integers(1, 4)))
+    name = draw(st.text(min_size=1, max_size=MAX_NAME))
+    return KvPart(draw(seqs), first, draw(st.integers(first, (1 << 16) - 1)), name,
+                  draw(arrays(draw(st.sampled_from(["<f4", "<f2"])), shape)))
+
+
 MESSAGE_STRATEGIES: dict[type, Any] = {
     Hello: hellos(), Refuse: st.builds(Refuse, text), StepFailed: st.builds(StepFailed, i64, i64, text),
     Release: st.builds(Release, i64), Forward: forwards(), Sampled: sampleds(),
     ShardRequest: st.builds(ShardRequest, text), ShardChunk: chunks(), Route: st.builds(Route, text),
+    KvPull: st.builds(KvPull, seqs, i64),
+    KvPush: st.builds(KvPush, seqs, i64, st.integers(1, MAX_ROWS), st.integers(0, MAX_SLOTS),
+                      st.integers(1, MAX_KV_PARTS)),
+    KvPart: kv_parts(), KvDone: st.builds(KvDone, seqs, st.integers(0, MAX_KV_PARTS), text),
 }
 messages = st.one_of(*MESSAGE_STRATEGIES.values())
 

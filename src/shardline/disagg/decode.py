@@ -57,6 +57,10 @@ class DecodeEngine(Engine):
             queued = len(self._arrivals)
         return self._load(self._streams(), queued + len(self._landing))
 
+    def empty(self) -> bool:
+        """No request here: none arriving, importing or decoding (any thread; a flip checks it)."""
+        return not self._arrivals and not self._landing and self.active == 0 and self.waiting == 0
+
     def _load(self, streams: list[Stream], queued: int) -> DecodeLoad:
         heavy = sum(s.expect >= self.heavy_from for s in streams)
         used = min(self.kv_tokens, sum(_held(s) for s in streams))

@@ -21,20 +21,26 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shardline.disagg.decode import DecodeEngine
+from shardline.disagg.flips import Flipped, IdleClock, due
+from shardline.disagg.instance import FlipConfig
 from shardline.disagg.policies import dispatch, is_heavy, least_loaded_prefill
 from shardline.disagg.prefill import Moving, PrefillEngine
-from shardline.disagg.state import ClusterState, sent_decode, sent_prefill
+from shardline.disagg.state import ClusterState, Role, sent_decode, sent_prefill
 from shardline.errors import ShardlineError
+from shardline.pipeline.plan import Pipeline
 from shardline.serving.admission import Limits
-from shardline.serving.engine import Engine, Event, Request, Ticket
+from shardline.serving.engine import Event, Request, Ticket
 from shardline.serving.speculation import SpecStats
 
 log = logging.getLogger("shardline.disagg")
 
+Instance = PrefillEngine | DecodeEngine
+Make = Callable[[Role, Pipeline], Instance]
 MONITOR_PERIOD_S = 0.1  # TetriInfer's cluster monitor period
 
 
@@ -43,6 +49,7 @@ class FrontConfig:
     heavy_from: int  # decode tokens from which a predicted decode counts as heavy
     period_s: float = MONITOR_PERIOD_S
     seed: int = 0  # the dispatcher's power-of-two draws
+    flip: FlipConfig | None = None  # None: roles are fixed
 
     def __post_init__(self) -> None:
         if self.heavy_from < 1 or not 0 < self.period_s <= 10:
@@ -60,12 +67,19 @@ class Disaggregated:
         self._state = ClusterState({})
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
+        self._make: Make | None = None
+        self._idle = IdleClock()
+        self.flips: list[Flipped] = []  # role changes so far (the monitor's thread appends)
 
-    def start(self, prefills: dict[str, PrefillEngine], decodes: dict[str, DecodeEngine]) -> None:
-        """Serve through these instances (built with `self.dispatch` as their send)."""
+    def start(self, prefills: dict[str, PrefillEngine], decodes: dict[str, DecodeEngine],
+              make: Make | None = None) -> None:
+        """Serve through these instances (built with `self.dispatch` as their send); `make`
+        builds an instance of a role over a pipeline when one flips."""
         if not prefills or not decodes or prefills.keys() & decodes.keys():
             raise ShardlineError("disaggregated serving needs >= 1 prefill and >= 1 decode instance, named apart")
-        self.prefills, self.decodes = prefills, decodes
+        if self.cfg.flip is not None and make is None:
+            raise ShardlineError("instance flips need a way to build an instance of the other role")
+        self.prefills, self.decodes, self._make = prefills, decodes, make
         self._gather()
         self._monitor = threading.Thread(target=self._watch, daemon=True, name="cluster-monitor")
         self._monitor.start()
@@ -78,10 +92,10 @@ class Disaggregated:
     # --- what the app uses ---------------------------------------------------------------------
 
     def submit(self, request: Request, on_event: Callable[[Event], None]) -> Ticket:
-        with self._lock:
+        with self._lock:  # held through the submit: an instance taken out to flip gets nothing after
             name = least_loaded_prefill(self._state)
             self._state = sent_prefill(self._state, name, len(request.prompt))
-        return self.prefills[name].submit(request, on_event)
+            return self.prefills[name].submit(request, on_event)
 
     def dispatch(self, moving: Moving) -> None:
         """A prefilled stream's decode instance (a prefill engine's thread calls this)."""
@@ -89,7 +103,7 @@ class Disaggregated:
         with self._lock:
             name = dispatch(self._state, moving.prompt_tokens, moving.predicted, self._rng, self.cfg.heavy_from)
             self._state = sent_decode(self._state, name, moving.prompt_tokens + moving.predicted.lo, heavy)
-        self.decodes[name].adopt(moving)
+            self.decodes[name].adopt(moving)
 
     def cancel(self, ticket: Ticket) -> None:
         for engine in self._engines():
@@ -137,19 +151,54 @@ class Disaggregated:
     def _watch(self) -> None:
         while not self._stopping.wait(self.cfg.period_s):
             try:
-                self._gather()
+                state = self._gather()
+                if self.cfg.flip is not None:
+                    self._flip_if_due(state)
             except Exception:  # noqa: BLE001 - a bad reading keeps the last state; the monitor goes on
-                log.exception("the cluster monitor could not read a load")
+                log.exception("the cluster monitor could not read a load or flip an instance")
 
-    def _gather(self) -> None:
-        loads = {n: e.load() for n, e in self.prefills.items()} | {n: e.load() for n, e in self.decodes.items()}
-        state = ClusterState(loads)
+    def _gather(self) -> ClusterState:
+        state = ClusterState({n: e.load() for n, e in self._named()})
         with self._lock:
             self._state = state
+        return state
 
-    def _named(self) -> Iterable[tuple[str, Engine]]:
-        yield from self.prefills.items()
-        yield from self.decodes.items()
+    def _flip_if_due(self, state: ClusterState) -> None:
+        assert self.cfg.flip is not None and self._make is not None
+        now = time.monotonic()
+        if (chosen := due(state, self._idle.read(state, now), self.cfg.flip)) is None:
+            return
+        name, new = chosen
+        if (engine := self._take_out(name)) is None:
+            return
+        engine.stop()
+        fresh = self._make(new, engine.pipe)
+        with self._lock:
+            if isinstance(fresh, PrefillEngine):
+                self.prefills[name] = fresh
+            else:
+                self.decodes[name] = fresh
+        old = Role.DECODE if new is Role.PREFILL else Role.PREFILL
+        self.flips.append(Flipped(now, name, old, new))
+        log.info("instance %s flipped from %s to %s", name, old.value, new.value)
 
-    def _engines(self) -> list[Engine]:
+    def _take_out(self, name: str) -> Instance | None:
+        """Instance `name` out of routing, if it is still empty (none of its requests in flight)
+        and not the last of its role; None (and left in place) otherwise."""
+        with self._lock:
+            engine: Instance | None = self.prefills.get(name) or self.decodes.get(name)
+            peers = len(self.prefills) if isinstance(engine, PrefillEngine) else len(self.decodes)
+            if engine is None or peers < 2 or not engine.empty():
+                return None
+            self.prefills.pop(name, None)
+            self.decodes.pop(name, None)
+            self._state = ClusterState({n: x for n, x in self._state.loads.items() if n != name})
+            return engine
+
+    def _named(self) -> list[tuple[str, Instance]]:
+        """Every instance, by name: a snapshot (a flip changes the pools on the monitor's thread)."""
+        with self._lock:
+            return [*self.prefills.items(), *self.decodes.items()]
+
+    def _engines(self) -> list[Instance]:
         return [e for _, e in self._named()]

@@ -83,6 +83,10 @@ class PrefillEngine(Engine):
         left = sum(max(1, len(s.prefix()) - s.prefilled) for s in prefilling)
         return PrefillLoad(len(waiting) + len(prefilling), sum(waiting) + left, any(s.in_flight for s in streams))
 
+    def empty(self) -> bool:
+        """No request here: none waiting, prefilling or leaving (any thread; a flip checks it)."""
+        return not self._exports and self.active == 0 and self.waiting == 0
+
     # --- the engine thread ---------------------------------------------------------------------
 
     def _next_waiting(self, n: int) -> list[Ticket]:

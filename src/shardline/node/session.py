@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from shardline.node.kv import Push
 from shardline.wire.link import Link
 from shardline.wire.messages import PROTOCOL, Hello, Message, Role
 
@@ -28,6 +29,7 @@ class Session:
     next: Link | None = None  # the next worker (daisy chain); None: replies go to the coordinator
     routed: bool = False  # its Route has been applied
     held: list[Received] = field(default_factory=list)  # Forwards that came before the Route
+    push: Push | None = None  # a KV push whose parts are still arriving
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,6 @@ class Ended:
 
 
 Item = Received | Routed | Ended
-
-
 
 
 def check_peer(me: Hello, peer: Hello, sessions: dict[str, Session]) -> str | None:

@@ -9,7 +9,8 @@ Sessions: each coordinator link is one session (the random id in its Hello). Its
 decode groups live under (session, key) on the stages, so coordinators sharing this worker
 never see each other's streams or replies; a worker's link from the previous worker names the
 session it carries. A Route is taken only from the session's own coordinator link. When that
-link drops, everything the session held is freed.
+link drops, everything the session held is freed. A key's KV leaves or enters the stages
+(KvPull, KvPush: node/kv.py) in the order of the coordinator's link, as its Releases do.
 
 Nothing a peer sends ends the process: a frame the codec refuses or a message that has no
 business on a link closes that link; a step that does not fit the state fails that step alone
@@ -40,6 +41,7 @@ import numpy as np
 from shardline.config import RunConfig
 from shardline.errors import ShardlineError, StepRefused
 from shardline.host import parse_hostport, trim_memory_every
+from shardline.node import kv
 from shardline.node.execute import run_stages, sampled
 from shardline.node.session import MAX_QUEUED, Ended, Item, Received, Routed, Session, check_peer
 from shardline.node.shard import Shard
@@ -62,11 +64,15 @@ from shardline.wire.link import (
 from shardline.wire.messages import (
     Forward,
     Hello,
+    KvPart,
+    KvPull,
+    KvPush,
     Message,
     Refuse,
     Release,
     Role,
     Route,
+    Sampled,
     StepFailed,
 )
 from shardline.wire.tls import Credentials
@@ -301,6 +307,8 @@ class StageWorker:
         elif isinstance(item.msg, Release) and item.link is item.session.coordinator:
             for stage in self.stages:
                 stage.close((item.session.no, item.msg.key))
+        elif isinstance(item.msg, KvPull | KvPush | KvPart) and item.link is item.session.coordinator:
+            self._move_kv(item.session, item.msg)
         elif isinstance(item.msg, Refuse):
             log.warning("%s refused this worker: %s", item.link.name, item.msg.reason)
             item.link.close()
@@ -318,6 +326,35 @@ class StageWorker:
                     stage.close(key)
         if session.next is not None:
             session.next.close()
+
+    def _move_kv(self, session: Session, msg: KvPull | KvPush | KvPart) -> None:
+        """A KV pull or push of the session's coordinator, in the order of its link (node/kv.py).
+        A push's parts follow it, all of them before the next push: a part outside a push, or a
+        push before the last one's parts are in, means the two ends no longer agree on what the
+        link carries, and it is closed (the session ends; the worker and its others go on)."""
+        link = session.coordinator
+        if isinstance(msg, KvPull):
+            for reply in kv.pull(self.stages, (session.no, msg.key), msg):
+                self._send(link, reply)
+            return
+        push = session.push
+        in_order = isinstance(msg, KvPush) if push is None else (isinstance(msg, KvPart) and msg.seq == push.msg.seq)
+        if in_order:
+            return self._push(session, msg)
+        refuse(link, f"{type(msg).__name__} {msg.seq} out of order: " +
+               (f"the parts of push {push.msg.seq} are due" if push else "no KV push is under way"))
+        link.close()
+
+    def _push(self, session: Session, msg: KvPush | KvPart) -> None:
+        if isinstance(msg, KvPush):
+            session.push = push = kv.begin(self.stages, msg)
+        else:
+            assert session.push is not None
+            push = session.push
+            kv.add(self.stages, push, msg)
+        if push.got == push.msg.parts:
+            session.push = None
+            self._send(session.coordinator, kv.finish(self.stages, (session.no, push.msg.key), push))
 
     def _forward(self, item: Received) -> None:
         msg, session = item.msg, item.session
@@ -352,7 +389,7 @@ class StageWorker:
     @staticmethod
     def _send(link: Link, msg: Message) -> None:
         try:
-            link.send(msg, stamp=not isinstance(msg, StepFailed))
+            link.send(msg, stamp=isinstance(msg, Forward | Sampled))
         except LinkClosed:
             # Gone, or not reading (the send timed out, perhaps half way through a frame): close
             # it either way; its reader sees the end and frees the session.

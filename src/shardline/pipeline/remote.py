@@ -6,9 +6,10 @@ code): every worker returns its hidden states to the coordinator, which sends th
 
 Stage 0 runs on a thread of its own that takes the submitted steps in order: it prepares and
 runs each on stage 0 and sends it down the chain as a `Forward` (the mask as runs of ones).
-Releases go through the same thread, so a key is freed on every stage after every step sent
-before. The coordinator's chain is a session (a random id in its Hello): workers keep its
-streams apart from any other coordinator's and free them all when its link drops.
+Releases, KV exports and KV imports go through the same thread, so a key is freed, copied or
+written on every stage after every step sent before (remote_kv.py). The coordinator's chain is
+a session (a random id in its Hello): workers keep its streams apart from any other
+coordinator's and free them all when its link drops.
 
 A worker that lacks its shard asks for it during the handshake and the coordinator sends it
 from its own export folder (node/delivery.py). Every token comes back with the durations each
@@ -41,11 +42,12 @@ from shardline.pipeline import metrics
 from shardline.pipeline.chain import Delivered, open_chain
 from shardline.pipeline.deadline import Deadlines, StepClock
 from shardline.pipeline.frames import choice, forward
-from shardline.pipeline.held import Held
+from shardline.pipeline.held import needs
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import KvSnapshot
 from shardline.pipeline.local import prepare
 from shardline.pipeline.plan import Outcome, PrefillStep, Step
+from shardline.pipeline.remote_kv import KV_S, KvExport, KvHeld, KvImport, KvMoves, KvWork
 from shardline.pipeline.repair import reopen
 from shardline.pipeline.star import StarRefused, relay
 from shardline.pipeline.timing import breakdown
@@ -54,6 +56,8 @@ from shardline.wire.codec import WireError
 from shardline.wire.link import Link, LinkClosed, Refused
 from shardline.wire.messages import (
     Forward,
+    KvDone,
+    KvPart,
     Refuse,
     Release,
     Sampled,
@@ -108,17 +112,18 @@ class RemotePipeline:
         # answered, by seq, in the order sent; and the times the watchdog judges them by.
         self._pending: dict[int, _Sent] = {}
         self._clock = StepClock(deadlines or Deadlines())
+        self.kv = KvMoves(self.manifest, self.stage0, max(KV_S, self._clock.limits.floor_s))
         # Why the chain stopped working (a link ended, a worker refused or stopped answering),
         # until a reconnect. Checked under the lock with _pending, so a step is either failed by
         # whoever saw the chain break, or refused before it is sent: never sent into a dead chain.
         self._broken: str | None = None
         self._last_break = ""  # why the chain last broke (what a step whose state went with it says)
         self._gave_up = float("-inf")  # perf_counter when the last reconnect failed
-        self._held = Held()  # keys whose state is on the current chain
+        self._held = KvHeld()  # keys whose state is on the current chain
         self._epoch = 0  # which connect the links are of: news of an older chain changes nothing
         self._lock = threading.Lock()
         self._local = 0  # steps submitted that stage 0 has not finished sending
-        self._inbox: queue.Queue[Step | _Release | None] = queue.Queue()
+        self._inbox: queue.Queue[Step | _Release | KvWork | None] = queue.Queue()
         self._stopping = threading.Event()
         self.connect()
         self._thread = threading.Thread(target=self._stage0_loop, daemon=True, name="stage-0")
@@ -148,11 +153,11 @@ class RemotePipeline:
             for link in links:
                 threading.Thread(target=self._receive, args=(link, epoch), daemon=True, name="receive").start()
 
-    def _reconnect(self, step: Step) -> None:
-        """Reopen the broken chain for `step` (a stream's first), or say why it is lost. A step
-        planned before the last attempt gave up gets that answer at once: the streams replayed
-        together wait for one attempt, not one each in turn."""
-        if step.made < self._gave_up:
+    def _reconnect(self, made: float) -> None:
+        """Reopen the broken chain for a step (a stream's first) or an import planned at `made`,
+        or say why it is lost. One planned before the last attempt gave up gets that answer at
+        once: the streams replayed together wait for one attempt, not one each in turn."""
+        if made < self._gave_up:
             raise _Lost(self._broken or self._last_break)
         try:
             links = reopen(self._open, self.reconnect_s, _close_all)
@@ -174,10 +179,12 @@ class RemotePipeline:
         self._inbox.put(_Release(key))
 
     def export_kv(self, key: int) -> Future[KvSnapshot]:
-        raise ShardlineError("KV export is not supported over workers yet (only in process: LocalPipeline)")
+        """As LocalPipeline's; it also fails when the chain breaks under it."""
+        return self.kv.export(key, self._inbox.put)
 
     def import_kv(self, key: int, snap: KvSnapshot) -> Future[None]:
-        raise ShardlineError("KV import is not supported over workers yet (only in process: LocalPipeline)")
+        """As LocalPipeline's; it also fails when the chain breaks under it."""
+        return self.kv.import_(key, snap, self._inbox.put)
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome]:
         return self.outbox.take(timeout)
@@ -195,11 +202,15 @@ class RemotePipeline:
         self._thread.join(timeout=30)
         for link in self.links:
             link.close()
+        self.kv.stopped(self._inbox)
 
     def _stage0_loop(self) -> None:
         while (work := self._inbox.get()) is not None:
             if isinstance(work, _Release):
                 self._release(work.key)
+                continue
+            if isinstance(work, KvExport | KvImport):
+                self._move_kv(work)
                 continue
             try:
                 self._send(work)
@@ -220,16 +231,39 @@ class RemotePipeline:
             with contextlib.suppress(LinkClosed):  # a dead worker holds nothing to free
                 link.send(Release(key))
 
+    def _move_kv(self, work: KvWork) -> None:
+        """Stage 0's part of a KV move here, the workers' over their links (remote_kv.py). An
+        import may reopen a broken chain, as a stream's first step does."""
+        try:
+            if self._broken and isinstance(work, KvImport):
+                self._reconnect(work.made)
+            move = self.kv.begin(work, next(self._seq), len(self.workers))
+        except ShardlineError as e:
+            return self.kv.refused(work, str(e))
+        with self._lock:
+            broken, links, epoch = self._broken, list(self.links), self._epoch
+            if not broken:
+                self.kv.track(move, links, self.workers)
+                if isinstance(work, KvImport):
+                    self._held.imported(work.key)
+        if broken:
+            return self.kv.end(move, f"the chain broke: {broken}")
+        try:
+            self.kv.run(move, star=self.topology == "star")
+        except (ShardlineError, LinkClosed, Refused, WireError) as e:
+            self._break(f"lost worker: {e}", epoch)  # ends the move with the reason
+
     def _send(self, step: Step) -> None:
         """Run stage 0 here and send the step down the chain; its tokens come back on a reader
         thread. A chain that broke is reconnected for a stream's first step; any other step
         whose state the chain no longer holds is lost before stage 0 runs it."""
         if self._broken and isinstance(step, PrefillStep) and step.first:
-            self._reconnect(step)
+            self._reconnect(step.made)
         with self._lock:
             if missing := self._held.missing(step):
                 raise _Lost(f"the state of key {missing[0]} went with a chain that broke: "
                             f"{self._broken or self._last_break}")
+        self.kv.settle(needs(step))
         sent = _Sent(step)
         inputs = prepare(self.stage0, step)
         start = time.perf_counter()
@@ -268,6 +302,7 @@ class RemotePipeline:
         _close_all(links)
         for sent in failed:
             self._fail(sent.step, reason, lost=True)
+        self.kv.fail_all(reason)
 
     def _watch(self) -> None:
         """The watchdog: the oldest step in flight past its deadline breaks the chain."""
@@ -280,6 +315,8 @@ class RemotePipeline:
             if oldest and late:
                 self._break(f"the workers ({', '.join(self.workers)}) did not answer a {oldest.step.phase.value} "
                             f"step within {late:.1f} s (one of them hung?)", epoch)
+            elif why := self.kv.overdue():
+                self._break(f"the workers ({', '.join(self.workers)}) {why} (one of them hung?)", epoch)
 
     # --- what comes back -------------------------------------------------------------------------
 
@@ -307,6 +344,8 @@ class RemotePipeline:
                 self._done(msg, link.last_decode_s, time.perf_counter())
             elif isinstance(msg, StepFailed):
                 self._step_failed(msg.seq, f"worker {link.name}: {msg.reason}")
+            elif isinstance(msg, KvPart | KvDone):
+                self.kv.received(link, msg)
             else:
                 reason = f"worker {link.name}: " + (msg.reason if isinstance(msg, Refuse) else
                                                      f"unexpected {type(msg).__name__}")

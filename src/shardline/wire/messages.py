@@ -1,4 +1,4 @@
-"""The closed set of messages that travel between coordinator and stage workers (protocol 4).
+"""The closed set of messages that travel between coordinator and stage workers (protocol 6).
 
 Every message is a frozen dataclass with a fixed kind number. Scalar fields travel as JSON and
 are checked against their declared types on decode (an int is not a bool, an enum takes only
@@ -20,8 +20,9 @@ from shardline.config import SamplingParams
 
 # 2: Forward and Sampled carry `hops`; 3: rows (decode groups); 4: multi-token steps with
 # chosen sample positions, explicit first step, run-length masks, typed sampling, sessions;
-# 5: `compact` (speculation drops masked slots), verify draws against a draft distribution.
-PROTOCOL = 5
+# 5: `compact` (speculation drops masked slots), verify draws against a draft distribution;
+# 6: a key's KV moves over the coordinator's links (KvPull, KvPush, KvPart, KvDone).
+PROTOCOL = 6
 MAX_SUPPORT = 64  # token ids of a draft distribution sent per sampled position
 
 # One row of `hops` per stage a step has run through, appended by the process that ran it:
@@ -39,6 +40,8 @@ MAX_ROWS = 256  # rows of one step
 MAX_STEP_TOKENS = 1 << 16  # new tokens per row in one step
 MAX_SLOTS = 1 << 20  # attention mask width (physical cache slots + new tokens)
 MAX_HOPS = 1024
+MAX_KV_PARTS = 1 << 12  # state variables of one worker's stages in one KV move (two per layer)
+MAX_NAME = 256  # a state variable's name
 
 
 class Role(StrEnum):
@@ -348,6 +351,90 @@ def runs_to_mask(runs: np.ndarray, rows: int, width: int) -> np.ndarray:
     return np.cumsum(edges, axis=1)[:, :width]
 
 
-Message = Hello | Refuse | StepFailed | Release | Forward | Sampled | ShardRequest | ShardChunk | Route
+# --- a key's KV over the coordinator's link (pipeline/remote_kv.py, node/kv.py) -----------------
+# One KvPart per state variable keeps every frame one layer's K or V. Each worker applies these in
+# the order they arrive on its coordinator's link, with that link's Release: a pull sees every
+# step its coordinator finished before, a push opens the key before any later step needs it.
+
+
+def _check_seq(seq: int) -> None:
+    _need(seq >= 0, f"negative seq {seq}")
+
+
+@dataclass(frozen=True)
+class KvPull:
+    """Coordinator -> worker: a copy of `key`'s KV on each of its stages (the key stays open).
+    The answer: a KvPart per state variable, then a KvDone (its error says why none, e.g. an
+    unknown key). `key` is any key a step may hold (a decode group's are negative)."""
+
+    KIND: ClassVar[int] = 10
+    ARRAYS: ClassVar[dict[str, Arr]] = {}
+    seq: int
+    key: int
+
+    def __post_init__(self) -> None:
+        _check_seq(self.seq)
+
+
+@dataclass(frozen=True)
+class KvPush:
+    """Coordinator -> worker: open `key` on every stage of the worker with the state of the
+    `parts` KvParts that follow (same seq): `rows` rows of `slots` slots each. Answered by a
+    KvDone once the last part is in (its error says why nothing was opened)."""
+
+    KIND: ClassVar[int] = 11
+    ARRAYS: ClassVar[dict[str, Arr]] = {}
+    seq: int
+    key: int
+    rows: int
+    slots: int
+    parts: int
+
+    def __post_init__(self) -> None:
+        _check_seq(self.seq)
+        _need(1 <= self.rows <= MAX_ROWS and 0 <= self.slots <= MAX_SLOTS, f"{self.rows} rows of {self.slots} slots")
+        _need(1 <= self.parts <= MAX_KV_PARTS, f"{self.parts} parts")
+
+
+@dataclass(frozen=True)
+class KvPart:
+    """One state variable of the stage that runs layers first-last: worker -> coordinator for a
+    pull, coordinator -> worker for a push."""
+
+    KIND: ClassVar[int] = 12
+    ARRAYS: ClassVar[dict[str, Arr]] = {"state": Arr(("f4", "f2"), 4)}
+    seq: int
+    first_layer: int
+    last_layer: int
+    name: str
+    state: np.ndarray  # [rows, kv_heads, slots, head_dim]
+
+    def __post_init__(self) -> None:
+        _check_seq(self.seq)
+        _need(0 <= self.first_layer <= self.last_layer < 1 << 16, "bad layer range")
+        _need(1 <= len(self.name) <= MAX_NAME, "a state name of 1-256 characters")
+        rows, heads, slots, dim = self.state.shape
+        _need(1 <= rows <= MAX_ROWS and heads >= 1 and slots <= MAX_SLOTS and dim >= 1,
+              f"a KV state of shape {list(self.state.shape)}")
+
+
+@dataclass(frozen=True)
+class KvDone:
+    """Worker -> coordinator: the end of a pull (`parts` sent) or the result of a push (`parts`
+    taken); `error` is empty when it went well, else why (for people)."""
+
+    KIND: ClassVar[int] = 13
+    ARRAYS: ClassVar[dict[str, Arr]] = {}
+    seq: int
+    parts: int
+    error: str
+
+    def __post_init__(self) -> None:
+        _check_seq(self.seq)
+        _need(0 <= self.parts <= MAX_KV_PARTS, f"{self.parts} parts")
+
+
+Message = (Hello | Refuse | StepFailed | Release | Forward | Sampled | ShardRequest | ShardChunk | Route | KvPull
+           | KvPush | KvPart | KvDone)
 MESSAGES: dict[int, type] = {m.KIND: m for m in (Hello, Refuse, StepFailed, Release, Forward, Sampled,
-                                                 ShardRequest, ShardChunk, Route)}
+                                                 ShardRequest, ShardChunk, Route, KvPull, KvPush, KvPart, KvDone)}

@@ -1,0 +1,137 @@
+"""A worker's part of a KV move: a key's state out of its stages (pull) or into them (push), over
+its coordinator's link, in the order of that link (pipeline/remote_kv.py is the other end).
+
+Everything here answers with a KvDone rather than raise: an unknown key, a part that does not
+fit this worker's stages (layers, name, dtype, shape), a key already open. A push changes nothing
+until its last part is in and every one fits; then it opens the key on each stage and, if a
+stage refuses, closes it again on the stages it opened (a key that was open before is never
+touched). Keys are scoped by the session, as every step's are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from weakref import WeakKeyDictionary
+
+import numpy as np
+
+from shardline.errors import StepRefused
+from shardline.stage.runner import StageRunner
+from shardline.wire.messages import KvDone, KvPart, KvPull, KvPush, Message
+
+States = dict[str, tuple[np.dtype[Any], int, int]]  # name -> (dtype, kv_heads, head_dim)
+_WIRE = (np.dtype("<f4"), np.dtype("<f2"))  # what a KvPart may carry (messages.KvPart)
+_states: WeakKeyDictionary[StageRunner, States] = WeakKeyDictionary()
+
+
+def states(stage: StageRunner) -> States:
+    """The stage's state variables as an empty request of its compiled model reports them
+    (made once per stage: a request is not free)."""
+    if stage not in _states:
+        _states[stage] = {s.name: (s.state.data.dtype, int(s.state.shape[1]), int(s.state.shape[3]))
+                          for s in stage.compiled.create_infer_request().query_state()}
+    return _states[stage]
+
+
+@dataclass(eq=False)
+class Push:
+    """A push whose parts are arriving: each checked as it comes, kept per stage until the last."""
+
+    msg: KvPush
+    got: int = 0
+    arrays: list[dict[str, np.ndarray]] = field(default_factory=list)  # per stage of this worker
+    error: str = ""  # the first part that did not fit: the rest are only counted
+
+
+def pull(stages: list[StageRunner], key: Hashable, msg: KvPull) -> Iterator[Message]:
+    """A KvPart per state variable of every stage, then a KvDone; only a KvDone when some stage
+    does not hold the key."""
+    if missing := [s.entry.name for s in stages if not s.has(key)]:
+        yield KvDone(msg.seq, 0, f"unknown key {msg.key} on {', '.join(missing)}")
+        return
+    sent = 0
+    for stage in stages:
+        try:
+            arrays = sorted(stage.kv(key).items())
+        except Exception as e:  # noqa: BLE001 - the coordinator hears why, the worker goes on
+            yield KvDone(msg.seq, sent, f"{stage.entry.name}: {type(e).__name__}: {e}")
+            return
+        for name, state in arrays:
+            if state.dtype not in _WIRE or state.ndim != 4 or state.shape[0] < 1:
+                yield KvDone(msg.seq, sent, f"{stage.entry.name} state {name} is {state.dtype} "
+                                            f"{list(state.shape)}: it cannot travel")
+                return
+            yield KvPart(msg.seq, stage.entry.first_layer, stage.entry.last_layer, name, state)
+            sent += 1
+    yield KvDone(msg.seq, sent, "")
+
+
+def begin(stages: list[StageRunner], msg: KvPush) -> Push:
+    push = Push(msg, arrays=[{} for _ in stages])
+    if msg.parts < (want := sum(len(states(s)) for s in stages)):
+        push.error = f"{msg.parts} parts announced; this worker's stages hold {want} state variables"
+    return push
+
+
+def add(stages: list[StageRunner], push: Push, part: KvPart) -> None:
+    """Keep `part` if it fits one of `stages`; a part of layers no stage here runs is skipped (a
+    coordinator that cannot tell which worker runs which stages sends each of them all)."""
+    push.got += 1
+    if push.error:
+        return
+    for stage, kept in zip(stages, push.arrays, strict=True):
+        e = stage.entry
+        if (part.first_layer, part.last_layer) == (e.first_layer, e.last_layer):
+            push.error = _misfit(stage, push.msg, part, kept)
+            if not push.error:
+                kept[part.name] = part.state
+            return
+        if part.first_layer <= e.last_layer and e.first_layer <= part.last_layer:
+            push.error = (f"a part of layers {part.first_layer}-{part.last_layer} for {e.name}, "
+                          f"which runs layers {e.first_layer}-{e.last_layer}")
+            return
+
+
+def _misfit(stage: StageRunner, push: KvPush, part: KvPart, kept: dict[str, np.ndarray]) -> str:
+    """Why `part` does not fit `stage` ("" when it does)."""
+    spec = states(stage).get(part.name)
+    if spec is None:
+        return f"{stage.entry.name} has no state {part.name}"
+    if part.name in kept:
+        return f"state {part.name} of {stage.entry.name} twice"
+    dtype, heads, dim = spec
+    want = (push.rows, heads, push.slots, dim)
+    if part.state.dtype != dtype or part.state.shape != want:
+        return (f"{stage.entry.name} state {part.name} is {part.state.dtype} {list(part.state.shape)}; "
+                f"expected {dtype} {list(want)}")
+    return ""
+
+
+def finish(stages: list[StageRunner], key: Hashable, push: Push) -> KvDone:
+    """Open `key` with the pushed state on every stage, or on none (the answer says why)."""
+    msg = push.msg
+    if not push.error:
+        push.error = _incomplete(stages, push)
+    if push.error:
+        return KvDone(msg.seq, push.got, f"key {msg.key}: {push.error}")
+    opened: list[StageRunner] = []
+    try:
+        for stage, arrays in zip(stages, push.arrays, strict=True):
+            stage.open(key)  # refuses a key already open: it is neither overwritten nor closed below
+            opened.append(stage)
+            stage.set_kv(key, arrays)
+    except Exception as e:  # noqa: BLE001 - nothing stays half open; the coordinator hears why
+        for stage in opened:
+            stage.close(key)
+        why = str(e) if isinstance(e, StepRefused) else f"key {msg.key}: {type(e).__name__}: {e}"
+        return KvDone(msg.seq, push.got, why)
+    return KvDone(msg.seq, push.got, "")
+
+
+def _incomplete(stages: list[StageRunner], push: Push) -> str:
+    for stage, arrays in zip(stages, push.arrays, strict=True):
+        if missing := sorted(states(stage).keys() - arrays.keys()):
+            return f"{stage.entry.name} lacks state {', '.join(missing[:4])}"
+    return ""

@@ -1,0 +1,319 @@
+"""A key's KV out of a chain (export) or into it (import): stage 0's part here, each worker's over
+its own link (node/kv.py is the other end), as RemotePipeline's stage-0 thread takes the move in
+submission order.
+
+An export copies stage 0's state, sends every worker a KvPull and gathers their KvParts by seq
+until each has said KvDone; the parts, per stage, make the KvSnapshot a LocalPipeline's export
+makes. An import (checked before it is queued: `layout`) writes stage 0's part, then sends each
+worker a KvPush and its parts; once every worker has answered, a failure anywhere is undone
+(stage 0 closes the key, and every worker that opened it gets a Release) before its Future
+fails, naming the worker and why. A chain that breaks ends every move under way with the reason.
+
+Chain: the answers come on the links' readers. Star: there are none, and the stage-0 thread
+reads each worker's answers itself (no step is in flight then: star runs one step at a time).
+In a daisy chain a step after a move reaches a later worker through the earlier ones, not on
+the link that carried the move: `settle` holds such a step back until the move has landed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shardline.errors import ShardlineError
+from shardline.model.manifest import Manifest
+from shardline.pipeline.held import Held
+from shardline.pipeline.kv import KvSnapshot, StageKv, StageLayout, check, export_identity, frozen, snapshot
+from shardline.stage.runner import StageRunner
+from shardline.wire.codec import WireError
+from shardline.wire.link import Link, LinkClosed
+from shardline.wire.messages import MAX_KV_PARTS, KvDone, KvPart, KvPull, KvPush, Refuse, Release
+
+KV_S = 60.0  # a worker that has not finished its part of a move by then is taken as hung
+
+
+def started() -> Future[Any]:
+    """A Future the caller can no longer cancel: its move is queued for the stage-0 thread."""
+    future: Future[Any] = Future()
+    future.set_running_or_notify_cancel()
+    return future
+
+
+@dataclass(frozen=True)
+class KvExport:
+    key: int
+    future: Future[KvSnapshot]
+
+
+@dataclass(frozen=True)
+class KvImport:
+    key: int
+    snap: KvSnapshot
+    future: Future[None]
+    made: float = field(default_factory=time.perf_counter)  # as a step's: see RemotePipeline._reconnect
+
+
+KvWork = KvExport | KvImport
+
+
+class KvHeld(Held):
+    """Held, plus keys whose state an import put on the chain (no step of theirs was sent)."""
+
+    def imported(self, key: int) -> None:
+        self._keys.add(key)
+
+
+@dataclass(eq=False)
+class _Move:
+    work: KvWork
+    seq: int
+    sends: list[list[KvPull | KvPush | KvPart]]  # per worker, in chain order
+    head: StageKv | None  # an export's part of stage 0
+    links: list[Link] = field(default_factory=list)
+    workers: list[str] = field(default_factory=list)
+    parts: list[list[KvPart]] = field(default_factory=list)  # per link, as they came
+    done: list[KvDone | None] = field(default_factory=list)
+    deadline: float = 0.0  # monotonic
+    landed: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def verb(self) -> str:
+        return "export" if isinstance(self.work, KvExport) else "import"
+
+
+class KvMoves:
+    """The moves under way, by seq: started on the stage-0 thread, answered on the links' readers
+    (chain) or on the stage-0 thread itself (star), ended by their last answer or by a break."""
+
+    def __init__(self, manifest: Manifest, stage0: StageRunner, limit_s: float = KV_S) -> None:
+        self.manifest, self.stage0, self.limit_s = manifest, stage0, limit_s
+        self.identity = export_identity(manifest)
+        self._layout: list[StageLayout] | None = None
+        self._lock = threading.Lock()
+        self._moves: dict[int, _Move] = {}
+
+    def layout(self) -> list[StageLayout]:
+        """What an import must fit: stage 0 as its compiled model reports it; the workers' stages
+        from the manifest (their variables, the model's kv_heads and head_dim, stage 0's dtype).
+        Each worker checks its own parts again against its compiled stages."""
+        if self._layout is None:
+            request = self.stage0.compiled.create_infer_request()
+            mine = {s.name: (s.state.data.dtype, int(s.state.shape[1]), int(s.state.shape[3]))
+                    for s in request.query_state()}
+            dtype = next(iter(mine.values()))[0]
+            arch, (e0, *rest) = self.manifest.arch, self.manifest.stages
+            spec = (dtype, arch.n_kv_heads, arch.head_dim)
+            self._layout = [StageLayout(e0.first_layer, e0.last_layer, mine)] + [
+                StageLayout(e.first_layer, e.last_layer, dict.fromkeys(e.state, spec)) for e in rest]
+        return self._layout
+
+    # --- the caller's thread ----------------------------------------------------------------------
+
+    def export(self, key: int, queue_up: Callable[[KvWork], None]) -> Future[KvSnapshot]:
+        """A copy of `key`'s KV on every stage once the stage-0 thread takes it (the key stays open)."""
+        future: Future[KvSnapshot] = started()
+        queue_up(KvExport(key, future))
+        return future
+
+    def import_(self, key: int, snap: KvSnapshot, queue_up: Callable[[KvWork], None]) -> Future[None]:
+        """`key` opened on every stage with the state of `snap` once the stage-0 thread takes it;
+        a snapshot that does not fit this export is refused here, before any stage sees it."""
+        future: Future[None] = started()
+        try:
+            check(snap, self.identity, self.layout())
+        except ShardlineError as e:
+            future.set_exception(e)
+            return future
+        queue_up(KvImport(key, snap, future))
+        return future
+
+    # --- the stage-0 thread -----------------------------------------------------------------------
+
+    def begin(self, work: KvWork, seq: int, workers: int) -> _Move:
+        """The messages for each of `workers`, and stage 0's part: an export's copy, an import's
+        write. ShardlineError, with stage 0 as it was, when either cannot be done."""
+        if isinstance(work, KvExport):
+            sends: list[list[KvPull | KvPush | KvPart]] = [[KvPull(seq, work.key)] for _ in range(workers)]
+        else:
+            sends = [_pushes(work, seq, i, workers) for i in range(workers)]
+        try:
+            if isinstance(work, KvExport):
+                e = self.stage0.entry
+                return _Move(work, seq, sends, StageKv(e.first_layer, e.last_layer, frozen(self.stage0.kv(work.key))))
+            _write(self.stage0, work.key, work.snap.stages[0])
+            return _Move(work, seq, sends, None)
+        except Exception as e:  # noqa: BLE001 - the move fails with the reason; the thread goes on
+            raise ShardlineError(f"stage 0: {_why(e)}") from None
+
+    def track(self, move: _Move, links: list[Link], workers: list[str]) -> None:
+        """From now on its answers count, and a break ends it (called under the pipeline's lock,
+        with the chain known whole, before anything is sent: answers may come back at once)."""
+        move.links, move.workers = links, workers
+        move.parts, move.done = [[] for _ in links], [None] * len(links)
+        move.deadline = time.monotonic() + self.limit_s
+        with self._lock:
+            self._moves[move.seq] = move
+
+    def run(self, move: _Move, star: bool) -> None:
+        """Send each worker its part of the move. Star: there is no reader, so each worker's
+        answers are read here, worker after worker. LinkClosed, Refused, WireError or
+        ShardlineError: a link is no longer usable (the caller breaks the chain)."""
+        for link, sends in zip(move.links, move.sends, strict=True):
+            for msg in sends:
+                link.send(msg)
+            if star:
+                self._read(move, link)
+
+    def _read(self, move: _Move, link: Link) -> None:
+        while not move.landed.is_set():
+            msg = link.recv()
+            if isinstance(msg, Refuse):
+                raise ShardlineError(f"worker {link.name} refused: {msg.reason}")
+            if not isinstance(msg, KvPart | KvDone) or msg.seq != move.seq:
+                raise ShardlineError(f"unexpected {type(msg).__name__} from worker {link.name}")
+            self.received(link, msg)
+            if isinstance(msg, KvDone):
+                return
+
+    def settle(self, keys: set[int]) -> None:
+        """Wait until no move of these keys is under way: a step sent before its move landed
+        could reach a later worker of a daisy chain before it (bounded: a move that overruns
+        its deadline is ended by the watchdog, with the chain)."""
+        with self._lock:
+            moves = [m for m in self._moves.values() if m.work.key in keys]
+        for move in moves:
+            move.landed.wait(max(0.0, move.deadline - time.monotonic()) + 5.0)
+
+    def refused(self, work: KvWork, why: str) -> None:
+        """The move did not start (stage 0 left as it was)."""
+        verb = "export" if isinstance(work, KvExport) else "import"
+        work.future.set_exception(ShardlineError(f"cannot {verb} the KV of key {work.key}: {why}"))
+
+    # --- answers and breaks -----------------------------------------------------------------------
+
+    def received(self, link: Link, msg: KvPart | KvDone) -> _Move | None:
+        """An answer on `link` (a reader's, or the stage-0 thread's in star); the move it ended."""
+        with self._lock:
+            move = self._moves.get(msg.seq)
+            i = next((i for i, lk in enumerate(move.links) if lk is link), None) if move else None
+            if move is None or i is None or move.done[i] is not None:
+                return None  # a move a break ended, or not this link's: nothing waits for it
+            if isinstance(msg, KvPart):
+                if len(move.parts[i]) < MAX_KV_PARTS:
+                    move.parts[i].append(msg)
+                return None
+            move.done[i] = msg
+            if any(d is None for d in move.done):
+                return None
+            del self._moves[move.seq]
+        self.end(move, self._failure(move))
+        return move
+
+    def overdue(self) -> str | None:
+        """What a move past its deadline waits for (None: none is)."""
+        now = time.monotonic()
+        with self._lock:
+            move = next((m for m in self._moves.values() if now > m.deadline), None)
+        if move is None:
+            return None
+        return f"did not finish the {move.verb} of the KV of key {move.work.key} within {self.limit_s:.0f} s"
+
+    def stopped(self, inbox: queue.Queue[Any]) -> None:
+        """The pipeline stopped: the moves under way, and those still queued, fail."""
+        self.fail_all("the pipeline stopped")
+        while not inbox.empty():
+            if isinstance(work := inbox.get_nowait(), KvExport | KvImport):
+                self.refused(work, "the pipeline stopped")
+
+    def fail_all(self, reason: str) -> None:
+        """The chain broke: every move under way ends with `reason`."""
+        with self._lock:
+            moves, self._moves = list(self._moves.values()), {}
+        for move in moves:
+            self.end(move, reason)
+
+    def end(self, move: _Move, error: str) -> None:
+        """Resolve the move's Future; a failed import is undone first (nothing stays half open)."""
+        work = move.work
+        try:
+            if error:
+                if isinstance(work, KvImport):
+                    self._undo(move)
+                raise ShardlineError(error)
+            if isinstance(work, KvExport):
+                work.future.set_result(self._snapshot(move))
+            else:
+                work.future.set_result(None)
+        except Exception as e:  # noqa: BLE001 - whatever went wrong is the Future's, not the reader's
+            if not work.future.done():
+                work.future.set_exception(ShardlineError(f"cannot {move.verb} the KV of key {work.key}: {_why(e)}"))
+        finally:
+            move.landed.set()
+
+    def _failure(self, move: _Move) -> str:
+        """Why the move failed, worker by worker ("" when every worker did its part). A pull's
+        KvDone counts the parts sent (none may be lost on the way), a push's those taken."""
+        why = []
+        pull = isinstance(move.work, KvExport)
+        for name, done, parts in zip(move.workers, move.done, move.parts, strict=True):
+            if done is not None and done.error:
+                why.append(f"worker {name}: {done.error}")
+            elif done is not None and pull and done.parts != len(parts):
+                why.append(f"worker {name}: {len(parts)} parts for {done.parts} announced")
+        return "; ".join(why)
+
+    def _snapshot(self, move: _Move) -> KvSnapshot:
+        """Stage 0's part and the workers' parts, per stage (they come stage by stage), checked
+        against this export as an import would check it."""
+        assert move.head is not None
+        stages: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        for part in (p for parts in move.parts for p in parts):
+            stages.setdefault((part.first_layer, part.last_layer), {})[part.name] = part.state
+        snap = snapshot(self.identity, [move.head, *(StageKv(f, la, frozen(a)) for (f, la), a in stages.items())])
+        check(snap, self.identity, self.layout())
+        return snap
+
+    def _undo(self, move: _Move) -> None:
+        """Close the key on stage 0 and on every worker that opened it (a worker that refused it
+        opened nothing: a key it held before is not touched)."""
+        self.stage0.close(move.work.key)
+        for link, done in zip(move.links, move.done, strict=True):
+            if done is not None and not done.error:
+                with contextlib.suppress(LinkClosed, WireError):  # a worker gone holds nothing of it
+                    link.send(Release(move.work.key))
+
+
+def _pushes(work: KvImport, seq: int, i: int, workers: int) -> list[KvPull | KvPush | KvPart]:
+    """Worker i's KvPush and parts. One stage per worker is the usual chain; otherwise which
+    worker runs which stages is not known here, and each worker gets them all and keeps its own
+    (node/kv.py). ShardlineError for a snapshot the wire cannot carry."""
+    snap, later = work.snap, work.snap.stages[1:]
+    share = [later[i]] if len(later) == workers else later
+    try:
+        parts = [KvPart(seq, s.first_layer, s.last_layer, name, s.arrays[name])
+                 for s in share for name in sorted(s.arrays)]
+        return [KvPush(seq, work.key, snap.rows, snap.slots, len(parts)), *parts]
+    except ValueError as e:  # what messages.py checks of every message, ours too
+        raise ShardlineError(f"a KV snapshot of {snap.rows} rows of {snap.slots} slots cannot travel: {e}") from None
+
+
+def _write(stage: StageRunner, key: int, part: StageKv) -> None:
+    """Open `key` with `part` as its state, or leave the stage as it was."""
+    stage.open(key)  # refuses a key already open: a live key is never overwritten (nor closed below)
+    try:
+        stage.set_kv(key, dict(part.arrays))
+    except BaseException:
+        stage.close(key)
+        raise
+
+
+def _why(e: Exception) -> str:
+    return str(e) if isinstance(e, ShardlineError) else f"{type(e).__name__}: {e}"

@@ -1,0 +1,150 @@
+"""The KV messages of protocol 6 (KvPull, KvPush, KvPart, KvDone): they round-trip, and a frame
+whose fields do not fit (a wrong dtype or shape, a negative seq, layers out of range, a field of
+the wrong type) or whose bytes are corrupt is refused by the codec before any of it reaches a
+worker or a coordinator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shardline.wire.codec import HEADER, WireError, decode, encode
+from shardline.wire.messages import (
+    MAX_KV_PARTS,
+    MAX_ROWS,
+    MAX_SLOTS,
+    PROTOCOL,
+    KvDone,
+    KvPart,
+    KvPull,
+    KvPush,
+    Message,
+)
+from tests.unit.test_wire import array_bytes, equal, rebuild, split
+
+rng = np.random.default_rng(6)
+K = rng.standard_normal((1, 3, 9, 64)).astype(np.float32)
+PULL = KvPull(11, 7)
+PUSH = KvPush(12, 7, 1, 9, 4)
+PART = KvPart(12, 15, 29, "past.15.key", K)
+DONE = KvDone(11, 4, "")
+KV: list[Message] = [PULL, PUSH, PART, DONE]
+
+
+def test_protocol_6_carries_kv() -> None:
+    assert PROTOCOL == 6
+
+
+@pytest.mark.parametrize("msg", [
+    *KV,
+    KvPull(0, -3),  # a decode group's key is negative: its state may move too
+    KvPush(0, -1, MAX_ROWS, MAX_SLOTS, MAX_KV_PARTS),
+    KvPart(3, 0, 0, "v", np.zeros((2, 1, 0, 8), np.float16)),  # an empty cache: 0 slots
+    KvPart(3, 0, (1 << 16) - 1, "n" * 256, np.zeros((MAX_ROWS, 1, 1, 1), np.float32)),
+    KvDone(9, 0, "unknown key 4 on stage1"),
+], ids=lambda m: type(m).__name__)
+def test_round_trip(msg: Message) -> None:
+    assert equal(decode(encode(msg)), msg)
+
+
+def test_a_part_keeps_its_bits_and_big_endian_travels_little_endian() -> None:
+    got = decode(encode(KvPart(1, 2, 3, "k", K.astype(">f4"))))
+    assert isinstance(got, KvPart) and got.state.dtype == np.dtype("<f4")
+    assert got.state.tobytes() == K.tobytes() and got.state.shape == K.shape
+
+
+@pytest.mark.parametrize("msg,meta,message", [
+    (PULL, {"seq": -1, "key": 7}, "negative seq -1"),
+    (PULL, {"seq": 1, "key": True}, "key: True is not an integer"),
+    (PULL, {"seq": "1", "key": 7}, "seq: '1' is not an integer"),
+    (PULL, {"seq": 1, "key": 1 << 63}, "outside the 64-bit range"),
+    (PULL, {"seq": 1}, "fields"),
+    (PUSH, split(PUSH)[0] | {"rows": 0}, "0 rows of 9 slots"),
+    (PUSH, split(PUSH)[0] | {"rows": MAX_ROWS + 1}, "rows of 9 slots"),
+    (PUSH, split(PUSH)[0] | {"slots": -1}, "1 rows of -1 slots"),
+    (PUSH, split(PUSH)[0] | {"slots": MAX_SLOTS + 1}, "slots"),
+    (PUSH, split(PUSH)[0] | {"parts": 0}, "0 parts"),
+    (PUSH, split(PUSH)[0] | {"parts": MAX_KV_PARTS + 1}, "parts"),
+    (PUSH, split(PUSH)[0] | {"seq": -5}, "negative seq"),
+    (PUSH, split(PUSH)[0] | {"key": 1.0}, "key: 1.0 is not an integer"),
+    (PART, split(PART)[0] | {"first_layer": 30}, "bad layer range"),
+    (PART, split(PART)[0] | {"first_layer": -1}, "bad layer range"),
+    (PART, split(PART)[0] | {"last_layer": 1 << 16}, "bad layer range"),
+    (PART, split(PART)[0] | {"name": ""}, "a state name of 1-256 characters"),
+    (PART, split(PART)[0] | {"name": "x" * 257}, "a state name of 1-256 characters"),
+    (PART, split(PART)[0] | {"name": 5}, "name: 5 is not a string"),
+    (PART, split(PART)[0] | {"name": "\ud800"}, "not valid Unicode"),
+    (PART, split(PART)[0] | {"seq": None}, "seq: None is not an integer"),
+    (DONE, {"seq": 1, "parts": -1, "error": ""}, "-1 parts"),
+    (DONE, {"seq": 1, "parts": MAX_KV_PARTS + 1, "error": ""}, "parts"),
+    (DONE, {"seq": 1, "parts": 2, "error": None}, "error: None is not a string"),
+    (DONE, {"seq": 1, "parts": False, "error": ""}, "parts: False is not an integer"),
+    (DONE, {"seq": 1, "parts": 2, "error": "", "more": 1}, "fields"),
+])
+def test_fields_that_do_not_fit_are_refused(msg: Message, meta: dict[str, Any], message: str) -> None:
+    with pytest.raises(WireError, match=f"malformed {type(msg).__name__}: .*{message}"):
+        decode(rebuild(msg, meta))
+
+
+@pytest.mark.parametrize("state,message", [
+    (np.zeros((1, 3, 9, 64), np.float64), "state is f8 with 4 dims, not f4/f2 with 4"),
+    (np.zeros((1, 3, 9, 64), np.int64), "state is i8"),
+    (np.zeros((1, 3, 9, 64), np.uint8), "state is u1"),
+    (np.zeros((3, 9, 64), np.float32), "state is f4 with 3 dims"),
+    (np.zeros((1, 1, 3, 9, 64), np.float32), "state is f4 with 5 dims"),
+    (np.zeros((0, 3, 9, 64), np.float32), r"a KV state of shape \[0, 3, 9, 64\]"),
+    (np.zeros((MAX_ROWS + 1, 1, 1, 1), np.float32), "a KV state of shape"),
+    (np.zeros((1, 0, 9, 64), np.float32), "a KV state of shape"),
+    (np.zeros((1, 3, 9, 0), np.float32), "a KV state of shape"),
+    (None, "state is missing"),
+])
+def test_parts_of_the_wrong_dtype_or_shape_are_refused(state: np.ndarray | None, message: str) -> None:
+    with pytest.raises(WireError, match=f"malformed KvPart: .*{message}"):
+        decode(rebuild(PART, arrays={"state": array_bytes(state)}))
+
+
+def test_a_part_whose_bytes_run_short_is_refused() -> None:
+    raw = array_bytes(K)[:-4]
+    with pytest.raises(WireError, match="malformed KvPart: state of shape .* runs past the end"):
+        decode(rebuild(PART, arrays={"state": raw}))
+
+
+@pytest.mark.parametrize("msg", KV, ids=lambda m: type(m).__name__)
+def test_corrupt_and_truncated_frames_are_refused(msg: Message) -> None:
+    whole = encode(msg)
+    for pos in range(HEADER.size, len(whole), max(1, len(whole) // 7)):
+        bad = bytearray(whole)
+        bad[pos] ^= 0x40
+        with pytest.raises(WireError, match="checksum mismatch"):
+            decode(bytes(bad))
+    for cut in (HEADER.size - 1, HEADER.size + 1, len(whole) - 1):
+        with pytest.raises(WireError, match="truncated"):
+            decode(whole[:cut])
+
+
+@pytest.mark.parametrize("msg", KV, ids=lambda m: type(m).__name__)
+def test_a_frame_of_protocol_5_is_refused(msg: Message) -> None:
+    raw = bytearray(encode(msg))
+    raw[2] = 5
+    with pytest.raises(WireError, match="protocol version 5, expected 6"):
+        decode(bytes(raw))
+
+
+@pytest.mark.parametrize("build,message", [
+    (lambda: KvPart(1, 2, 3, "k", np.zeros((1, 3, 9, 64), np.float64)), "state is f8"),
+    (lambda: KvPart(1, 2, 3, "k", np.zeros((1, 3, 9, 64), np.complex64)), "cannot travel"),
+])
+def test_what_does_not_fit_cannot_be_sent(build: Any, message: str) -> None:
+    with pytest.raises(WireError, match=f"cannot send KvPart: .*{message}"):
+        encode(build())
+
+
+@pytest.mark.parametrize("build", [
+    lambda: KvPull(-1, 0), lambda: KvPush(1, 0, 0, 0, 1), lambda: KvPush(1, 0, 1, 0, 0),
+    lambda: KvPart(1, 3, 2, "k", K), lambda: KvPart(1, 0, 0, "", K), lambda: KvDone(1, -1, ""),
+])
+def test_our_own_messages_are_checked_when_made(build: Any) -> None:
+    with pytest.raises(ValueError):
+        build()
