@@ -212,9 +212,7 @@ def test_a_worker_killed_under_a_move_fails_it(folder: Path, cluster: Path, prom
             time.sleep(0.5)
             assert not pending.done()
             w.proc.kill()
-            start = time.monotonic()
-            assert "lost worker" in _error(pending)
-            assert time.monotonic() - start < 10
+            assert "lost worker" in _error(pending)  # within WAIT_S: a reason, not a hang
         finally:
             remote.shutdown()
 

@@ -248,7 +248,7 @@ def _apply(k: int, stage: StageRunner, work: _Control, last: bool) -> bool:
         if last:
             work.future.set_result(snapshot(work.export, work.parts))
     elif isinstance(work, _Import):
-        _write(stage, work.key, work.snapshot.stages[k])
+        write_kv(stage, work.key, work.snapshot.stages[k])
         if last:
             work.future.set_result(None)
     else:
@@ -259,7 +259,7 @@ def _apply(k: int, stage: StageRunner, work: _Control, last: bool) -> bool:
     return False
 
 
-def _write(stage: StageRunner, key: int, part: StageKv) -> None:
+def write_kv(stage: StageRunner, key: int, part: StageKv) -> None:
     """Open `key` with `part` as its state, or leave the stage as it was."""
     stage.open(key)  # refuses a key already open: a live key is never overwritten (nor closed below)
     try:

@@ -32,6 +32,7 @@ from shardline.errors import ShardlineError
 from shardline.model.manifest import Manifest
 from shardline.pipeline.held import Held
 from shardline.pipeline.kv import KvSnapshot, StageKv, StageLayout, check, export_identity, frozen, snapshot
+from shardline.pipeline.local import write_kv
 from shardline.stage.runner import StageRunner
 from shardline.wire.codec import WireError
 from shardline.wire.link import Link, LinkClosed
@@ -148,7 +149,7 @@ class KvMoves:
             if isinstance(work, KvExport):
                 e = self.stage0.entry
                 return _Move(work, seq, sends, StageKv(e.first_layer, e.last_layer, frozen(self.stage0.kv(work.key))))
-            _write(self.stage0, work.key, work.snap.stages[0])
+            write_kv(self.stage0, work.key, work.snap.stages[0])
             return _Move(work, seq, sends, None)
         except Exception as e:  # noqa: BLE001 - the move fails with the reason; the thread goes on
             raise ShardlineError(f"stage 0: {_why(e)}") from None
@@ -303,16 +304,6 @@ def _pushes(work: KvImport, seq: int, i: int, workers: int) -> list[KvPull | KvP
         return [KvPush(seq, work.key, snap.rows, snap.slots, len(parts)), *parts]
     except ValueError as e:  # what messages.py checks of every message, ours too
         raise ShardlineError(f"a KV snapshot of {snap.rows} rows of {snap.slots} slots cannot travel: {e}") from None
-
-
-def _write(stage: StageRunner, key: int, part: StageKv) -> None:
-    """Open `key` with `part` as its state, or leave the stage as it was."""
-    stage.open(key)  # refuses a key already open: a live key is never overwritten (nor closed below)
-    try:
-        stage.set_kv(key, dict(part.arrays))
-    except BaseException:
-        stage.close(key)
-        raise
 
 
 def _why(e: Exception) -> str:
