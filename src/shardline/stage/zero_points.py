@@ -34,6 +34,8 @@ class _Q4:
     shape: ov.Output  # the Reshape's target [rows, groups * block]
     mins: np.ndarray  # m = -z*d, f32 [rows, groups]
     block: int
+    subtract: ov.Node  # Subtract(codes, z)
+    zero: np.ndarray  # z, f32 [rows, groups, 1]
 
 
 def split_zero_points(model: ov.Model) -> int:
@@ -41,12 +43,7 @@ def split_zero_points(model: ov.Model) -> int:
     returns how many were rewritten."""
     sums: dict[tuple[str, int, int], ov.Output] = {}
     done = 0
-    for node in model.get_ordered_ops():
-        if node.get_type_name() != "MatMul" or not node.get_attributes().get("transpose_b"):
-            continue
-        q4 = _chain(node.input_value(1).get_node())
-        if q4 is None:
-            continue
+    for node, q4 in _matmuls(model):
         x = node.input_value(0)
         key = (x.get_node().get_friendly_name(), x.get_index(), q4.block)
         if key not in sums:
@@ -60,6 +57,22 @@ def split_zero_points(model: ov.Model) -> int:
     if done:
         model.validate_nodes_and_infer_types()
     return done
+
+
+def zero_point_chains(model: ov.Model) -> list[tuple[ov.Node, np.ndarray]]:
+    """Each MatMul's Subtract(codes, z) with a fractional zero point, and its z (for experiments
+    that change z: bench/graphs.py rounds it as openvino_genai does)."""
+    return [(q4.subtract, q4.zero) for _, q4 in _matmuls(model)]
+
+
+def _matmuls(model: ov.Model) -> list[tuple[ov.Node, _Q4]]:
+    found = []
+    for node in model.get_ordered_ops():
+        if node.get_type_name() == "MatMul" and node.get_attributes().get("transpose_b"):
+            q4 = _chain(node.input_value(1).get_node())
+            if q4 is not None:
+                found.append((node, q4))
+    return found
 
 
 def _chain(reshape: ov.Node) -> _Q4 | None:
@@ -80,7 +93,7 @@ def _chain(reshape: ov.Node) -> _Q4 | None:
     if z.ndim != 3 or dv.shape != z.shape or np.array_equal(z, np.round(z)):
         return None  # integer zero points (Q4_0's 8) already take the fast kernels
     block = int(codes.get_partial_shape()[2].get_length())
-    return _Q4(codes, scale, reshape.input_value(1), (-z * dv)[..., 0], block)
+    return _Q4(codes, scale, reshape.input_value(1), (-z * dv)[..., 0], block, sub, z)
 
 
 def _i64(*values: int) -> ov.Node:
