@@ -207,6 +207,10 @@ class Engine:
             self._fail_all("error", f"the engine stopped: {self.failed}")
 
     def _dispatch(self) -> None:
+        # Releases first: a group emptied this round may be re-entered by this round's plan (a
+        # joiner merged into its key), and a release after that merge would free the new state.
+        for key in self.scheduler.releases():
+            self.pipe.release(key)
         for step in self.scheduler.plan():
             if isinstance(step, DecodeStep):
                 self.spec.launched(step)
@@ -214,8 +218,6 @@ class Engine:
                 self.pipe.submit(step)
             except Exception as e:  # noqa: BLE001 - a step that cannot start fails its streams
                 self._step_failed(step, f"{type(e).__name__}: {e}")
-        for key in self.scheduler.releases():
-            self.pipe.release(key)
 
     def _step_failed(self, step: Step, why: str) -> None:
         for s in step.streams:
