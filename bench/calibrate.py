@@ -26,6 +26,11 @@ instead of prefilling again.
     plus the snapshot imported into a fresh key (`import_kv`), against the snapshot's bytes.
     In process: no wire (what a link adds is not in these figures). First rep a warm-up.
 
+(d) regrouping: on every group of (b) after its counted steps, one step that merges a fresh row
+    (prefilled alone as in (b)) into all its rows, as the engine's join does, then one step that
+    drops row 0, as a departure does; each timed once, whole. What they add over a plain step of
+    the same rows and width (from the decode fit) is fitted as bytes of the state per second.
+
 Medians of the counted reps. Then `Costs.fit` (least squares, every coefficient >= 0) over all
 the medians; a table of every sample measured against fitted (relative error, marked * past 15%),
 and the fitted costs written atomically to --out.
@@ -163,22 +168,50 @@ class Group:
     widths: list[int] = field(default_factory=list)  # each counted step's mask width (the widest row)
     times: list[float] = field(default_factory=list)
 
-    def step(self, pipe: LocalPipeline, merge: bool = False) -> tuple[float, int]:
-        """One token per row, as Group.launch plans it (every book left-padded to the widest);
-        `merge` makes the rows' own states the group's first (its first step)."""
+    def step(self, pipe: LocalPipeline, merge: bool = False, join: Row | None = None,
+             drop: int | None = None) -> tuple[float, int]:
+        """One token per row, as Group.launch plans it (every book left-padded to the widest):
+        `merge` makes the rows' own states the group's first (its first step); `join` merges
+        one more row's own state into all the kept rows; `drop` leaves that row out (beam_idx)."""
+        keep: tuple[int, ...] = ()
+        if join is not None:
+            keep = tuple(range(len(self.streams)))
+            self.streams, self.books, self.tokens = (*self.streams, join.key), [*self.books, join.book], \
+                [*self.tokens, join.token]
+        elif drop is not None:
+            keep = tuple(r for r in range(len(self.streams)) if r != drop)
+            self.streams = tuple(self.streams[r] for r in keep)
+            self.books, self.tokens = [self.books[r] for r in keep], [self.tokens[r] for r in keep]
         width = max(b.slots for b in self.books)
         for b in self.books:
             b.pad_left(width - b.slots)
-        inputs = StepInputs.stack([b.plan([t]) for b, t in zip(self.books, self.tokens, strict=True)])
+        beam_idx = np.asarray(keep, np.int32) if drop is not None else None
+        inputs = StepInputs.stack([b.plan([t]) for b, t in zip(self.books, self.tokens, strict=True)], beam_idx)
         for r, b in enumerate(self.books):
             b.commit(inputs, r)
         rows = len(self.streams)
         at = np.array([[r, 0] for r in range(rows)], np.int64)
-        step = DecodeStep(self.key, self.streams, (GREEDY,) * rows, inputs, at,
-                          merge=self.streams if merge else ())
+        merged = self.streams if merge else (join.key,) if join is not None else ()
+        step = DecodeStep(self.key, self.streams, (GREEDY,) * rows, inputs, at, keep=keep, merge=merged)
         seconds, outs = timed(pipe, step)
         self.tokens = [o.choices[0].token for o in outs]
         return seconds, int(inputs.attention_mask.shape[1])
+
+
+@dataclass(frozen=True)
+class Row:
+    """A stream prefilled alone, its first token sampled: what joins a group."""
+
+    key: int
+    book: KVBook
+    token: int
+
+
+def row(pipe: LocalPipeline, ids: list[int], snaps: dict[int, KvSnapshot], base: int, length: int) -> Row:
+    """An imported base, then the row's own last chunk up to `length` tokens (it samples the first)."""
+    key, book = opened(pipe, ids, snaps, base)
+    _, (out,) = timed(pipe, prefill(key, book, ids[base:length], GREEDY, first=False, last=True))
+    return Row(key, book, out.choices[0].token)
 
 
 def longest_row(context: int, warm: int, steps: int) -> int:
@@ -197,15 +230,8 @@ def build(pipe: LocalPipeline, ids: list[int], snaps: dict[int, KvSnapshot], row
     """Rows prefilled alone (an imported base, then each row's own last chunk, which samples its
     first token), then the merge step that makes them one group (not counted)."""
     longest, base = longest_row(context, warm, steps), decode_base(context, warm, steps, max_rows)
-    streams, books, tokens = [], [], []
-    for i in range(rows):
-        key, book = opened(pipe, ids, snaps, base)
-        _, (out,) = timed(pipe, prefill(key, book, ids[base:longest - SPACING * i], GREEDY, first=False,
-                                        last=True))
-        streams.append(key)
-        books.append(book)
-        tokens.append(out.choices[0].token)
-    group = Group(-next(KEYS), tuple(streams), books, tokens)
+    made = [row(pipe, ids, snaps, base, longest - SPACING * i) for i in range(rows)]
+    group = Group(-next(KEYS), tuple(r.key for r in made), [r.book for r in made], [r.token for r in made])
     group.step(pipe, merge=True)
     return group
 
@@ -221,9 +247,28 @@ def part_decode(pipe: LocalPipeline, ids: list[int], snaps: dict[int, KvSnapshot
             if k >= warm:
                 g.times.append(seconds)
                 g.widths.append(width)
-    for g in order:
-        pipe.release(g.key)
     return groups
+
+
+# --- (d) regrouping -------------------------------------------------------------------------------
+
+
+def part_regroup(pipe: LocalPipeline, ids: list[int], snaps: dict[int, KvSnapshot],
+                 groups: dict[tuple[int, int], Group], warm: int, steps: int,
+                 max_rows: int) -> tuple[list[tuple[int, int, float]], list[tuple[int, int, float]]]:
+    """On every decode group after its counted steps: one step that merges a fresh row into all
+    its rows (an engine's join), then one that drops row 0 (a departure), each timed whole, as
+    (rows of the state after it, its width, seconds); then the groups are released."""
+    merges, drops = [], []
+    for (r, c), g in groups.items():
+        longest, base = longest_row(c, warm, steps), decode_base(c, warm, steps, max_rows)
+        seconds, width = g.step(pipe, join=row(pipe, ids, snaps, base, longest - SPACING * (r - 1)))
+        merges.append((len(g.streams), width, seconds))
+        seconds, width = g.step(pipe, drop=0)
+        drops.append((len(g.streams), width, seconds))
+        pipe.release(g.key)
+    print(f"regroup: {len(merges)} merges and drops timed", file=sys.stderr, flush=True)
+    return merges, drops
 
 
 # --- (c) transfer ---------------------------------------------------------------------------------
@@ -320,6 +365,7 @@ def main() -> int:
               file=sys.stderr, flush=True)
         p_times = part_prefill(pipe, ids, snaps, chunks, p_contexts, args.reps)
         groups = part_decode(pipe, ids, snaps, rows, d_contexts, args.warm, args.steps)
+        merges, drops = part_regroup(pipe, ids, snaps, groups, args.warm, args.steps, max(rows))
         t_times = part_transfer(pipe, ids, snaps, t_lengths, args.reps)
     kv_per_token = {n: snaps[n].nbytes / n for n in t_lengths}
     per_token = round(statistics.median(kv_per_token.values()))
@@ -335,7 +381,12 @@ def main() -> int:
               f"medians of {args.reps} reps ({args.steps} decode steps); least squares over "
               f"{len(p_samples)} prefill, {len(d_samples)} decode, {len(t_samples)} transfer samples "
               f"(export + import in process, no wire)")
-    costs = Costs.fit(p_samples, d_samples, t_samples, kv_bytes_per_token=per_token, source=source)
+    # What a merge or a drop adds over a plain step of the same rows and width (the decode fit).
+    plain = Costs.fit(p_samples, d_samples, t_samples, kv_bytes_per_token=per_token)
+    m_samples = [(per_token * r * w, s - plain.decode_s(r, w)) for r, w, s in merges]
+    x_samples = [(per_token * r * w, s - plain.decode_s(r, w)) for r, w, s in drops]
+    costs = Costs.fit(p_samples, d_samples, t_samples, m_samples, x_samples, kv_bytes_per_token=per_token,
+                      source=source + f", {len(merges)} merges and {len(drops)} drops")
 
     samples = [Sample("prefill", f"n{n}_c{c}", f"n={n:>4} c={c:>5}", s, costs.prefill_s(n, c), iqr(p_times[n, c]))
                for n, c, s in p_samples]
@@ -343,12 +394,16 @@ def main() -> int:
                        iqr(d_cells[r, c].times)) for r, c, s in d_samples]
     samples += [Sample("transfer", f"t{n}", f"{n:>5} tok {b / 1e6:>6.1f} MB", s, costs.transfer_s(b),
                        iqr(t_times[n]["both"])) for (b, s), n in zip(t_samples, t_lengths, strict=True)]
+    samples += [Sample("merge", f"r{r}_w{w}", f"R={r:>4} w={w:>5}", s, costs.decode_s(r, w) + costs.merge_s(r, w), 0.0)
+                for r, w, s in merges]
+    samples += [Sample("drop", f"r{r}_w{w}", f"R={r:>4} w={w:>5}", s, costs.decode_s(r, w) + costs.drop_s(r, w), 0.0)
+                for r, w, s in drops]
 
     print(f"\n{folder.name}, in process, {run_cfg}; medians of {args.reps} reps "
           f"(decode: {args.steps} steps after {args.warm}); {'quiet' if quiet else 'NOT quiet'} machine "
           f"(load {load:.2f} at start); {elapsed:.0f} s")
     print("prefill: n positions after c cached; decode: R rows, the widest attending over c; "
-          "transfer: export + import")
+          "transfer: export + import; merge / drop: a step joining a row to R - 1 / leaving R of w slots")
     print(f"{'kind':<9} {'sample':<20} {'measured ms':>12} {'fitted ms':>10} {'error':>8} {'IQR':>6}")
     for s in samples:
         mark = " *" if abs(s.error) > MISS else ""
@@ -361,6 +416,8 @@ def main() -> int:
     print(f"  decode   {1e3 * costs.decode_base_s:.2f} ms + {1e3 * costs.decode_row_s:.3f} ms x R "
           f"+ {1e6 * costs.decode_row_ctx_s:.3f} us x R x c")
     print(f"  transfer {1e3 * costs.transfer_latency_s:.2f} ms + bytes / {costs.transfer_bytes_per_s / 1e9:.2f} GB/s")
+    print(f"  a step merging a row adds state bytes / {costs.merge_bytes_per_s / 1e9:.3f} GB/s; "
+          f"dropping one, state bytes / {costs.drop_bytes_per_s / 1e9:.3f} GB/s")
     print("  (export / import ms alone, by tokens: "
           + ", ".join(f"{n}: {1e3 * med(v['export']):.1f} / {1e3 * med(v['import']):.1f}" for n, v in t_times.items())
           + ")")
@@ -372,7 +429,7 @@ def main() -> int:
     print(f"written to {args.out}")
 
     figures: dict[str, object] = {}
-    for kind in ("prefill", "decode", "transfer"):
+    for kind in ("prefill", "decode", "transfer", "merge", "drop"):
         errs = [abs(s.error) for s in samples if s.kind == kind]
         figures[f"{kind}_max_err"] = round(max(errs), 4)
         figures[f"{kind}_median_err"] = round(statistics.median(errs), 4)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shardline.config import DEFAULT_PREFILL_CHUNK
+from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK
 from shardline.disagg.costs import Costs
 from shardline.disagg.instance import Admission, FlipConfig
 from shardline.disagg.metrics import Slo, merged_seconds
@@ -25,7 +25,7 @@ from shardline.errors import ShardlineError
 # Round figures so every expected time below is a short sum.
 C = Costs(prefill_base_s=0.01, prefill_token_s=0.001, prefill_token_ctx_s=1e-6, decode_base_s=0.01,
           decode_row_s=0.002, decode_row_ctx_s=1e-5, transfer_latency_s=0.005, transfer_bytes_per_s=1e6,
-          kv_bytes_per_token=1000, kv_tokens=100_000, source="test")
+          merge_bytes_per_s=1e7, drop_bytes_per_s=1e8, kv_bytes_per_token=1000, kv_tokens=100_000, source="test")
 oracle = from_length(Oracle(100, 10))
 
 
@@ -58,7 +58,7 @@ def test_a_running_stream_waits_for_another_prompts_chunks() -> None:
     t2 = t1 + C.prefill_s(128, 0)
     t3 = t2 + C.decode_s(1, 101) + C.prefill_s(128, 128)
     t4 = t3 + C.decode_s(1, 102) + C.prefill_s(44, 256)  # B's first token
-    end = t4 + C.decode_s(2, 301)  # one step of both rows, padded to B's width, ends both
+    end = t4 + C.merge_s(2, 301) + C.decode_s(2, 301)  # B merged into A's row, padded to B's width
     assert (res.records[0].first_token_s, res.records[0].finish_s) == pytest.approx((t1, end), abs=1e-12)
     assert (res.records[1].first_token_s, res.records[1].finish_s) == pytest.approx((t4, end), abs=1e-12)
     alone = simulate_coupled([a], C, CoupledConfig(instances=1)).records[0]
@@ -75,11 +75,45 @@ def test_coupled_routes_to_the_fewest_requests_and_limits_streams() -> None:
     assert limited[1].first_token_s == pytest.approx(limited[0].finish_s + C.prefill_s(50, 0), abs=1e-12)
 
 
+def test_regrouping_a_decode_group_costs_what_the_engine_copies() -> None:
+    """A (prompt 400) joins B's group (prompt 50) and ends first: its join copies both rows at
+    A's width, its departure drops a row, and the next plain step compacts B's row, which then
+    wastes more than COMPACT_AT slots."""
+    a, b = spec(0, 0.0, 400, 3), spec(1, 0.0, 50, 10)
+    res = simulate_coupled([a, b], C, CoupledConfig(instances=1))
+    t = C.prefill_s(128, 0) + C.prefill_s(50, 0)  # A's first chunk, B's whole prompt
+    t += C.decode_s(1, 51) + C.prefill_s(128, 128)  # B alone in the group: it took its own state
+    t += C.decode_s(1, 52) + C.prefill_s(128, 256)
+    t += C.decode_s(1, 53) + C.prefill_s(16, 384)  # A's first token
+    t += C.merge_s(2, 401) + C.decode_s(2, 401)  # A joins: a copy of both rows, 401 slots wide
+    t += C.decode_s(2, 402)  # A's last token
+    assert res.records[0].finish_s == pytest.approx(t, abs=1e-12)
+    t += C.drop_s(1, 403) + C.decode_s(1, 403)  # A's row dropped; B's row is still 403 wide
+    t += C.drop_s(1, 404) + C.decode_s(1, 57)  # 404 - 57 >= COMPACT_AT: compacted to B's 57
+    t += C.decode_s(1, 58) + C.decode_s(1, 59)
+    assert res.records[1].finish_s == pytest.approx(t, abs=1e-12)
+
+
+def test_a_group_stays_as_wide_as_its_widest_row_was() -> None:
+    """As above with A's prompt 150: B's row wastes 99 < COMPACT_AT slots once A has left, so the
+    state is never compacted and B's steps pay for A's width to the end."""
+    a, b = spec(0, 0.0, 150, 3), spec(1, 0.0, 50, 8)
+    res = simulate_coupled([a, b], C, CoupledConfig(instances=1))
+    t = C.prefill_s(128, 0) + C.prefill_s(50, 0)
+    t += C.decode_s(1, 51) + C.prefill_s(22, 128)  # A's first token
+    t += C.merge_s(2, 151) + C.decode_s(2, 151) + C.decode_s(2, 152)
+    t += C.drop_s(1, 153) + C.decode_s(1, 153)
+    t += C.decode_s(1, 154) + C.decode_s(1, 155) + C.decode_s(1, 156)
+    assert COMPACT_AT > 156 - (50 + 7)
+    assert res.records[1].finish_s == pytest.approx(t, abs=1e-12)
+
+
 def test_the_real_engines_defaults() -> None:
     from shardline.serving.groups import MAX_ROWS as ENGINE_ROWS
     from shardline.serving.scheduler import SchedulerConfig
 
     assert ENGINE_ROWS == MAX_ROWS and SchedulerConfig().max_prefills == MAX_PREFILLS
+    assert SchedulerConfig().compact_at == COMPACT_AT
     assert CoupledConfig().chunk == DisaggConfig().chunk == SchedulerConfig().chunk == DEFAULT_PREFILL_CHUNK
 
 
@@ -194,8 +228,9 @@ def test_disaggregation_keeps_decodes_clear_of_prefill() -> None:
     heavy prompts' chunks; a decode instance only decodes. Equal hardware: 2 coupled vs 1P + 1D."""
     specs = _mixed(1.5, n=200)
     slo = Slo(1.0, 0.1)
-    coupled = simulate_coupled(specs, Costs(), CoupledConfig(instances=2)).summary(slo)
-    disagg = simulate_disaggregated(specs, Costs(), oracle, DisaggConfig(prefill=1, decode=1)).summary(slo)
+    free = Costs(merge_bytes_per_s=1e15, drop_bytes_per_s=1e15)  # regrouping set aside: interference alone
+    coupled = simulate_coupled(specs, free, CoupledConfig(instances=2)).summary(slo)
+    disagg = simulate_disaggregated(specs, free, oracle, DisaggConfig(prefill=1, decode=1)).summary(slo)
     assert disagg.tpot_s.p50 < 0.8 * coupled.tpot_s.p50
 
 
@@ -209,15 +244,20 @@ def _samples(c: Costs, rng: np.random.Generator, noise: float = 0.0) -> dict[str
     prefill = [(n, ctx, jitter(c.prefill_s(n, ctx))) for n in (16, 64, 128, 256) for ctx in (0, 512, 2048)]
     decode = [(r, ctx, jitter(c.decode_s(r, ctx))) for r in (1, 2, 4, 8) for ctx in (64, 256, 1024)]
     transfer = [(b, jitter(c.transfer_s(b))) for b in (1 << 16, 1 << 20, 1 << 24)]
-    return {"prefill": prefill, "decode": decode, "transfer": transfer}
+    merges = [(c.kv_bytes(r * w), jitter(c.merge_s(r, w))) for r in (2, 4) for w in (256, 1024)]
+    drops = [(c.kv_bytes(r * w), jitter(c.drop_s(r, w))) for r in (1, 3) for w in (256, 1024)]
+    return {"prefill": prefill, "decode": decode, "transfer": transfer, "merges": merges, "drops": drops}
 
 
 def test_fit_recovers_known_coefficients() -> None:
     got = Costs.fit(**_samples(C, np.random.default_rng(0)), kv_bytes_per_token=1000, kv_tokens=100_000)
     for name in ("prefill_base_s", "prefill_token_s", "prefill_token_ctx_s", "decode_base_s", "decode_row_s",
-                 "decode_row_ctx_s", "transfer_latency_s", "transfer_bytes_per_s"):
+                 "decode_row_ctx_s", "transfer_latency_s", "transfer_bytes_per_s", "merge_bytes_per_s",
+                 "drop_bytes_per_s"):
         assert getattr(got, name) == pytest.approx(getattr(C, name), rel=1e-6), name
-    assert "27 measured samples" in got.source
+    assert "35 measured samples" in got.source
+    without = {k: v for k, v in _samples(C, np.random.default_rng(0)).items() if k not in ("merges", "drops")}
+    assert Costs.fit(**without).merge_bytes_per_s == Costs().merge_bytes_per_s  # none measured: the default
 
 
 def test_fit_keeps_every_coefficient_non_negative() -> None:
@@ -233,6 +273,8 @@ def test_fit_keeps_every_coefficient_non_negative() -> None:
     ({"decode": [(r, 64, math.nan) for r in (1, 2, 4, 8)]}, "finite"),
     ({"transfer": [(1000, 0.01), (2000, 0.01), (3000, 0.01)]}, "does not grow with bytes"),
     ({"transfer": [(1000, -0.01), (2000, 0.01)]}, "non-negative"),
+    ({"merges": [(1000, 0.0), (2000, 0.0)]}, "merge_bytes_per_s needs samples of positive bytes and time"),
+    ({"drops": [(0, 0.01)]}, "drop_bytes_per_s needs samples of positive bytes"),
 ])
 def test_fit_refuses_samples_it_cannot_use(change: dict[str, Any], match: str) -> None:
     with pytest.raises(ShardlineError, match=match):
@@ -248,7 +290,7 @@ def test_costs_json_round_trip_is_atomic(tmp_path: Path) -> None:
 
 
 def _doc(**change: object) -> dict[str, Any]:
-    doc = json.loads(json.dumps({"format": "shardline-disagg-costs", "version": 1, **Costs().__dict__}))
+    doc = json.loads(json.dumps({"format": "shardline-disagg-costs", "version": 2, **Costs().__dict__}))
     doc.update(change)
     return doc
 
@@ -264,7 +306,8 @@ def _doc(**change: object) -> dict[str, Any]:
     (_doc(transfer_bytes_per_s=0), "transfer_bytes_per_s must be > 0"),
     (_doc(prefill_base_s=0, prefill_token_s=0), "must each cost some time"),
     (_doc(source=["x"]), "source must be a string"),
-    (_doc(version=2), "not a shardline-disagg-costs file"),
+    (_doc(version=1), "not a shardline-disagg-costs file of version 2"),
+    (_doc(merge_bytes_per_s=0), "merge_bytes_per_s must be > 0"),
     ([1, 2], "not a JSON object"),
 ])
 def test_from_json_refuses_bad_fields(tmp_path: Path, doc: object, match: str) -> None:

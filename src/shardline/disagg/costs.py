@@ -8,6 +8,10 @@ The model (all terms >= 0, fitted by least squares from measured steps, `Costs.f
     decode_base_s + decode_row_s * R + decode_row_ctx_s * R * c
   (the weights streamed once per call whatever the rows, then each row's arithmetic and KV);
 - moving B bytes of KV from a prefill to a decode instance: transfer_latency_s + B / transfer_bytes_per_s;
+- regrouping a decode group's state of R rows by w slots (B = R x w x KV bytes per token): a step
+  that merges joiners into kept rows adds B / merge_bytes_per_s (the state is read out, merged on
+  the host, set back, and the plugin takes it in on the next inference: the slow part); a step
+  that drops rows (beam_idx) or compacts the state adds B / drop_bytes_per_s (a gather);
 - KV bytes per token, and the KV tokens an instance holds (what its admission counts against).
 
 DEFAULTS are rough figures read off BENCHMARKS.md, not a calibration (issue 13 point 10 asks for
@@ -24,6 +28,9 @@ one from real runs: fit it, save it with `to_json`, and say which one a table us
   (the default model; BENCHMARKS.md measures 46,080 B per slot too); capacity 30 streams x 8192
   tokens, what `shardline serve` budgets on this 24 GiB machine ("What the serving engine does
   with this": ~380 MB per stream at 8192 tokens, 30 streams);
+- merge and drop: measured in real coupled runs on this machine (2026-12-01, 1-stage gguf, one
+  thread): merging one joiner into 1-5 kept rows at ~900-1000 slots cost 0.2-1.2 s over the plain
+  step, 0.12-0.55 GB/s of the merged state (0.25 GB/s typical); drops and compactions 1.6-3.9 GB/s;
 - transfer: NOT measured yet. 2 ms fixed (reading and writing a stage's KV state at 512 tokens
   costs ~2-4 ms on CPU, MISSION.md facts) and 125e6 B/s (1 Gbit/s Ethernet between PCs: an
   assumption, the common consumer link).
@@ -45,13 +52,13 @@ from shardline.disagg.files import read_json, write_text_atomic
 from shardline.errors import ShardlineError
 
 FORMAT = "shardline-disagg-costs"
-VERSION = 1
+VERSION = 2  # 2: merge_bytes_per_s and drop_bytes_per_s
 MAX_FILE_BYTES = 1 << 20  # a costs file is a few hundred bytes
 DEFAULT_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # layers x (k, v) x KV heads x head dim x f32
 DEFAULT_SOURCE = "rough figures from BENCHMARKS.md (costs.py docstring), not a calibration"
 
 _FLOATS = ("prefill_base_s", "prefill_token_s", "prefill_token_ctx_s", "decode_base_s", "decode_row_s",
-           "decode_row_ctx_s", "transfer_latency_s", "transfer_bytes_per_s")
+           "decode_row_ctx_s", "transfer_latency_s", "transfer_bytes_per_s", "merge_bytes_per_s", "drop_bytes_per_s")
 _INTS = ("kv_bytes_per_token", "kv_tokens")
 
 
@@ -65,6 +72,8 @@ class Costs:
     decode_row_ctx_s: float = 3.2e-6
     transfer_latency_s: float = 0.002
     transfer_bytes_per_s: float = 125e6
+    merge_bytes_per_s: float = 0.25e9
+    drop_bytes_per_s: float = 2.5e9
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
     kv_tokens: int = 30 * 8192
     source: str = DEFAULT_SOURCE  # where the figures came from: a table's readers need it
@@ -83,8 +92,9 @@ class Costs:
         # Every step takes time: simulated time then advances with every step (no zero-time loop).
         if self.prefill_base_s + self.prefill_token_s <= 0 or self.decode_base_s + self.decode_row_s <= 0:
             raise ShardlineError("costs: a prefill chunk and a decode step must each cost some time")
-        if self.transfer_bytes_per_s <= 0:
-            raise ShardlineError("costs: transfer_bytes_per_s must be > 0")
+        for name in ("transfer_bytes_per_s", "merge_bytes_per_s", "drop_bytes_per_s"):
+            if getattr(self, name) <= 0:
+                raise ShardlineError(f"costs: {name} must be > 0")
 
     def prefill_s(self, tokens: int, context: int) -> float:
         """A chunk of `tokens` positions (padding included) after `context` cached tokens."""
@@ -96,6 +106,16 @@ class Costs:
         _counts("decode", rows, context)
         return self.decode_base_s + self.decode_row_s * rows + self.decode_row_ctx_s * rows * context
 
+    def merge_s(self, rows: int, width: int) -> float:
+        """What merging joiners adds to a step whose state ends with `rows` rows of `width` slots."""
+        _counts("merge", rows, width)
+        return self.kv_bytes(rows * width) / self.merge_bytes_per_s
+
+    def drop_s(self, rows: int, width: int) -> float:
+        """What dropping rows or compacting adds to a step over `rows` rows of `width` slots."""
+        _counts("drop", rows, width)
+        return self.kv_bytes(rows * width) / self.drop_bytes_per_s
+
     def kv_bytes(self, tokens: int) -> int:
         return tokens * self.kv_bytes_per_token
 
@@ -106,18 +126,24 @@ class Costs:
 
     @classmethod
     def fit(cls, prefill: Sequence[tuple[int, int, float]], decode: Sequence[tuple[int, int, float]],
-            transfer: Sequence[tuple[int, float]], kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
+            transfer: Sequence[tuple[int, float]], merges: Sequence[tuple[int, float]] = (),
+            drops: Sequence[tuple[int, float]] = (), kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN,
             kv_tokens: int = 30 * 8192, source: str = "") -> Costs:
         """Least squares, every coefficient >= 0, from measured samples: prefill chunks as
         (tokens, context, seconds), decode steps as (rows, context, seconds), transfers as
-        (bytes, seconds). Each set must vary its inputs enough to tell its terms apart."""
+        (bytes, seconds), and what a merge or a drop adds to a step as (bytes of the state,
+        seconds) (none given: the defaults stay). Each set must vary its inputs enough to tell
+        its terms apart."""
         p = _fit("prefill", [(1.0, n, n * c) for n, c, _ in prefill], [s for *_, s in prefill])
         d = _fit("decode", [(1.0, r, r * c) for r, c, _ in decode], [s for *_, s in decode])
         t = _fit("transfer", [(1.0, b) for b, _ in transfer], [s for _, s in transfer])
         if t[1] <= 0:
             raise ShardlineError("costs fit: transfer time does not grow with bytes: no bandwidth to fit")
-        n = len(prefill) + len(decode) + len(transfer)
-        return cls(prefill_base_s=p[0], prefill_token_s=p[1], prefill_token_ctx_s=p[2],
+        rates = {name: _rate(name, samples) for name, samples in
+                  (("merge_bytes_per_s", merges), ("drop_bytes_per_s", drops)) if samples}
+        n = len(prefill) + len(decode) + len(transfer) + len(merges) + len(drops)
+        return cls(**rates,
+                   prefill_base_s=p[0], prefill_token_s=p[1], prefill_token_ctx_s=p[2],
                    decode_base_s=d[0], decode_row_s=d[1], decode_row_ctx_s=d[2],
                    transfer_latency_s=t[0], transfer_bytes_per_s=1.0 / t[1],
                    kv_bytes_per_token=kv_bytes_per_token, kv_tokens=kv_tokens,
@@ -163,6 +189,14 @@ def _fields(doc: object) -> dict[str, Any]:
     if missing or extra:
         raise ShardlineError(f"fields missing {sorted(missing)}, unknown {sorted(extra)[:5]}")
     return {n: doc[n] for n in names}
+
+
+def _rate(name: str, samples: Sequence[tuple[int, float]]) -> float:
+    """Bytes per second through the origin (seconds = bytes / rate), by least squares."""
+    b, y = np.asarray([x for x, _ in samples], np.float64), np.asarray([x for _, x in samples], np.float64)
+    if not np.isfinite(b).all() or not np.isfinite(y).all() or (b <= 0).any() or float(b @ y) <= 0:
+        raise ShardlineError(f"costs fit: {name} needs samples of positive bytes and time that grows with them")
+    return float(b @ b / (b @ y))
 
 
 def _fit(kind: str, rows: list[tuple[float, ...]], seconds: list[float]) -> tuple[float, ...]:

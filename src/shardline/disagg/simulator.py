@@ -6,9 +6,13 @@ Time model, common to both modes:
   a machine's cores run a step's graphs one after another (BENCHMARKS.md, issue 9 prefill (a):
   chunks in flight together gained 0.92-1.07x), so steps queued on an instance serialize.
 - A prefill chunk of n positions after c cached tokens costs `Costs.prefill_s(n, c)`.
-- A decode step charges `Costs.decode_s(R, w)`: R the group's rows, w the widest row's context
-  (prompt + tokens generated so far, the token fed now included), since a group's rows are
-  left-padded to the widest (serving/groups.py). Every row's next token comes out at the step's end.
+- A decode step charges `Costs.decode_s(R, w)`: R the group's rows, w the width of its state (the
+  token fed now included). A group's rows are left-padded to the widest (serving/groups.py), and
+  the state only grows, one slot per step, until it is compacted: when the widest row has left,
+  w stays until it exceeds the widest live row by COMPACT_AT slots. A step that merges joiners
+  into kept rows (or more than one joiner into an empty group) adds `Costs.merge_s(R, w)`; one
+  that drops departed rows, or compacts, adds `Costs.drop_s(R, w)` (the engine's regrouping
+  copies, which grow with the whole state). Every row's next token comes out at the step's end.
 - A request's first token is sampled by its last prefill chunk and reaches the client at that
   chunk's end; a request of one token ends there. Each later token costs one decode step.
 - An instance plans its next steps when its last planned step ends, or, when idle, once every
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from types import MappingProxyType
 
-from shardline.config import DEFAULT_PREFILL_CHUNK
+from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK
 from shardline.disagg.costs import Costs
 from shardline.disagg.metrics import Interval, RequestRecord, Slo, Summary, summarize
 from shardline.disagg.state import LengthRange, Role
@@ -117,33 +121,46 @@ class Req:
         return RequestRecord(self.spec.arrival_s, self.first_s, self.finish_s, self.generated)
 
 
+@dataclass(eq=False)
+class Group:
+    """One decode group: its members, the rows its state holds (those of its last step) and
+    that state's width in slots. Invariant: `held` and `width` are empty and 0 once it has no
+    members (its state was released)."""
+
+    rows: list[Req] = field(default_factory=list)
+    held: list[Req] = field(default_factory=list)
+    width: int = 0
+
+
 class Groups:
     """Decode groups as serving/groups.py forms them: a stream joins the group with the fewest
     members (the lowest index on a tie; a new group when all have `max_rows`) and leaves when it
     ends; empty groups stay and are reused."""
 
     def __init__(self, n: int, max_rows: int) -> None:
-        self._all: list[list[Req]] = [[] for _ in range(n)]
+        self._all: list[Group] = [Group() for _ in range(n)]
         self._max_rows = max_rows
 
     def join(self, r: Req) -> None:
-        room = [g for g in range(len(self._all)) if len(self._all[g]) < self._max_rows]
+        room = [g for g in range(len(self._all)) if len(self._all[g].rows) < self._max_rows]
         if not room:
-            self._all.append([])
-        g = min(room, key=lambda g: (len(self._all[g]), g)) if room else -1
-        self._all[g].append(r)
+            self._all.append(Group())
+        g = min(room, key=lambda g: (len(self._all[g].rows), g)) if room else -1
+        self._all[g].rows.append(r)
 
     def leave(self, r: Req) -> None:
         for g in self._all:
-            if r in g:
-                g.remove(r)
+            if r in g.rows:
+                g.rows.remove(r)
+                if not g.rows:
+                    g.held, g.width = [], 0
 
     def members(self) -> int:
-        return sum(len(g) for g in self._all)
+        return sum(len(g.rows) for g in self._all)
 
-    def ready(self) -> list[list[Req]]:
-        """Each non-empty group's rows as of now: the rows of its next step."""
-        return [list(g) for g in self._all if g]
+    def ready(self) -> list[Group]:
+        """The groups with members: each steps next over the members it has then."""
+        return [g for g in self._all if g.rows]
 
 
 class Server:
@@ -195,12 +212,13 @@ class Server:
         self.loop.at(start + seconds, done)
 
 
-def decode_step(costs: Costs, rows: list[Req], ended: Callable[[Req], None]) -> Step:
-    """One group's decode step over `rows` (module docstring: how it is charged); `ended` is
-    called for each row whose last token this step made."""
+def decode_step(costs: Costs, group: Group, ended: Callable[[Req], None]) -> Step:
+    """One step of `group` over its members as of the step's start (module docstring: how it is
+    charged); `ended` is called for each row whose last token this step made."""
 
     def start() -> tuple[float, Finish]:
-        seconds = costs.decode_s(len(rows), max(r.context for r in rows))
+        rows = list(group.rows)
+        seconds = _regroup(costs, group, rows) + costs.decode_s(len(rows), group.width)
 
         def finish(t: float) -> None:
             for r in rows:
@@ -210,6 +228,27 @@ def decode_step(costs: Costs, rows: list[Req], ended: Callable[[Req], None]) -> 
         return seconds, finish
 
     return start
+
+
+def _regroup(costs: Costs, group: Group, rows: list[Req]) -> float:
+    """Bring `group`'s state to `rows` as the engine does before a step (joiners merged, departed
+    rows dropped, or the state compacted) and return what that adds to the step's time."""
+    kept = [r for r in group.held if r in rows]
+    joiners = [r for r in rows if r not in group.held]
+    grown = group.width + 1 if kept else 0  # the kept rows' slots, the token fed now included
+    group.width = max([grown] + [r.context for r in joiners])
+    # A first joiner of an empty group takes its own state over (no copy); any other join copies.
+    copies = bool(joiners) and (bool(kept) or len(joiners) > 1)
+    dropped = len(group.held) > len(kept)
+    group.held = rows
+    if copies:  # rows departed at the same step are left out of that copy
+        return costs.merge_s(len(rows), group.width)
+    if dropped:
+        return costs.drop_s(len(rows), group.width)
+    if group.width - max(r.context for r in rows) >= COMPACT_AT:
+        before, group.width = group.width, max(r.context for r in rows)
+        return costs.drop_s(len(rows), before)
+    return 0.0
 
 
 @dataclass(frozen=True)
@@ -287,7 +326,7 @@ class _Coupled(Server):
             self.prefilling.append(self.queue.popleft())
 
     def next_plan(self) -> list[Step]:
-        decodes = [decode_step(self.costs, rows, self._ended) for rows in self.groups.ready()]
+        decodes = [decode_step(self.costs, group, self._ended) for group in self.groups.ready()]
         return decodes + [self._chunk(r) for r in self.prefilling[: self.cfg.max_prefills]]
 
     def _ended(self, r: Req) -> None:

@@ -60,6 +60,7 @@ from shardline.disagg.simulator import (
     EventLoop,
     Finish,
     Flipped,
+    Group,
     Groups,
     Req,
     Server,
@@ -308,10 +309,10 @@ class _Node(Server):
             self.groups.join(head)
 
     def _decode_plan(self) -> list[Step]:
-        return [self._decode(rows) for rows in self.groups.ready()]
+        return [self._decode(group) for group in self.groups.ready()]
 
-    def _decode(self, rows: list[Req]) -> Step:
-        step = decode_step(self.c.costs, rows, self._ended)
+    def _decode(self, group: Group) -> Step:
+        step = decode_step(self.c.costs, group, self._ended)
 
         def start() -> tuple[float, Finish]:
             seconds, finish = step()
