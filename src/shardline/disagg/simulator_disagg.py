@@ -6,8 +6,9 @@ event loop and time model, with the pure decisions of policies.py and instance.p
   as decode instances (roles may flip; names stay).
 - The monitor gathers every instance's load at t = 0 and every `monitor_period_s` into a
   `ClusterState`. The global scheduler (`least_loaded_prefill`) and the dispatcher (`dispatch`,
-  power of two with the seeded `random.Random`) decide on that snapshot, not on the live state:
-  as in the real system, a burst inside one period sees the load of its start.
+  power of two with the seeded `random.Random`) decide on that snapshot, not on the live state,
+  with what they sent since it was gathered added (state.py `sent_prefill` / `sent_decode`), as
+  the real front does (front.py): a burst inside one period is spread, not sent to one instance.
 - A prefill instance takes the next batch (`next_batch`: policy, PrefillSchedBatch window) and
   prefills it request by request to its end (non-preemptive), one chunk per step (`chunks`);
   with `pad_chunks` every step is `chunk` positions wide and costs so (policies.chunks).
@@ -71,7 +72,7 @@ from shardline.disagg.simulator import (
     requests,
     result,
 )
-from shardline.disagg.state import ClusterState, DecodeLoad, LengthRange, PrefillLoad, Role
+from shardline.disagg.state import ClusterState, DecodeLoad, LengthRange, PrefillLoad, Role, sent_decode, sent_prefill
 from shardline.disagg.workloads import THRESHOLDS, RequestSpec
 from shardline.errors import ShardlineError
 
@@ -136,7 +137,9 @@ class _Cluster:
         return ClusterState({n.name: n.load() for n in self.nodes.values()})
 
     def arrive(self, r: Req) -> None:
-        self.nodes[least_loaded_prefill(self.snapshot)].enqueue(r)
+        name = least_loaded_prefill(self.snapshot)
+        self.snapshot = sent_prefill(self.snapshot, name, r.prompt)
+        self.nodes[name].enqueue(r)
 
     def predicted(self, r: Req) -> LengthRange:
         got = self.predict(r.spec)
@@ -147,7 +150,10 @@ class _Cluster:
 
     def destination(self, r: Req) -> _Node:
         assert r.predicted is not None  # predicted when its prefill started
-        node = self.nodes[dispatch(self.snapshot, r.prompt, r.predicted, self.rng, self.cfg.heavy_from)]
+        name = dispatch(self.snapshot, r.prompt, r.predicted, self.rng, self.cfg.heavy_from)
+        heavy = is_heavy(r.predicted, self.cfg.heavy_from)
+        self.snapshot = sent_decode(self.snapshot, name, r.prompt + r.predicted.lo, heavy)
+        node = self.nodes[name]
         node.incoming += 1
         return node
 
