@@ -8,8 +8,8 @@ StageRunner does. Repetitions are interleaved across graphs so that noise hits t
     python bench/graphs.py --precision exact,fast a=DIR b=DIR
     python bench/graphs.py --precision exact,fast,fast-round ours=DIR   # what rounding the zero points gives
 
-`fast-round` is `fast` with every fractional Q4_1 zero point rounded to an integer, as
-openvino_genai's GGUF reader does: it changes the weights (by up to half a quantization step per
+`fast-round` is `--precision rounded`: `fast` with every fractional Q4_1 zero point rounded to
+a code, as openvino_genai's GGUF reader does: it changes the weights (by up to half a quantization step per
 block), so beside speed the table gives each graph's teacher-forced agreement with the first
 graph: the share of positions, over the prompt and the first graph's tokens fed as one prompt,
 whose argmax equals the first graph's there.
@@ -33,7 +33,7 @@ import openvino as ov
 from quiet import wait_quiet  # bench/ is on sys.path when this script runs
 
 from shardline.config import RunConfig
-from shardline.stage.zero_points import split_zero_points, zero_point_chains
+from shardline.stage.zero_points import round_zero_points, split_zero_points
 
 PROMPT = 46
 
@@ -43,19 +43,6 @@ def graph_xml(folder: Path) -> Path:
         if (folder / name).is_file():
             return folder / name
     raise SystemExit(f"{folder}: no stage0.xml or openvino_model.xml")
-
-
-def round_zero_points(model: ov.Model) -> int:
-    """Every fractional Q4_1 zero point rounded to the nearest code (0-15), in place."""
-    import openvino.opset15 as ops
-
-    done = 0
-    for subtract, z in zero_point_chains(model):
-        rounded = ops.constant(np.clip(np.round(z), 0, 15).astype(np.float32))
-        subtract.input(1).replace_source_output(rounded.output(0))
-        done += 1
-    model.validate_nodes_and_infer_types()
-    return done
 
 
 class Graph:

@@ -285,7 +285,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", default="int8", choices=("int8", "gguf", "int4", "fp16", "fp32"))
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--precision", default="fast", choices=("fast", "exact", "plugin"),
+    p.add_argument("--precision", default="fast", choices=("fast", "exact", "rounded", "plugin"),
                    help="shardline's RunConfig precision, also applied to genai on the same IR")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
@@ -316,6 +316,9 @@ def main() -> int:
     if args.precision != "exact":
         exact = RunConfig(precision="exact", threads=args.threads)
         makers["shardline-1stage-exact"] = lambda: shardline_runner(folders[1], exact)
+    if args.precision == "rounded":  # beside it, what keeps the GGUF's weights
+        fast = RunConfig(precision="fast", threads=args.threads)
+        makers["shardline-1stage-fast"] = lambda: shardline_runner(folders[1], fast)
     ir = f"genai-ir-{args.weights}"
     makers[ir] = lambda: genai_runner(genai_ir_folder(args.work, folders[1]), run_cfg.ov_properties())
     makers["genai-gguf"] = lambda: genai_runner(gguf, {"INFERENCE_NUM_THREADS": str(args.threads)})

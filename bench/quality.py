@@ -2,7 +2,8 @@
 
 For each precision a 1-stage shard folder of the default model (SmolLM2-135M-Instruct) is run with
 each RunConfig precision: "exact" (f32 compute and KV, no int8 activations), "fast" (f32 compute,
-int8 activations for compressed weights, u8 KV) and "plugin" (the CPU plugin's defaults: bf16), and
+int8 activations for compressed weights, u8 KV), "rounded" (fast, GGUF Q4_1 zero points rounded
+to whole codes as openvino_genai does) and "plugin" (the CPU plugin's defaults: bf16), and
 compared with the reference (transformers, fp32, the very same dequantized weights):
   prefix agreement    share of the N greedy tokens identical up to the first divergence (mean over prompts)
   teacher-forced      the reference's prompt + greedy tokens fed as one prompt step: share of the N positions
@@ -149,7 +150,7 @@ def main() -> int:
 
     rows: dict[str, dict[str, float | str]] = {}
     for w in weights:
-        for mode in ("exact", "fast", "plugin"):
+        for mode in ("exact", "fast", "rounded", "plugin"):
             t0 = time.perf_counter()
             pipe = LocalPipeline(folders[w], RunConfig(precision=mode))
             compiled = pipe.stages[0].compiled

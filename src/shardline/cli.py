@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from shardline.config import (
     DEFAULT_PREFILL_CHUNK,
+    PRECISIONS,
     WEIGHTS,
     ExportConfig,
     RecoveryConfig,
@@ -63,8 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     _placement_flags(g)
     g.add_argument("--activations", choices=("f16", "f32"), default="f16", help="hidden-state dtype on the wire")
     g.add_argument("--topology", choices=("chain", "star"), default="chain")
-    g.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact",
-                   help="exact: f32 everywhere (default); fast: int8 activations, u8 KV; plugin: device defaults")
+    g.add_argument("--precision", choices=PRECISIONS, default="exact",
+                   help="exact: f32 everywhere (default); fast: int8 activations, u8 KV; rounded: fast, Q4_1 zero "
+                        "points rounded (other weights, as openvino_genai); plugin: device defaults")
     g.add_argument("--logprobs", type=int, default=0, metavar="N",
                    help="print each token's top-N log-probabilities to stderr (N <= 20)")
     g.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="prompt tokens per prefill step")
@@ -76,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--stage", required=True, help="K or K-L (stage 0 runs on the coordinator)")
     w.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any free port)")
     w.add_argument("--device", default="CPU")
-    w.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact")
+    w.add_argument("--precision", choices=PRECISIONS, default="exact")
     w.add_argument("--threads", type=int, help="OpenVINO threads per stage")
     _security_flags(w)
 
@@ -102,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="let pages from this origin (e.g. http://localhost:3000, or *) call the API; repeatable")
     s.add_argument("--threads", type=int, help="OpenVINO threads per stage")
     s.add_argument("--device", default="CPU")
-    s.add_argument("--precision", choices=("exact", "fast", "plugin"), default="exact")
+    s.add_argument("--precision", choices=PRECISIONS, default="exact")
     _speculation_flags(s)
     s.add_argument("--disaggregate", metavar="P:D", help="P prefill and D decode instances in this process, "
                    "each with every stage, behind the one API (TetriInfer); default: one coupled instance")

@@ -47,7 +47,7 @@ class ExportConfig:
             raise ShardlineError(f"--truncate must be at least 1 (layers kept), got {self.truncate}")
 
 
-PRECISIONS = ("exact", "fast", "plugin")
+PRECISIONS = ("exact", "fast", "rounded", "plugin")
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,9 @@ class RunConfig:
     #   depend on the split, the thread count or the batch. With GGUF blocks it costs ~10%.
     # - "fast": f32 compute with the plugin's int8 activation quantization for compressed
     #   weights and its u8 KV cache: much faster with int8 weights, but near-ties can flip.
+    # - "rounded": "fast", and GGUF Q4_1 zero points rounded to whole codes, as openvino_genai
+    #   reads a GGUF: the fastest here, but it changes the weights themselves (its agreement
+    #   with the exact model is in BENCHMARKS.md, issue 12). Only Q4_1 weights change.
     # - "plugin": the device plugin's own defaults (bf16 compute on CPUs that have it, which
     #   costs this small model ~8% perplexity; see BENCHMARKS.md).
     precision: str = "exact"
@@ -79,7 +82,7 @@ class RunConfig:
         if self.precision == "exact":
             props |= {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32",
                       "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
-        elif self.precision == "fast" and self.device.upper().startswith("CPU"):
+        elif self.precision in ("fast", "rounded") and self.device.upper().startswith("CPU"):
             props["INFERENCE_PRECISION_HINT"] = "f32"
         if self.threads:
             props["INFERENCE_NUM_THREADS"] = str(self.threads)

@@ -86,3 +86,16 @@ def test_fast_precision_splits_the_q4_1_zero_points_and_tokens_do_not_depend_on_
     fast = RunConfig(precision="fast", threads=2)
     with LocalPipeline(one, fast) as p1, LocalPipeline(two, fast) as p2:
         assert greedy_ours(p2, prompt, 48)[0] == greedy_ours(p1, prompt, 48)[0]
+
+
+def test_rounded_precision_changes_the_weights_alike_on_every_split(shards: Callable[..., Path]) -> None:
+    """`--precision rounded` rounds the Q4_1 zero points at load (stage/zero_points.py): other
+    weights than the file's, so another answer than `fast`'s; 2 stages still give 1 stage's."""
+    two, one = shards("gguf", stages=2), shards("gguf", stages=1)
+    prompt = ChatTokenizer(one).encode_chat([{"role": "user", "content": CHAT_PROMPTS[0]}])
+    rounded = RunConfig(precision="rounded", threads=2)
+    with LocalPipeline(one, rounded) as p1, LocalPipeline(two, rounded) as p2:
+        tokens = greedy_ours(p1, prompt, 32)[0]
+        assert greedy_ours(p2, prompt, 32)[0] == tokens
+    with LocalPipeline(one, RunConfig(precision="fast", threads=2)) as p:
+        assert greedy_ours(p, prompt, 32)[0] != tokens

@@ -51,11 +51,12 @@ def test_run_config_properties() -> None:
     assert RunConfig(precision="fast", threads=2).ov_properties() == {"INFERENCE_PRECISION_HINT": "f32",
                                                                       "INFERENCE_NUM_THREADS": "2"}
     assert RunConfig(precision="fast", device="GPU").ov_properties() == {}
+    assert RunConfig(precision="rounded").ov_properties() == RunConfig(precision="fast").ov_properties()
     assert RunConfig(precision="plugin").ov_properties() == {}
     assert RunConfig(precision="plugin", threads=1, pinned=False).ov_properties() == {
         "INFERENCE_NUM_THREADS": "1", "ENABLE_CPU_PINNING": "NO"}
     assert RunConfig(precision="plugin", device="GPU", pinned=False).ov_properties() == {}
-    with pytest.raises(ShardlineError, match="precision must be one of exact, fast, plugin"):
+    with pytest.raises(ShardlineError, match="precision must be one of exact, fast, rounded, plugin"):
         RunConfig(precision="bf16")
 
 

@@ -9,9 +9,9 @@ import openvino as ov
 import openvino.opset15 as ops
 import pytest
 
-from shardline.export.weights import gguf_constant
+from shardline.export.weights import _codes_scales_zero_points, gguf_constant
 from shardline.model.source import QuantBlocks
-from shardline.stage.zero_points import split_zero_points
+from shardline.stage.zero_points import round_zero_points, split_zero_points
 
 ROWS, GROUPS, BLOCK = 12, 3, 32
 EXACT = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
@@ -65,3 +65,27 @@ def test_integer_or_no_zero_points_are_left_alone(kind: str) -> None:
     before = [n.get_type_name() for n in model.get_ordered_ops()]
     assert split_zero_points(model) == 0
     assert [n.get_type_name() for n in model.get_ordered_ops()] == before
+
+
+def test_rounded_zero_points_are_whole_codes_and_nothing_else_changes() -> None:
+    """`--precision rounded`: each block decodes as d * (q - round(z)), z = -m/d, with u4 zero
+    points; the graph keeps its shape (no node added) and Q4_0 / Q8_0 are left alone."""
+    blocks = _blocks("Q4_1")
+    model = _model(blocks)
+    before = [n.get_type_name() for n in model.get_ordered_ops()]
+    assert round_zero_points(model) == 2
+    assert [n.get_type_name() for n in model.get_ordered_ops() if n.get_type_name() != "Convert"] == \
+        [t for t in before if t != "Convert"]
+    zero_points = [n for n in model.get_ordered_ops()
+                   if n.get_type_name() == "Constant" and n.get_output_element_type(0) == ov.Type.u4
+                   and n.get_output_partial_shape(0).to_shape()[-1] == 1]
+    assert len(zero_points) == 2
+    x = np.random.default_rng(3).standard_normal((1, 2, GROUPS * BLOCK)).astype(np.float32)
+    q, d, z = _codes_scales_zero_points(blocks)  # as the export wrote them (a flat block's too)
+    assert z is not None
+    w = (d.astype(np.float32)[..., None] * (q.astype(np.float32) - np.clip(np.round(z), 0, 15)))
+    w = w.reshape(ROWS, GROUPS * BLOCK)
+    np.testing.assert_allclose(_run(model, x)[0], x @ w.T, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(_run(model, x)[0], x @ blocks.dequantize().T, atol=1e-3)  # other weights
+    for kind in ("Q4_0", "Q8_0"):
+        assert round_zero_points(_model(_blocks(kind))) == 0

@@ -21,7 +21,7 @@ from shardline.config import RunConfig
 from shardline.errors import ShardlineError, StepRefused
 from shardline.model.manifest import StageEntry
 from shardline.stage.cache import StepInputs
-from shardline.stage.zero_points import split_zero_points
+from shardline.stage.zero_points import round_zero_points, split_zero_points
 
 _BEAMS = [np.arange(b, dtype=np.int32) for b in range(65)]  # identity Gathers, made once
 Key = Hashable
@@ -46,8 +46,11 @@ class StageRunner:
         core = core or ov.Core()
         try:
             model = core.read_model(folder / entry.xml)
-            if run.precision == "fast" and run.device.upper().startswith("CPU"):
-                split_zero_points(model)  # Q4_1 matmuls then take int8 activations (zero_points.py)
+            if run.device.upper().startswith("CPU"):  # Q4_1 matmuls then take int8 activations (zero_points.py)
+                if run.precision == "fast":
+                    split_zero_points(model)
+                elif run.precision == "rounded":
+                    round_zero_points(model)
             self.compiled = core.compile_model(model, run.device, run.ov_properties())
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

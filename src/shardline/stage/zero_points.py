@@ -11,8 +11,10 @@ at load time as
 The first term has no zero point and takes the fast kernels; the second is a small f32 matmul
 ([B, T, groups] by [groups, rows]). Measured on the default model (BENCHMARKS.md, issue 12):
 decode +7% and TTFT -25% in `fast`, but 15% slower where activations stay f32 (`exact`), which
-is why the export keeps the zero-point form and only `fast` rewrites it. openvino_genai rounds
-z to an integer instead, which changes the weights.
+is why the export keeps the zero-point form and only `fast` rewrites it.
+
+openvino_genai rounds z to an integer code instead, which changes the weights; `--precision
+rounded` does the same (`round_zero_points`) for those who want that speed and accept it.
 """
 
 from __future__ import annotations
@@ -59,10 +61,19 @@ def split_zero_points(model: ov.Model) -> int:
     return done
 
 
-def zero_point_chains(model: ov.Model) -> list[tuple[ov.Node, np.ndarray]]:
-    """Each MatMul's Subtract(codes, z) with a fractional zero point, and its z (for experiments
-    that change z: bench/graphs.py rounds it as openvino_genai does)."""
-    return [(q4.subtract, q4.zero) for _, q4 in _matmuls(model)]
+def round_zero_points(model: ov.Model) -> int:
+    """`--precision rounded`: every fractional zero point becomes the nearest code (0-15), a u4
+    constant, as openvino_genai reads Q4_1. The matmuls then take the plugin's fastest kernels
+    with no extra node, but each weight moves by up to half a step; returns how many changed."""
+    done = 0
+    for _, q4 in _matmuls(model):
+        codes = np.clip(np.round(q4.zero), 0, 15).astype(np.uint8)
+        rounded = ops.convert(ops.constant(codes, dtype=ov.Type.u4), ov.Type.f32)
+        q4.subtract.input(1).replace_source_output(rounded.output(0))
+        done += 1
+    if done:
+        model.validate_nodes_and_infer_types()
+    return done
 
 
 def _matmuls(model: ov.Model) -> list[tuple[ov.Node, _Q4]]:
