@@ -18,8 +18,8 @@ openvino_genai's graph is the one it writes next to the GGUF when asked
 (`enable_save_ov_model`): the bench copies the default model's GGUF under --work and lets
 openvino_genai build and save its graph there once.
 
-    python bench/profile.py                       # exact and fast, the default model, gguf weights
-    python bench/profile.py --precision fast --weights int8
+    python bench/node_profile.py                       # exact and fast, the default model, gguf weights
+    python bench/node_profile.py --precision fast --weights int8
 
 Counters add a little time to every node; compare the two graphs with each other, and speed with
 bench/parity.py. The last line on stdout is one JSON object with the figures, ratios first.
