@@ -546,16 +546,14 @@ def test_a_header_announcing_a_gigabyte_is_refused_at_once(chain: list[Proc], be
     w = chain[1]
     proc = psutil.Process(w.proc.pid)
     rss = proc.memory_info().rss
-    peers = [Peer(w.addr) for _ in range(8)]
+    peers = [Peer(w.addr, wait_s=5) for _ in range(8)]  # at once: each closed within 5 s, not after 1 GB
     try:
-        start = time.monotonic()
         for p in peers:
             p.raw(HEADER.pack(MAGIC, PROTOCOL, Hello.KIND, (1 << 30) - 1, 0) + b"x" * 100)
         for p in peers:
             assert p.until_closed() == []
             assert _dropped(w, p).endswith(f"dropping {p.name}: {p.name} announced a frame of {(1 << 30) - 1} "
                                            "bytes; this link accepts at most 65536 for now")
-        assert time.monotonic() - start < 5
     finally:
         for p in peers:
             p.close()
@@ -623,8 +621,7 @@ def test_a_silent_or_slow_peer_is_refused_before_the_handshake(inproc: StageWork
     """Within the handshake timeout (0.5 s here), with a Refuse that says why; its reader ends."""
     readers = _readers()
     hello = encode(_hello(manifest, 2))
-    with Peer(_addr(inproc)) as p:
-        start = time.monotonic()
+    with Peer(_addr(inproc), wait_s=3) as p:  # refused within 3 s, by the 0.5 s deadline the reason names
         if send == "half a hello":
             p.raw(hello[: len(hello) // 2])
         elif send == "a big header":  # 60 KiB announced (allowed), 10 sent
@@ -637,22 +634,18 @@ def test_a_silent_or_slow_peer_is_refused_before_the_handshake(inproc: StageWork
                         time.sleep(0.1)
             threading.Thread(target=trickle, daemon=True).start()
         (refused,) = p.until_closed()
-        took = time.monotonic() - start
     assert isinstance(refused, Refuse) and refused.reason.startswith(f"handshake with {p.name}: {p.name} ")
     assert ("sent nothing for 0.5 s" if send == "nothing" else "did not complete the frame within 0.5 s") \
         in refused.reason, refused
-    assert 0.4 < took < 3, took
     assert _readers_back_to(readers)
 
 
 def test_a_half_sent_frame_after_the_handshake_times_out(inproc: StageWorker, manifest: Manifest,
                                                         caplog: pytest.LogCaptureFixture) -> None:
-    with Peer(_addr(inproc), _hello(manifest, 2)) as p:
+    with Peer(_addr(inproc), _hello(manifest, 2), wait_s=3) as p:  # closed within 3 s, by the 0.5 s deadline
         raw = encode(_step(1, 0, 3, first=True))
         p.raw(raw[:-100])
-        start = time.monotonic()
         assert p.until_closed() == []
-        assert 0.4 < time.monotonic() - start < 3
     assert _eventually(lambda: p.session not in inproc.sessions)  # and its session ended
     assert f"dropping {p.name}: {p.name} sent {len(raw) - 100 - HEADER.size} of {len(raw) - HEADER.size} bytes " \
            "and did not complete the frame within 0.5 s" in caplog.text
@@ -662,7 +655,7 @@ def test_a_peer_that_stops_reading_does_not_stall_the_others(inproc: StageWorker
     """A coordinator that sends steps with big replies and never reads them: the worker's one
     executor would block in its send for ever, and every other session with it. The send gives
     up once it makes no progress for the frame timeout (0.5 s here), and only that link goes."""
-    with Peer(_addr(inproc), _hello(manifest, 2)) as honest:
+    with Peer(_addr(inproc), _hello(manifest, 2), wait_s=10) as honest:  # every reply within 10 s
         honest.send(Route(""))
         honest.send(_step(1, 0, 2, first=True, seq=1))
         assert isinstance(honest.recv(), Sampled)
@@ -672,10 +665,8 @@ def test_a_peer_that_stops_reading_does_not_stall_the_others(inproc: StageWorker
             for key in range(3):  # 64 logits rows of 49152 floats each: 12.6 MB a reply
                 deaf.send(_step(key, 0, 64, first=True, want_logits=True, sample_all=True))
             time.sleep(1)  # the executor is at the first of them by now
-            start = time.monotonic()
             honest.send(_step(1, 2, seq=2))
             assert isinstance(reply := honest.recv(), Sampled) and reply.seq == 2
-            assert time.monotonic() - start < 10
             assert _eventually(lambda: deaf.session not in inproc.sessions)  # its link dropped, its streams freed
         assert honest.session in inproc.sessions
         honest.send(_step(1, 3, seq=3))
