@@ -245,8 +245,9 @@ def _regroup(costs: Costs, group: Group, rows: list[Req]) -> float:
         return costs.merge_s(len(rows), group.width)
     if dropped:
         return costs.drop_s(len(rows), group.width)
-    if group.width - max(r.context for r in rows) >= COMPACT_AT:
-        before, group.width = group.width, max(r.context for r in rows)
+    longest = max(r.context for r in rows)
+    if group.width - longest >= COMPACT_AT:
+        before, group.width = group.width, longest
         return costs.drop_s(len(rows), before)
     return 0.0
 
