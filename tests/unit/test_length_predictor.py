@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -14,13 +15,17 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
+from shardline.config import SamplingParams
 from shardline.disagg import predictor as pred
-from shardline.disagg.features import HiddenSummary
+from shardline.disagg.features import FEATURE_KIND
 from shardline.disagg.length_data import decode_features, encode_features, make_prompts
 from shardline.disagg.length_train import bucket_count, choose_g, labels, to_predictor
 from shardline.disagg.predictor import LengthPredictor, NoisyOracle, Oracle
+from shardline.disagg.prefill import trained_predict
 from shardline.disagg.state import LengthRange, bucket
 from shardline.errors import ShardlineError
+from shardline.pipeline.hidden import HiddenChunk, PromptHidden
+from shardline.serving.stream import Stream
 
 
 def _doc(**changes: Any) -> dict[str, Any]:
@@ -181,17 +186,20 @@ def test_g_is_the_widest_whose_largest_bucket_holds_at_most_half() -> None:
 
 def test_a_hidden_summary_over_chunks_is_the_mean_the_last_and_the_length() -> None:
     h = np.random.default_rng(0).normal(size=(1, 10, 8)).astype(np.float32)
-    s = HiddenSummary(8)
+    s = PromptHidden(8)
     for a, b in ((0, 3), (3, 4), (4, 10)):
-        s.add(h[:, a:b])
+        s.add(HiddenChunk.of(h[:, a:b]))
     v = s.vector()
     assert v.dtype == np.float32 and v.shape == (17,)
     np.testing.assert_allclose(v[:8], h[0].mean(axis=0), rtol=1e-6)
     assert v[8:16].tolist() == h[0, -1].tolist() and v[16] == pytest.approx(np.log1p(10))
-    with pytest.raises(ShardlineError):
-        s.add(np.zeros((1, 2, 7), np.float32))
-    with pytest.raises(ShardlineError):
-        HiddenSummary(8).vector()
+    with pytest.raises(ShardlineError, match="width"):
+        s.add(HiddenChunk.of(np.zeros((1, 2, 7), np.float32)))
+    for shape in ((2, 10), (2, 3, 8), (1, 0, 8)):
+        with pytest.raises(ShardlineError, match=r"expected \[1, T, H\]"):
+            HiddenChunk.of(np.zeros(shape, np.float32))
+    with pytest.raises(ShardlineError, match="no prompt positions"):
+        PromptHidden(8).vector()
 
 
 def test_features_survive_the_dataset_encoding_exactly() -> None:
@@ -207,3 +215,58 @@ def test_prompts_are_distinct_seeded_and_of_every_kind() -> None:
     a, b, c = make_prompts(240, 0), make_prompts(240, 0), make_prompts(240, 1)
     assert a == b != c and len({p.text for p in a}) == 240
     assert len({p.kind for p in a}) >= 8 and len({p.topic for p in a}) >= 40
+
+
+def _export(stages: list[tuple[int, int]], hidden: int = 1, model_hash: str = "h") -> Any:
+    """What check_fits reads of a manifest: the model, its width and the stages' layer ranges."""
+    return SimpleNamespace(model_hash=model_hash, arch=SimpleNamespace(hidden=hidden),
+                           stages=[SimpleNamespace(first_layer=a, last_layer=b) for a, b in stages])
+
+
+FITTED = {"model_hash": "h", "features": FEATURE_KIND, "stage0_layers": [0, 18], "feature_size": 3}
+
+
+def test_a_model_fits_only_the_export_whose_stage_0_made_its_features() -> None:
+    m = LengthPredictor.from_dict(_doc(meta=FITTED))
+    m.check_fits(_export([(0, 18), (19, 29)]))  # 3 features = 2 * hidden 1 + 1
+    refused = [
+        (_export([(0, 29)]), "a one-stage export has no stage-0 hidden states"),
+        (_export([(0, 14), (15, 29)]), "trained for stage0_layers [0, 18]; this export has [0, 14]"),
+        (_export([(0, 18), (19, 29)], model_hash="other"), "trained for model_hash 'h'; this export has 'other'"),
+        (_export([(0, 18), (19, 29)], hidden=2), "trained for feature_size 3; this export has 5"),
+    ]
+    for manifest, said in refused:
+        with pytest.raises(ShardlineError) as e:
+            m.check_fits(manifest)
+        assert said in str(e.value)
+    for meta in ({**FITTED, "features": "other-kind"}, {k: v for k, v in FITTED.items() if k != "stage0_layers"}):
+        with pytest.raises(ShardlineError, match="the length predictor was trained for"):
+            LengthPredictor.from_dict(_doc(meta=meta)).check_fits(_export([(0, 18), (19, 29)]))
+
+
+def _stream(hidden: PromptHidden | None, max_tokens: int = 100) -> Stream:
+    return Stream(7, [1, 2, 3], SamplingParams(), max_tokens, hidden=hidden)
+
+
+def test_a_trained_prediction_reads_the_streams_stage_0_summary() -> None:
+    m = LengthPredictor.from_dict(_doc(meta=FITTED))
+    predict = trained_predict(m)
+    seen = PromptHidden(1)
+    seen.add(HiddenChunk.of(np.zeros((1, 4, 1), np.float32)))  # features [0, 0, log 5]: bucket 4 wins
+    assert m.predict(seen.vector()) == LengthRange(64, None)
+    assert predict(_stream(seen)) == LengthRange(64, None)
+
+
+def test_a_stream_without_usable_features_is_predicted_its_max_tokens(caplog: pytest.LogCaptureFixture) -> None:
+    predict = trained_predict(LengthPredictor.from_dict(_doc(meta=FITTED)))
+    nan = PromptHidden(1)
+    nan.add(HiddenChunk.of(np.full((1, 2, 1), np.nan, np.float32)))
+    wide = PromptHidden(2)
+    wide.add(HiddenChunk.of(np.zeros((1, 2, 2), np.float32)))
+    with caplog.at_level("WARNING", logger="shardline.disagg"):
+        assert predict(_stream(None, max_tokens=40)) == LengthRange(32, 48)  # bucket of 40, g=16
+        assert predict(_stream(nan, max_tokens=5)) == LengthRange(0, 16)
+        assert predict(_stream(wide, max_tokens=500)) == LengthRange(64, None)
+    said = [r.getMessage() for r in caplog.records]
+    assert "no stage-0 summary of its prompt" in said[0] and "expected 3 finite features" in said[1]
+    assert "got shape (5,)" in said[2]

@@ -9,6 +9,8 @@ summary is fixed-size whatever the prompt's length, f32:
   "assistant" turn, it has attended to the whole prompt),
 - log(1 + prompt tokens) (longer inputs, e.g. a text to summarize, change the answer's length).
 
+The summary is pipeline/hidden.py's, which a prefill instance's pipeline makes of the chunks it
+runs: offline (here, stage 0 compiled on its own) and live, a prompt gets the same vector.
 numpy and openvino only: this runs on serving nodes.
 """
 
@@ -22,6 +24,7 @@ import numpy as np
 from shardline.config import DEFAULT_PREFILL_CHUNK, RunConfig
 from shardline.errors import ShardlineError
 from shardline.model.manifest import load_manifest
+from shardline.pipeline.hidden import HiddenChunk, PromptHidden
 from shardline.stage.cache import KVBook
 from shardline.stage.runner import StageRunner
 
@@ -30,29 +33,6 @@ FEATURE_KIND = "stage0-mean-last-loglen"  # recorded with datasets and models: w
 
 def feature_size(hidden: int) -> int:
     return 2 * hidden + 1
-
-
-class HiddenSummary:
-    """Stage 0's outputs for one prompt, fed chunk by chunk ([1, T, H] each) and summed as they
-    come: a prefill instance can feed the chunks it runs anyway, without keeping them."""
-
-    def __init__(self, hidden: int) -> None:
-        self._sum = np.zeros(hidden, np.float64)  # f64: a long prompt's sum loses nothing
-        self._last = np.zeros(hidden, np.float32)
-        self.positions = 0
-
-    def add(self, chunk: np.ndarray) -> None:
-        if chunk.ndim != 3 or chunk.shape[0] != 1 or chunk.shape[1] < 1 or chunk.shape[2] != self._sum.shape[0]:
-            raise ShardlineError(f"stage 0's output of shape {chunk.shape}; expected [1, T, {self._sum.shape[0]}]")
-        self._sum += chunk[0].sum(axis=0, dtype=np.float64)
-        self._last = np.array(chunk[0, -1], np.float32)  # a copy: the runner reuses its buffer
-        self.positions += int(chunk.shape[1])
-
-    def vector(self) -> np.ndarray:
-        if not self.positions:
-            raise ShardlineError("no prompt positions were summarized")
-        mean = (self._sum / self.positions).astype(np.float32)
-        return np.concatenate([mean, self._last, np.array([np.log1p(self.positions)], np.float32)])
 
 
 class _Key:
@@ -78,8 +58,8 @@ def prompt_features(runner: StageRunner, tokens: Sequence[int], chunk: int = DEF
             inputs = book.plan(list(tokens[start:start + chunk]))
             out = runner.run(key, inputs)
             book.commit(inputs)
-            summary = summary or HiddenSummary(int(out.shape[-1]))
-            summary.add(out)
+            summary = summary or PromptHidden(int(out.shape[-1]))
+            summary.add(HiddenChunk.of(out))
     finally:
         runner.close(key)
     assert summary is not None

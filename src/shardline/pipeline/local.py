@@ -30,6 +30,7 @@ from shardline.decoding.sampler import choose_at
 from shardline.errors import ShardlineError, StepRefused
 from shardline.model.manifest import Manifest, load_manifest, verify
 from shardline.pipeline import metrics
+from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import KvSnapshot, StageKv, StageLayout, check, export_identity, frozen, snapshot
 from shardline.pipeline.plan import DecodeStep, Outcome, PrefillStep, Step
@@ -46,6 +47,7 @@ class _Trace:
     phase: str
     start: float = field(default_factory=time.perf_counter)
     graph_s: dict[int, float] = field(default_factory=dict)
+    hidden: HiddenChunk | None = None  # stage 0's output of a prefill chunk, summarized (summarize=True)
 
     def timing(self) -> Timing:
         total = time.perf_counter() - self.start
@@ -94,10 +96,17 @@ _Work = tuple[Step, "np.ndarray | None", _Trace] | _Control | None  # None stops
 
 
 class LocalPipeline:
-    def __init__(self, folder: Path, run: RunConfig | None = None, check: bool = True) -> None:
+    def __init__(self, folder: Path, run: RunConfig | None = None, check: bool = True,
+                 summarize: bool = False) -> None:
+        """`summarize`: every prefill chunk's outcome carries stage 0's output summarized
+        (pipeline/hidden.py), for a prefill instance's length predictor; needs 2+ stages."""
         run = run or RunConfig()
         self.folder = folder
         self.manifest: Manifest = load_manifest(folder)
+        if summarize and len(self.manifest.stages) < 2:
+            raise ShardlineError(f"{folder}: one stage outputs logits, not hidden states: summarizing prompts "
+                                 f"needs an export of 2 or more stages")
+        self.summarize = summarize
         if check:
             verify(folder, self.manifest)
         core = ov.Core()
@@ -182,20 +191,22 @@ class LocalPipeline:
         if self._threads:
             return
         for k, stage in enumerate(self.stages):
-            t = threading.Thread(target=_stage_loop, args=(k, stage, self._inboxes, self.outbox),
+            tap = self.summarize and k == 0
+            t = threading.Thread(target=_stage_loop, args=(k, stage, self._inboxes, self.outbox, tap),
                                  daemon=True, name=f"stage-{k}")
             t.start()
             self._threads.append(t)
 
 
-def _stage_loop(k: int, stage: StageRunner, inboxes: list[queue.Queue[_Work]], outbox: Outbox) -> None:
+def _stage_loop(k: int, stage: StageRunner, inboxes: list[queue.Queue[_Work]], outbox: Outbox,
+                tap: bool = False) -> None:
     """Stage k's thread: prepare, run and pass on each step in order; the last stage samples.
     A step that fails fails its rows alone; the stage goes on with the next. None stops the
-    thread, after the next stage has been told."""
+    thread, after the next stage has been told. `tap`: summarize each prefill chunk's output."""
     inbox, nxt = inboxes[k], inboxes[k + 1] if k + 1 < len(inboxes) else None
     while (work := inbox.get()) is not None:
         if isinstance(work, tuple):
-            _step(k, stage, work, nxt, outbox)
+            _step(k, stage, work, nxt, outbox, tap)
         else:
             _control(k, stage, work, nxt, inboxes[0])
     if nxt is not None:
@@ -203,7 +214,7 @@ def _stage_loop(k: int, stage: StageRunner, inboxes: list[queue.Queue[_Work]], o
 
 
 def _step(k: int, stage: StageRunner, work: tuple[Step, np.ndarray | None, _Trace], nxt: queue.Queue[_Work] | None,
-          outbox: Outbox) -> None:
+          outbox: Outbox, tap: bool = False) -> None:
     step, hidden, trace = work
     try:
         inputs = prepare(stage, step)
@@ -213,12 +224,14 @@ def _step(k: int, stage: StageRunner, work: tuple[Step, np.ndarray | None, _Trac
         start = time.perf_counter()
         out = stage.run(step.key, inputs, hidden)
         trace.graph_s[k] = time.perf_counter() - start
+        if tap and isinstance(step, PrefillStep):
+            trace.hidden = HiddenChunk.of(out)  # copied now: `out` is reused by the key's next step
         if nxt is not None:
             # `out` is a view of this stage's output for this key; the key's next step comes
             # here only after this one's outcomes, so the view lives until stage k+1 reads it.
             nxt.put((step, out, trace))
         else:
-            finish(outbox, step, out, pick, trace.timing())
+            finish(outbox, step, out, pick, trace.timing(), trace.hidden)
     except Exception as e:  # noqa: BLE001 - the rows fail (with the reason); the stage goes on
         why = str(e) if isinstance(e, StepRefused) else f"{type(e).__name__}: {e}"
         fail(outbox, step, f"stage {k}: {why}")
@@ -314,8 +327,10 @@ def prepare(stage: StageRunner, step: Step) -> StepInputs:
     return step.inputs
 
 
-def finish(outbox: Outbox, step: Step, logits: np.ndarray, pick: np.ndarray, timing: Timing) -> None:
-    """Sample every asked position, then post one outcome per row (its choices in order)."""
+def finish(outbox: Outbox, step: Step, logits: np.ndarray, pick: np.ndarray, timing: Timing,
+           hidden: HiddenChunk | None = None) -> None:
+    """Sample every asked position, then post one outcome per row (its choices in order; a
+    prefill chunk's one row with its stage-0 summary, if made)."""
     drafted = step.drafted if isinstance(step, DecodeStep) else None
     choices = choose_at(logits, step.sample_at, pick, step.inputs.position_ids, list(step.sampling),
                         step.want_logits, drafted)
@@ -323,7 +338,7 @@ def finish(outbox: Outbox, step: Step, logits: np.ndarray, pick: np.ndarray, tim
     rows = step.sample_at[:, 0].tolist()
     for r, stream in enumerate(step.streams):
         mine = tuple(c for c, row in zip(choices, rows, strict=True) if row == r)
-        outbox.put(Outcome(stream, mine, timing=timing))
+        outbox.put(Outcome(stream, mine, timing=timing, hidden=hidden))
 
 
 def fail(outbox: Outbox, step: Step, why: str) -> None:

@@ -27,6 +27,7 @@ from shardline.config import SamplingParams
 from shardline.decoding.sampler import Choice
 from shardline.decoding.speculative import Drafted
 from shardline.errors import ShardlineError
+from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.kv import KvSnapshot
 from shardline.pipeline.timing import Timing
 from shardline.stage.cache import KVBook, StepInputs
@@ -96,6 +97,8 @@ class Outcome:
     error: str = ""
     timing: Timing | None = None
     lost: bool = False
+    hidden: HiddenChunk | None = None  # a prefill chunk's stage-0 summary, from a summarizing pipeline
+
 
     @property
     def failed(self) -> bool:

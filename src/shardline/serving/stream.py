@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardline.config import SamplingParams
+from shardline.pipeline.hidden import PromptHidden
 from shardline.serving.speculation import Speculation
 from shardline.stage.cache import KVBook
 
@@ -37,6 +38,9 @@ class Stream:
     # Decode tokens predicted for it (the low end of a length prediction; 0: none made). A
     # decode instance of disaggregated serving reserves KV for them (disagg/instance.py).
     expect: int = 0
+    # What stage 0 saw of its prefix so far, on a prefill instance whose pipeline summarizes
+    # (the length predictor's input; pipeline/hidden.py). A restart prefills anew: None again.
+    hidden: PromptHidden | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -52,7 +56,7 @@ class Stream:
         would have fed next: the prefill's last chunk samples what follows it)."""
         if self.in_flight:
             raise ValueError(f"stream {self.id} still has a step in flight")
-        self.id, self.book, self.prefilled, self.sent = key, KVBook(), 0, None
+        self.id, self.book, self.prefilled, self.sent, self.hidden = key, KVBook(), 0, None, None
         self.resumed = len(self.generated)
         self.replays += 1
         if self.spec is not None:
