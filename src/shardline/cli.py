@@ -113,6 +113,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-policy", default="fcfs", help="a prefill instance's order: fcfs, sjf or ljf")
     s.add_argument("--flip", action="store_true", help="idle instances change role when the other role's "
                    "queues are under pressure (with --disaggregate)")
+    s.add_argument("--length-predictor", default="auto", metavar="auto|max-tokens|FILE",
+                   help="how prefill instances predict decode lengths (with --disaggregate): the bundled model "
+                   "trained on stage 0's hidden states when it fits the export (auto), each request's "
+                   "max_tokens, or a model file of disagg/length_train.py")
 
     k = sub.add_parser("keygen", help="make a cluster CA and one TLS credentials folder per node")
     k.add_argument("--out", type=Path, required=True, help="new folder: ca.pem, ca-key.pem, node-0 .. node-(N-1)")
@@ -322,7 +326,8 @@ def _serve(args: argparse.Namespace) -> int:
                       api_key=load_key(args.api_key, args.api_key_file), recovery=_recovery(args),
                       cors_origins=tuple(args.cors_origin),
                       disaggregate=disaggregation(args.disaggregate) if args.disaggregate else None,
-                      admission=args.admission, prefill_policy=args.prefill_policy, flip=args.flip)
+                      admission=args.admission, prefill_policy=args.prefill_policy, flip=args.flip,
+                      length_predictor=args.length_predictor)
     run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
     if cfg.disaggregate and (args.workers or args.draft):
         raise ShardlineError("--disaggregate runs every instance in this process, without speculation: "

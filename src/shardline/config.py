@@ -227,6 +227,10 @@ class ServeConfig:
     admission: str = "reserve-dynamic"
     prefill_policy: str = "fcfs"
     flip: bool = False  # idle instances change role when the other role's queues are under pressure
+    # How prefill instances predict a request's decode length: "auto" (the bundled trained model
+    # when it fits the export, else "max-tokens"), "max-tokens" (the request's own cap), or the
+    # path of a model made by disagg/length_train.py.
+    length_predictor: str = "auto"
 
     def __post_init__(self) -> None:
         if self.decode_groups is not None and self.decode_groups < 0:
@@ -256,6 +260,8 @@ class ServeConfig:
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ShardlineError(f"--prefill-policy must be one of {', '.join(PREFILL_POLICIES)}, "
                                  f"got {self.prefill_policy!r}")
+        if not 1 <= len(self.length_predictor) <= 4096 or "\0" in self.length_predictor:
+            raise ShardlineError("--length-predictor must be auto, max-tokens or a model file's path")
         if len(self.cors_origins) > 32:
             raise ShardlineError(f"at most 32 --cors-origin, got {len(self.cors_origins)}")
         for origin in self.cors_origins:

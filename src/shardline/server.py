@@ -24,6 +24,7 @@ from shardline.wire.tls import Credentials
 
 if TYPE_CHECKING:
     from shardline.disagg.front import Disaggregated
+    from shardline.disagg.prefill import Predict
 
 # The predicted decode length's bucket width (disagg/length_train.py chose 64 for this model).
 DISAGG_G = 64
@@ -117,13 +118,12 @@ def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[st
 def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig) -> tuple[Disaggregated, Manifest]:
     """`cfg.disaggregate` (P, D): P prefill and D decode instances, each a LocalPipeline of every
     stage (threads: as given, else this machine's cores shared out), behind one front end.
-    Predicted decode lengths: the oracle on each request's max_tokens (no trained predictor runs
-    on live requests yet), in buckets of the predictor's width."""
+    Decode lengths are predicted as `cfg.length_predictor` says (length_prediction)."""
     from shardline.disagg.decode import DecodeEngine
     from shardline.disagg.front import Disaggregated, FrontConfig
     from shardline.disagg.instance import Admission, FlipConfig
     from shardline.disagg.policies import PrefillPolicy
-    from shardline.disagg.prefill import PrefillEngine, oracle_predict
+    from shardline.disagg.prefill import PrefillEngine
     from shardline.disagg.state import Role
     from shardline.disagg.workloads import THRESHOLDS
     from shardline.pipeline.local import LocalPipeline
@@ -139,7 +139,7 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig) -> tuple[
     replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
     front = Disaggregated(FrontConfig(heavy_from=THRESHOLDS.heavy_decode[0],
                                       flip=FlipConfig() if cfg.flip else None))
-    predict = oracle_predict(DISAGG_G, max(2, context // DISAGG_G))
+    predict, summarize = length_prediction(cfg.length_predictor, manifest)
 
     def prefill_on(pipe: Pipeline) -> PrefillEngine:
         return PrefillEngine(pipe, limits, context, cfg.prefill_chunk, front.dispatch, predict,
@@ -153,10 +153,39 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig) -> tuple[
     def make(role: Role, pipe: Pipeline) -> PrefillEngine | DecodeEngine:
         return prefill_on(pipe) if role is Role.PREFILL else decode_on(pipe)
 
-    prefills = {f"instance-{i}": prefill_on(LocalPipeline(folder, run)) for i in range(n_prefill)}
-    decodes = {f"instance-{n_prefill + i}": decode_on(LocalPipeline(folder, run)) for i in range(n_decode)}
+    # Every instance's pipeline summarizes prompts when a trained predictor needs it: a decode
+    # instance may flip to prefill; its replayed prefills' summaries cost a sum and are not used.
+    prefills = {f"instance-{i}": prefill_on(LocalPipeline(folder, run, summarize=summarize))
+                for i in range(n_prefill)}
+    decodes = {f"instance-{n_prefill + i}": decode_on(LocalPipeline(folder, run, summarize=summarize))
+               for i in range(n_decode)}
     front.start(prefills, decodes, make)
     return front, manifest
+
+
+def length_prediction(choice: str, manifest: Manifest) -> tuple[Predict, bool]:
+    """How prefill instances predict decode lengths (`--length-predictor`), and whether their
+    pipelines must summarize prompts for it. "auto" takes the bundled model where it fits the
+    export (the default model's default export) and says so; elsewhere each request's
+    max_tokens. A model file that is given must fit, or serving does not start."""
+    from shardline.disagg.predictor import BUNDLED, LengthPredictor
+    from shardline.disagg.prefill import oracle_predict, trained_predict
+
+    by_max = oracle_predict(DISAGG_G, max(2, manifest.arch.max_context // DISAGG_G))
+    if choice == "max-tokens":
+        return by_max, False
+    path = BUNDLED if choice == "auto" else Path(choice)
+    try:
+        predictor = LengthPredictor.load(path)
+        predictor.check_fits(manifest)
+    except ShardlineError as e:
+        if choice != "auto":
+            raise ShardlineError(f"--length-predictor: {e}") from None
+        print(f"decode lengths predicted by max_tokens: the bundled length predictor does not fit ({e})",
+              file=sys.stderr, flush=True)
+        return by_max, False
+    print(f"decode lengths predicted by {path.name} (buckets of {predictor.g} tokens)", file=sys.stderr, flush=True)
+    return trained_predict(predictor), True
 
 
 def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None,

@@ -12,6 +12,7 @@ import pytest
 from shardline.config import RunConfig, SamplingConfig, ServeConfig
 from shardline.disagg import length_data
 from shardline.disagg.features import FeatureExtractor, feature_size, prompt_features
+from shardline.model.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.server import open_engine
 from shardline.serving.generate import tokens
@@ -47,6 +48,8 @@ def test_the_dataset_holds_the_lengths_the_engine_generates(folder: Path, tmp_pa
                              "--max-tokens", str(cap), "--concurrency", "3", "--time-limit", "120"]) == 0
     header, records = length_data.read_dataset(out)
     assert header["max_tokens"] == cap and header["answered"] == len(records) == 3
+    first = load_manifest(folder).stages[0]
+    assert header["stage0_layers"] == [first.first_layer, first.last_layer]  # what a predictor must fit
     assert not list(tmp_path.glob(".*tmp"))  # the temporary file was renamed
     tok, extract = ChatTokenizer(folder), FeatureExtractor(folder)
     engine, _ = open_engine(folder, RunConfig(precision="exact"), ServeConfig(max_streams=1, max_queue=0))

@@ -35,10 +35,15 @@ class Server:
             [SHARDLINE, "serve", "--shards", str(folder), "--port", "0", "--model-id", MODEL, *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         assert self.proc.stderr is not None
-        line = self.proc.stderr.readline()
-        found = re.search(r"on (http://[\d.]+:\d+)/v1", line)
-        assert found, line
-        self.url = found.group(1)
+        self.said: list[str] = []  # what it printed before it served (a bounded count of lines)
+        while len(self.said) < 20 and (line := self.proc.stderr.readline()):
+            self.said.append(line)
+            if found := re.search(r"on (http://[\d.]+:\d+)/v1", line):
+                self.url = found.group(1)
+                return
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        raise AssertionError(f"the server did not start: {''.join(self.said)}")
 
     def metric(self, name: str) -> float:
         text = httpx.get(f"{self.url}/metrics").text

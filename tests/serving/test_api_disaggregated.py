@@ -6,7 +6,7 @@ clear error before anything loads."""
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from shardline.config import RunConfig, SamplingConfig
+from shardline.disagg.predictor import BUNDLED
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.serving.admission import Limits
@@ -22,13 +23,20 @@ from shardline.serving.engine import Engine
 from shardline.serving.generate import tokens
 from tests.conftest import CHAT_PROMPTS
 from tests.serving.test_api import MODEL, SHARDLINE, Server
+from tests.serving.test_disagg_predictor import DEFAULT_SPLIT
 
 N_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def server(two: Path) -> Iterator[Server]:
-    s = Server(two, "--disaggregate", "1:1", "--max-streams", "4", "--prefill-policy", "sjf")
+def balanced(shards: Callable[..., Path]) -> Path:
+    """The default export's split: the bundled length predictor fits it (`--length-predictor auto`)."""
+    return shards("gguf", layers=DEFAULT_SPLIT)
+
+
+@pytest.fixture(scope="module")
+def server(balanced: Path) -> Iterator[Server]:
+    s = Server(balanced, "--disaggregate", "1:1", "--max-streams", "4", "--prefill-policy", "sjf")
     yield s
     s.stop()
 
@@ -39,9 +47,9 @@ def client(server: Server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def alone(two: Path) -> dict[str, str]:
-    tok = ChatTokenizer(two)
-    pipe = LocalPipeline(two, RunConfig())
+def alone(balanced: Path) -> dict[str, str]:
+    tok = ChatTokenizer(balanced)
+    pipe = LocalPipeline(balanced, RunConfig())
     engine = Engine(pipe, Limits(1, 1), 8192)
     try:
         return {p: tok.decode(tokens(engine, tok.encode_chat([{"role": "user", "content": p}]),
@@ -55,6 +63,10 @@ def _chat(client: openai.OpenAI, prompt: str) -> str:
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
                                        max_tokens=N_NEW, temperature=0)
     return r.choices[0].message.content or ""
+
+
+def test_the_bundled_predictor_serves_decode_lengths(server: Server) -> None:
+    assert any(f"decode lengths predicted by {BUNDLED.name}" in line for line in server.said), server.said
 
 
 def test_concurrent_answers_equal_a_coupled_engine(client: openai.OpenAI, alone: dict[str, str]) -> None:
@@ -86,6 +98,11 @@ def test_health_and_metrics_after_the_requests(server: Server, client: openai.Op
     (["--disaggregate", "1:1", "--admission", "greedy"], "--admission must be one of vanilla, reserve-static"),
     (["--disaggregate", "1:1", "--prefill-policy", "lifo"], "--prefill-policy must be one of fcfs, sjf, ljf"),
     (["--disaggregate", "1:1", "--draft", "ngram"], "cannot be combined with --workers or --draft"),
+    (["--disaggregate", "1:1", "--length-predictor", "/no/such/model.json"],
+     "--length-predictor: cannot read the length predictor /no/such/model.json: FileNotFoundError"),
+    (["--disaggregate", "1:1", "--length-predictor", str(BUNDLED)],  # `two` is split evenly
+     "--length-predictor: the length predictor was trained for stage0_layers [0, 18]; this export has [0, 14]"),
+    (["--disaggregate", "1:1", "--length-predictor", ""], "--length-predictor must be auto, max-tokens or a model"),
 ])
 def test_bad_flags_get_a_clear_error(two: Path, flags: list[str], said: str) -> None:
     done = subprocess.run([SHARDLINE, "serve", "--shards", str(two), "--port", "0", *flags],

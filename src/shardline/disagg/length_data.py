@@ -255,7 +255,7 @@ def build(folder: Path, count: int, seed: int, max_tokens: int, concurrency: int
     prompts = make_prompts(count, seed)
     tok = ChatTokenizer(folder)
     ids = [tok.encode_chat([{"role": "user", "content": p.text}]) for p in prompts]
-    extract = FeatureExtractor(folder)
+    extract, manifest = FeatureExtractor(folder), load_manifest(folder)
     features = [extract(x) for x in ids]  # before the engine starts: they would share the cores
     del extract
     print(f"features of {count} prompts in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
@@ -264,7 +264,8 @@ def build(folder: Path, count: int, seed: int, max_tokens: int, concurrency: int
                 "finish": a.finish, "features": encode_features(v)}
                for p, x, a, v in zip(prompts, ids, answers, features, strict=True) if a.finish in ("stop", "length")]
     header = {"format": FORMAT, "version": VERSION, "max_tokens": max_tokens, "seed": seed, "prompts": count,
-              "answered": len(records), "model_hash": load_manifest(folder).model_hash, "features": FEATURE_KIND,
+              "answered": len(records), "model_hash": manifest.model_hash, "features": FEATURE_KIND,
+              "stage0_layers": [manifest.stages[0].first_layer, manifest.stages[0].last_layer],
               "feature_size": int(features[0].shape[0]), "chunk": DEFAULT_PREFILL_CHUNK, "precision": "exact",
               "sampling": "greedy", "concurrency": concurrency, "seconds": round(time.monotonic() - started, 1)}
     return header, records

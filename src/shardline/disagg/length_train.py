@@ -149,7 +149,8 @@ def train(data: Path, seed: int, candidates: tuple[int, ...]) -> tuple[LengthPre
     best = next(s for s in rows if s.g == g)
     model = fit(x, labels(lengths, g, best.buckets), seed, best.c)
     meta = {"features": header.get("features"), "feature_size": header.get("feature_size"),
-            "model_hash": header.get("model_hash"), "max_tokens": cap, "chunk": header.get("chunk"),
+            "model_hash": header.get("model_hash"), "stage0_layers": header.get("stage0_layers"),
+            "max_tokens": cap, "chunk": header.get("chunk"),
             "dataset_sha256": hashlib.sha256(data.read_bytes()).hexdigest(), "prompts": len(records),
             "seed": seed, "held_out": HELD_OUT, "g_rule": f"largest g with no bucket over {MAX_SHARE} of answers",
             "scores": [asdict(s) for s in rows], "sklearn": sklearn.__version__}

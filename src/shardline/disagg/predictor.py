@@ -19,14 +19,19 @@ from typing import Any
 
 import numpy as np
 
+from shardline.disagg.features import FEATURE_KIND, feature_size
 from shardline.disagg.files import read_json
 from shardline.disagg.state import LengthRange, bucket
 from shardline.errors import ShardlineError
+from shardline.model.manifest import Manifest
 
 FORMAT = "shardline-length-predictor"
 VERSION = 1
 MAX_FILE_BYTES = 64 << 20  # a model of 1153 features and 24 buckets is ~0.6 MB
 MAX_BUCKETS = 4096
+# The model `serve --disaggregate` uses by default: trained by length_train.py on
+# bench/data/lengths.jsonl (the default model, stage 0 of its default 2-stage export).
+BUNDLED = Path(__file__).parent / "data" / "smollm2-135m-length-predictor.json"
 MAX_FEATURES = 1 << 20
 
 
@@ -60,6 +65,24 @@ class LengthPredictor:
     def predict(self, features: np.ndarray) -> LengthRange:
         i = int(np.argmax(self.probabilities(features)))
         return bucket(i * self.g, self.g, self.buckets)
+
+    def check_fits(self, manifest: Manifest) -> None:
+        """Refuse (ShardlineError, saying why) an export whose stage 0 does not compute the
+        features this model was trained on: another model, another stage-0 layer range (stage
+        0's output is the features), or another feature kind."""
+        if len(manifest.stages) < 2:
+            raise ShardlineError("a one-stage export has no stage-0 hidden states for the length predictor")
+        m, first = self.meta, manifest.stages[0]
+        layers = [first.first_layer, first.last_layer]
+        wanted = {"model_hash": manifest.model_hash, "features": FEATURE_KIND, "stage0_layers": layers,
+                  "feature_size": feature_size(manifest.arch.hidden)}
+        for name, value in wanted.items():
+            if m.get(name) != value:
+                raise ShardlineError(f"the length predictor was trained for {name} {m.get(name)!r:.80}; "
+                                     f"this export has {value!r:.80}")
+        if self.features != feature_size(manifest.arch.hidden):
+            raise ShardlineError(f"the length predictor takes {self.features} features, not "
+                                 f"{feature_size(manifest.arch.hidden)}")
 
     def _checked(self, features: np.ndarray) -> np.ndarray:
         x = np.asarray(features, np.float64)

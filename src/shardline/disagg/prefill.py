@@ -25,11 +25,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from shardline.disagg.policies import DEFAULT_PREFILL_BATCH, PrefillPolicy, Queued, next_batch
-from shardline.disagg.state import LengthRange, PrefillLoad
+from shardline.disagg.predictor import LengthPredictor
+from shardline.disagg.state import LengthRange, PrefillLoad, bucket
+from shardline.errors import ShardlineError
+from shardline.pipeline.hidden import PromptHidden
 from shardline.pipeline.kv import Handoff, KvSnapshot, handoff
-from shardline.pipeline.plan import Pipeline
+from shardline.pipeline.plan import Outcome, Pipeline
 from shardline.serving.admission import Limits
-from shardline.serving.engine import Engine, Event, Request, Ticket
+from shardline.serving.engine import Engine, Event, Ticket
 from shardline.serving.replay import Replays
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.stream import Stream
@@ -61,9 +64,14 @@ class _Export:
     future: Future[KvSnapshot]
 
 
+# A prefilled stream's predicted decode length, named as it leaves: from its request (an oracle)
+# or from what stage 0 saw of its prompt (stream.hidden, made by a summarizing pipeline).
+Predict = Callable[[Stream], LengthRange]
+
+
 class PrefillEngine(Engine):
     def __init__(self, pipe: Pipeline, limits: Limits, max_context: int, chunk: int,
-                 send: Callable[[Moving], None], predict: Callable[[Request], LengthRange],
+                 send: Callable[[Moving], None], predict: Predict,
                  policy: PrefillPolicy = PrefillPolicy.FCFS, batch: int = DEFAULT_PREFILL_BATCH,
                  replays: Replays | None = None) -> None:
         self.send, self.predict, self.policy, self.batch = send, predict, policy, batch
@@ -88,6 +96,13 @@ class PrefillEngine(Engine):
         return not self._exports and self.active == 0 and self.waiting == 0
 
     # --- the engine thread ---------------------------------------------------------------------
+
+    def _apply(self, outcome: Outcome) -> None:
+        stream = self.scheduler.streams.get(outcome.stream)
+        if stream is not None and outcome.hidden is not None and not outcome.failed:
+            stream.hidden = stream.hidden or PromptHidden(int(outcome.hidden.total.shape[0]))
+            stream.hidden.add(outcome.hidden)
+        super()._apply(outcome)
 
     def _next_waiting(self, n: int) -> list[Ticket]:
         out = []
@@ -117,7 +132,7 @@ class PrefillEngine(Engine):
         self.scheduler.remove(stream)
         self._release_slot()
         ticket.stream = None
-        predicted = self.predict(ticket.request)
+        predicted = self.predict(stream)
         stream.expect = predicted.lo
         self._exports.append(_Export(ticket, stream, predicted, future))
         future.add_done_callback(lambda _: self.pipe.wake())
@@ -154,10 +169,23 @@ class PrefillEngine(Engine):
         super()._fail_all(reason, error)
 
 
-def oracle_predict(g: int, buckets: int) -> Callable[[Request], LengthRange]:
+def oracle_predict(g: int, buckets: int) -> Predict:
     """A request's decode length taken from its max_tokens (exact for requests that ignore
     end-of-text, as the benchmark's do), as the bucket of width `g` a predictor would name."""
-    from shardline.disagg.state import bucket
+    return lambda s: bucket(s.max_tokens, g, buckets)
 
-    return lambda r: bucket(r.sampling.max_tokens, g, buckets)
 
+def trained_predict(predictor: LengthPredictor) -> Predict:
+    """The trained classifier over what stage 0 saw of the prompt. A stream without that summary
+    (a pipeline that does not summarize) or whose features the model refuses is predicted its
+    max_tokens instead, with a warning: the request goes on; only the scheduler's guess is worse."""
+    def predict(s: Stream) -> LengthRange:
+        try:
+            if s.hidden is None:
+                raise ShardlineError("no stage-0 summary of its prompt")
+            return predictor.predict(s.hidden.vector())
+        except ShardlineError as e:
+            log.warning("stream %d: predicted by its max_tokens (%s)", s.id, e)
+            return bucket(s.max_tokens, predictor.g, predictor.buckets)
+
+    return predict
