@@ -329,9 +329,8 @@ def _serve(args: argparse.Namespace) -> int:
                       admission=args.admission, prefill_policy=args.prefill_policy, flip=args.flip,
                       length_predictor=args.length_predictor)
     run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
-    if cfg.disaggregate and (args.workers or args.draft):
-        raise ShardlineError("--disaggregate runs every instance in this process, without speculation: "
-                             "it cannot be combined with --workers or --draft yet")
+    if cfg.disaggregate and args.draft:
+        raise ShardlineError("--disaggregate runs without speculation: it cannot be combined with --draft yet")
     credentials = _credentials(args, links=bool(args.workers))
     folder = args.shards or default_shards()
     serve(folder, run, cfg, args.workers.split(",") if args.workers else None, _speculation(args, folder),

@@ -64,10 +64,10 @@ def decode_groups(asked: int | None, stages: int, remote: bool) -> int:
 
 def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None = None, activations: str = "f16",
                   topology: str = "chain", credentials: Credentials | None = None,
-                  recovery: RecoveryConfig | None = None) -> tuple[Pipeline, int]:
+                  recovery: RecoveryConfig | None = None, summarize: bool = False) -> tuple[Pipeline, int]:
     """The pipeline (stages 1.. here, or on `workers`, over mutual TLS with `credentials`, its
-    step deadlines and reconnect window from `recovery`), and how many layers of it run in this
-    process (for the memory bound)."""
+    step deadlines and reconnect window from `recovery`; prompt summaries for a length predictor
+    if `summarize`), and how many layers of it run in this process (for the memory bound)."""
     manifest = load_manifest(folder)
     if workers:
         from shardline.pipeline.deadline import Deadlines
@@ -75,11 +75,12 @@ def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None = None
 
         rec = recovery or RecoveryConfig()
         pipe = RemotePipeline(folder, workers, run, activations, topology, credentials,
-                              deadlines=Deadlines(rec.step_floor_s, rec.step_multiple), reconnect_s=rec.reconnect_s)
+                              deadlines=Deadlines(rec.step_floor_s, rec.step_multiple), reconnect_s=rec.reconnect_s,
+                              summarize=summarize)
         return pipe, manifest.stages[0].last_layer + 1
     from shardline.pipeline.local import LocalPipeline
 
-    return LocalPipeline(folder, run), manifest.arch.n_layers
+    return LocalPipeline(folder, run, summarize=summarize), manifest.arch.n_layers
 
 
 def scheduling(cfg: ServeConfig, stages: int, remote: bool, spec: SpeculationConfig | None = None) -> SchedulerConfig:
@@ -115,10 +116,14 @@ def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[st
     return engine, manifest
 
 
-def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig) -> tuple[Disaggregated, Manifest]:
-    """`cfg.disaggregate` (P, D): P prefill and D decode instances, each a LocalPipeline of every
-    stage (threads: as given, else this machine's cores shared out), behind one front end.
-    Decode lengths are predicted as `cfg.length_predictor` says (length_prediction)."""
+def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None,
+                       credentials: Credentials | None = None) -> tuple[Disaggregated, Manifest]:
+    """`cfg.disaggregate` (P, D): P prefill and D decode instances behind one front end. Each
+    instance is a pipeline of every stage: all in this process (threads: as given, else this
+    machine's cores shared out), or stage 0 here and the others on workers of its own, given
+    in order (instance 0's first, each instance taking one worker per stage after stage 0);
+    KV then moves between instances over the workers' links. Decode lengths are predicted as
+    `cfg.length_predictor` says (length_prediction)."""
     from shardline.disagg.decode import DecodeEngine
     from shardline.disagg.front import Disaggregated, FrontConfig
     from shardline.disagg.instance import Admission, FlipConfig
@@ -126,15 +131,16 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig) -> tuple[
     from shardline.disagg.prefill import PrefillEngine
     from shardline.disagg.state import Role
     from shardline.disagg.workloads import THRESHOLDS
-    from shardline.pipeline.local import LocalPipeline
 
     assert cfg.disaggregate is not None
     manifest = load_manifest(folder)
     n_prefill, n_decode = cfg.disaggregate
+    chains = instance_workers(workers, n_prefill + n_decode, len(manifest.stages))
     cores = os.cpu_count() or 1
     run = replace(run, threads=run.threads or max(1, cores // (n_prefill + n_decode)), pinned=False)
     share = replace(cfg, memory_fraction=cfg.memory_fraction / (n_prefill + n_decode))
-    limits = stream_limits(manifest, share, manifest.arch.n_layers)
+    local_layers = manifest.stages[0].last_layer + 1 if workers else manifest.arch.n_layers
+    limits = stream_limits(manifest, share, local_layers)
     context = manifest.arch.max_context
     replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
     front = Disaggregated(FrontConfig(heavy_from=THRESHOLDS.heavy_decode[0],
@@ -146,7 +152,7 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig) -> tuple[
                              PrefillPolicy(cfg.prefill_policy), replays=replays)
 
     def decode_on(pipe: Pipeline) -> DecodeEngine:
-        return DecodeEngine(pipe, limits, context, scheduling(cfg, len(manifest.stages), False),
+        return DecodeEngine(pipe, limits, context, scheduling(cfg, len(manifest.stages), bool(workers)),
                             Admission(cfg.admission), limits.max_streams * context, THRESHOLDS.heavy_decode[0],
                             replays=replays)
 
@@ -155,12 +161,24 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig) -> tuple[
 
     # Every instance's pipeline summarizes prompts when a trained predictor needs it: a decode
     # instance may flip to prefill; its replayed prefills' summaries cost a sum and are not used.
-    prefills = {f"instance-{i}": prefill_on(LocalPipeline(folder, run, summarize=summarize))
-                for i in range(n_prefill)}
-    decodes = {f"instance-{n_prefill + i}": decode_on(LocalPipeline(folder, run, summarize=summarize))
-               for i in range(n_decode)}
+    pipes = [open_pipeline(folder, run, chain, credentials=credentials, recovery=cfg.recovery,
+                           summarize=summarize)[0] for chain in chains]
+    prefills = {f"instance-{i}": prefill_on(pipes[i]) for i in range(n_prefill)}
+    decodes = {f"instance-{i}": decode_on(pipes[i]) for i in range(n_prefill, n_prefill + n_decode)}
     front.start(prefills, decodes, make)
     return front, manifest
+
+
+def instance_workers(workers: list[str] | None, instances: int, stages: int) -> list[list[str] | None]:
+    """Each instance's workers, in the order given (None: every stage in this process)."""
+    if not workers:
+        return [None] * instances
+    per = stages - 1
+    if per < 1 or len(workers) != instances * per:
+        raise ShardlineError(f"--disaggregate with --workers: each of the {instances} instances runs stage 0 here "
+                             f"and needs one worker per later stage ({max(per, 0)} for a {stages}-stage export): "
+                             f"{instances * max(per, 0)} workers, got {len(workers)}")
+    return [workers[i * per:(i + 1) * per] for i in range(instances)]
 
 
 def length_prediction(choice: str, manifest: Manifest) -> tuple[Predict, bool]:
@@ -197,7 +215,7 @@ def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | N
 
     engine: Serving
     if cfg.disaggregate:
-        engine, manifest = open_disaggregated(folder, run, cfg)
+        engine, manifest = open_disaggregated(folder, run, cfg, workers, credentials)
     else:
         engine, manifest = open_engine(folder, run, cfg, workers, spec=spec, credentials=credentials)
     served = Served(engine, ChatTokenizer(folder), model_id(manifest, cfg), cfg.default_max_tokens,

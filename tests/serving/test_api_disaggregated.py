@@ -97,7 +97,7 @@ def test_health_and_metrics_after_the_requests(server: Server, client: openai.Op
     (["--disaggregate", "1:17"], "needs 1-16 prefill and 1-16 decode"),
     (["--disaggregate", "1:1", "--admission", "greedy"], "--admission must be one of vanilla, reserve-static"),
     (["--disaggregate", "1:1", "--prefill-policy", "lifo"], "--prefill-policy must be one of fcfs, sjf, ljf"),
-    (["--disaggregate", "1:1", "--draft", "ngram"], "cannot be combined with --workers or --draft"),
+    (["--disaggregate", "1:1", "--draft", "ngram"], "it cannot be combined with --draft yet"),
     (["--disaggregate", "1:1", "--length-predictor", "/no/such/model.json"],
      "--length-predictor: cannot read the length predictor /no/such/model.json: FileNotFoundError"),
     (["--disaggregate", "1:1", "--length-predictor", str(BUNDLED)],  # `two` is split evenly

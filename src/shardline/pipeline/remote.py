@@ -43,6 +43,7 @@ from shardline.pipeline.chain import Delivered, open_chain
 from shardline.pipeline.deadline import Deadlines, StepClock
 from shardline.pipeline.frames import choice, forward
 from shardline.pipeline.held import needs
+from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import KvSnapshot
 from shardline.pipeline.local import prepare
@@ -74,6 +75,7 @@ class _Sent:
     step: Step
     started: float = field(default_factory=time.perf_counter)  # for the step's breakdown
     out_at: float = 0.0  # monotonic: when it left for the workers (the watchdog's clock)
+    hidden: HiddenChunk | None = None  # stage 0's output of a prefill chunk, summarized (summarize=True)
 
 
 class _Lost(ShardlineError):
@@ -88,9 +90,11 @@ class _Release:
 class RemotePipeline:
     def __init__(self, folder: Path, workers: list[str], run: RunConfig | None = None,
                  activations: str = "f16", topology: str = "chain", credentials: Credentials | None = None, *,
-                 deadlines: Deadlines | None = None, reconnect_s: float = RECONNECT_S) -> None:
+                 deadlines: Deadlines | None = None, reconnect_s: float = RECONNECT_S,
+                 summarize: bool = False) -> None:
         """`deadlines`: when a step in flight counts as lost (a worker hung); `reconnect_s`: how
-        long a stream's first step tries to reopen a chain that broke (tests make both short)."""
+        long a stream's first step tries to reopen a chain that broke (tests make both short);
+        `summarize`: a prefill chunk's outcome carries stage 0's output summarized (hidden.py)."""
         if activations not in ACTIVATIONS or topology not in ("chain", "star"):
             raise ShardlineError(f"bad activations {activations!r} or topology {topology!r}")
         self.folder = folder
@@ -99,6 +103,10 @@ class RemotePipeline:
         verify(folder, self.manifest, only=[entry.xml, entry.bin])
         self.stage0 = StageRunner(folder, entry, run or RunConfig(), vocab=self.manifest.arch.vocab)
         self.n_stages = len(self.manifest.stages)
+        if summarize and self.n_stages < 2:
+            raise ShardlineError(f"{folder}: one stage outputs logits, not hidden states: summarizing prompts "
+                                 f"needs an export of 2 or more stages")
+        self.summarize = summarize
         self.dtype, self.activations = ACTIVATIONS[activations], activations
         self.topology = topology
         self.workers = workers
@@ -269,6 +277,8 @@ class RemotePipeline:
         start = time.perf_counter()
         hidden = self.stage0.run(step.key, inputs)
         graph_s = time.perf_counter() - start
+        if self.summarize and isinstance(step, PrefillStep):
+            sent.hidden = HiddenChunk.of(hidden)
         fwd = forward(step, next(self._seq), hidden.astype(self.dtype, copy=False), graph_s, sent.started)
         with self._lock:
             if self._broken:  # since the check above (only this thread reconnects)
@@ -378,7 +388,7 @@ class RemotePipeline:
         rows = step.sample_at[:, 0].tolist()
         for r, stream in enumerate(step.streams):
             mine = tuple(choice(msg, e, step.sampling[r].top_logprobs) for e, row in enumerate(rows) if row == r)
-            self.outbox.put(Outcome(stream, mine, timing=timing))
+            self.outbox.put(Outcome(stream, mine, timing=timing, hidden=sent.hidden))
         metrics.observe(timing)  # after the puts: the consumer need not wait for it
 
 def _close_all(links: list[Link]) -> None:
