@@ -271,7 +271,10 @@ def _on_ray(args: argparse.Namespace, command: Callable[[argparse.Namespace], in
 
     run = RunConfig(device=args.device, precision=args.precision, threads=getattr(args, "threads", None))
     _credentials(args, links=True)  # refused before any actor starts
-    with Fleet(FleetConfig(args.ray_address, args.shards, args.plan, credentials=args.credentials), run) as fleet:
+    # Disaggregated serving: one chain of workers per instance, handed out instance by instance.
+    chains = sum(disaggregation(args.disaggregate)) if getattr(args, "disaggregate", None) else 1
+    cfg = FleetConfig(args.ray_address, args.shards, args.plan, credentials=args.credentials, chains=chains)
+    with Fleet(cfg, run) as fleet:
         placed = {"shards": fleet.folder, "workers": ",".join(fleet.addresses)}
         return command(argparse.Namespace(**(vars(args) | placed)))
 

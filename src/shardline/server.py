@@ -120,9 +120,9 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
                        credentials: Credentials | None = None) -> tuple[Disaggregated, Manifest]:
     """`cfg.disaggregate` (P, D): P prefill and D decode instances behind one front end. Each
     instance is a pipeline of every stage: all in this process (threads: as given, else this
-    machine's cores shared out), or stage 0 here and the others on workers of its own, given
-    in order (instance 0's first, each instance taking one worker per stage after stage 0);
-    KV then moves between instances over the workers' links. Decode lengths are predicted as
+    machine's cores shared out), or stage 0 here and the others on a chain of workers of its
+    own (the workers given, split evenly in order: instance 0's chain first); KV then moves
+    between instances over the workers' links. Decode lengths are predicted as
     `cfg.length_predictor` says (length_prediction)."""
     from shardline.disagg.decode import DecodeEngine
     from shardline.disagg.front import Disaggregated, FrontConfig
@@ -135,7 +135,7 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
     assert cfg.disaggregate is not None
     manifest = load_manifest(folder)
     n_prefill, n_decode = cfg.disaggregate
-    chains = instance_workers(workers, n_prefill + n_decode, len(manifest.stages))
+    chains = instance_workers(workers, n_prefill + n_decode)
     cores = os.cpu_count() or 1
     run = replace(run, threads=run.threads or max(1, cores // (n_prefill + n_decode)), pinned=False)
     share = replace(cfg, memory_fraction=cfg.memory_fraction / (n_prefill + n_decode))
@@ -169,15 +169,16 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
     return front, manifest
 
 
-def instance_workers(workers: list[str] | None, instances: int, stages: int) -> list[list[str] | None]:
-    """Each instance's workers, in the order given (None: every stage in this process)."""
+def instance_workers(workers: list[str] | None, instances: int) -> list[list[str] | None]:
+    """Each instance's chain of workers: the list split evenly, in order (None: every stage in
+    this process). Each chain must then cover stages 1.. (RemotePipeline checks it on connecting)."""
     if not workers:
         return [None] * instances
-    per = stages - 1
-    if per < 1 or len(workers) != instances * per:
+    if len(workers) % instances:
         raise ShardlineError(f"--disaggregate with --workers: each of the {instances} instances runs stage 0 here "
-                             f"and needs one worker per later stage ({max(per, 0)} for a {stages}-stage export): "
-                             f"{instances * max(per, 0)} workers, got {len(workers)}")
+                             f"and the later stages on a chain of its own; {len(workers)} workers do not split "
+                             f"evenly into {instances} chains")
+    per = len(workers) // instances
     return [workers[i * per:(i + 1) * per] for i in range(instances)]
 
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import openai
 import psutil
 import pytest
 from ray.cluster_utils import Cluster
@@ -34,6 +35,7 @@ from shardline.serving.scheduler import SchedulerConfig
 from shardline.wire.tls import Credentials
 from tests.conftest import CHAT_PROMPTS
 from tests.helpers import Faulty, engine_tokens
+from tests.multiproc.procs import serve
 
 SHARDLINE = str(Path(sys.executable).parent / "shardline")
 GIB = 1 << 30
@@ -186,6 +188,32 @@ def test_a_killed_worker_is_restarted_by_ray_on_its_address_and_the_answer_goes_
         listening = {f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process(now[1]).net_connections()
                      if c.status == psutil.CONN_LISTEN}
         assert addresses[1] in listening  # ... on the address it had
+
+
+def test_disaggregated_serving_gets_a_chain_of_workers_per_instance(cluster: Cluster, four: Path,
+                                                                    in_process: list[list[int]]) -> None:
+    """`serve --disaggregate 1:1 --ray-address`: the plan's chain (a: stage 1, b: stages 2-3)
+    placed twice, once per instance, each node's copies planned on half its memory; the answer
+    (prefilled on one chain, its KV moved over the links, decoded on the other) is the
+    in-process one. SIGTERM stops the server cleanly (143, not Ray's own exit 15), its fleet too."""
+    proc = serve(["--ray-address", cluster.address, "--shards", str(four), "--plan", "0-7,8-14,15-29", "--insecure",
+                  "--model-id", "m",
+                  "--port", "0", "--disaggregate", "1:1", "--max-streams", "2", "--threads", "1"])
+    try:
+        said = proc.stderr()
+        assert "x 2 chains of workers (one per instance)" in said and "as given by --plan" in said, said
+        client = openai.OpenAI(base_url=proc.addr, api_key="unused", max_retries=0, timeout=180)
+        prompt = CHAT_PROMPTS[0]
+        answer = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=N_NEW, temperature=0)
+        tok = ChatTokenizer(four)
+        expected = in_process[0]
+        stop = next((i for i, t in enumerate(expected) if t in tok.stop_ids), len(expected))
+        assert answer.choices[0].message.content == tok.decode(expected[:stop])
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(timeout=60) == 128 + signal.SIGTERM  # Ray's own handler would exit 15
+    finally:
+        proc.stop()
 
 
 def test_three_placed_workers_give_the_in_process_tokens(cluster: Cluster, third_node: None, four: Path,

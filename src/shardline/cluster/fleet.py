@@ -17,12 +17,13 @@ import contextlib
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
@@ -56,12 +57,17 @@ class FleetConfig:
     # arguments); None: links in clear (--insecure)
     credentials: Path | None = None
     restarts: int = 3  # times Ray restarts a worker whose process died
+    # Copies of the plan's chain of workers (one per instance of disaggregated serving): each
+    # node hosts one worker per chain, so each copy is planned on 1/chains of its memory.
+    chains: int = 1
 
     def __post_init__(self) -> None:
         if not self.address:
             raise ShardlineError("--ray-address must name a Ray cluster (HOST:PORT, or auto)")
         if not 0 <= self.restarts <= 100:
             raise ShardlineError(f"worker restarts must be in 0-100, got {self.restarts}")
+        if not 1 <= self.chains <= 32:
+            raise ShardlineError(f"chains of workers must be 1-32, got {self.chains}")
 
 
 class StageActor:
@@ -118,7 +124,7 @@ class Fleet:
     """Connect, plan, start one actor per worker and wait until each listens; stop on exit.
 
     After `start()`: `plan`, `folder` (the export every participant loads) and `addresses` (the
-    workers' HOST:PORT, in chain order, for `RemotePipeline`)."""
+    workers' HOST:PORT, in chain order, chain after chain, for `RemotePipeline`s)."""
 
     def __init__(self, cfg: FleetConfig, run: RunConfig, out: TextIO | None = None) -> None:
         self.cfg = cfg
@@ -127,7 +133,7 @@ class Fleet:
         self.plan: Plan | None = None
         self._folder: Path | None = None
         self.addresses: list[str] = []
-        self._actors: list[Any] = []
+        self._actors: list[tuple[Assignment, Any]] = []  # every chain's workers, in `addresses` order
         self._connected = False
 
     def __enter__(self) -> Fleet:
@@ -157,22 +163,29 @@ class Fleet:
     def start(self) -> None:
         self.connect()
         self.plan = self.make_plan()
-        print(self.plan.describe(), file=self.out or sys.stderr, flush=True)
+        copies = f"\n  x {self.cfg.chains} chains of workers (one per instance)" if self.cfg.chains > 1 else ""
+        print(self.plan.describe() + copies, file=self.out or sys.stderr, flush=True)
         self._folder = self.cfg.shards.resolve() if self.cfg.shards else planned_shards(self.plan.spec)
         self._launch(self.plan, self._folder)
 
     def connect(self) -> None:
         _check_reachable(self.cfg.address)
+        # ray.init replaces the SIGTERM handler with one that exits 15 on the spot; the command's
+        # own (a clean stop, exit 143: signals.py) is put back.
+        on_sigterm = signal.getsignal(signal.SIGTERM)
         try:
             # Actor output must not reach the driver: stdout carries the generated text.
             ray.init(address=self.cfg.address, log_to_driver=False, logging_level=logging.WARNING)
         except (ConnectionError, ValueError, RuntimeError) as e:
             raise ShardlineError(f"cannot connect to the Ray cluster at {self.cfg.address}: {e}") from None
+        finally:
+            if threading.current_thread() is threading.main_thread() and on_sigterm is not None:
+                signal.signal(signal.SIGTERM, on_sigterm)
         self._connected = True
 
     def make_plan(self) -> Plan:
         me = Participant("coordinator", self.cfg.coordinator_memory or available_memory())
-        participants = [me, *cluster_nodes()]
+        participants = [replace(p, memory=p.memory // self.cfg.chains) for p in (me, *cluster_nodes())]
         if self.cfg.shards is None:
             return place(participants, default_model_layers(), None, self.cfg.plan)
         manifest = load_manifest(self.cfg.shards)
@@ -180,20 +193,24 @@ class Fleet:
         return place(participants, manifest.arch.n_layers, stages, self.cfg.plan)
 
     def _launch(self, plan: Plan, folder: Path) -> None:
+        chains = [list(plan.workers) for _ in range(self.cfg.chains)]
+        placed = [a for chain in chains for a in chain]
         creds = node_folders(self.cfg.credentials) if self.cfg.credentials else None
-        if creds is not None and len(creds) < 1 + len(plan.workers):
+        if creds is not None and len(creds) < 1 + len(placed):
             raise ShardlineError(f"{self.cfg.credentials} has {len(creds)} node folders; this plan needs "
-                                 f"{1 + len(plan.workers)} (the coordinator's and one per worker)")
-        for i, a in enumerate(plan.workers, start=1):
+                                 f"{1 + len(placed)} (the coordinator's and one per worker)")
+        for i, a in enumerate(placed, start=1):
             pems = _pack(creds[i]) if creds else None
-            # Hard affinity: the plan chose this node. One core in Ray's books per worker.
+            # Hard affinity: the plan chose this node. One core in Ray's books per node, shared
+            # by its chains' workers.
             on_node = NodeAffinitySchedulingStrategy(a.participant.node_id, soft=False)
             port = ray.get(_remote_free_port.options(scheduling_strategy=on_node).remote(), timeout=READY_TIMEOUT_S)
-            options = {"num_cpus": 1, "max_restarts": self.cfg.restarts, "scheduling_strategy": on_node}
-            self._actors.append(_RemoteStageActor.options(**options).remote(str(folder), *a.stages, self.run, pems,
-                                                                            port))
-        readies = [actor.ready.remote() for actor in self._actors]
-        for a, ref in zip(plan.workers, readies, strict=True):
+            options = {"num_cpus": 1 / self.cfg.chains, "max_restarts": self.cfg.restarts,
+                       "scheduling_strategy": on_node}
+            actor = _RemoteStageActor.options(**options).remote(str(folder), *a.stages, self.run, pems, port)
+            self._actors.append((a, actor))
+        readies = [actor.ready.remote() for _, actor in self._actors]
+        for (a, _), ref in zip(self._actors, readies, strict=True):
             try:
                 self.addresses.append(ray.get(ref, timeout=READY_TIMEOUT_S))
             except RayActorError as e:
@@ -205,10 +222,9 @@ class Fleet:
     def watch(self) -> list[int]:
         """Health check: every worker's process id, or a ShardlineError naming the first node
         whose worker is gone or does not answer."""
-        assert self.plan is not None
-        pings = [actor.ping.remote() for actor in self._actors]
+        pings = [actor.ping.remote() for _, actor in self._actors]
         pids = []
-        for a, ref in zip(self.plan.workers, pings, strict=True):
+        for (a, _), ref in zip(self._actors, pings, strict=True):
             try:
                 pids.append(ray.get(ref, timeout=PING_TIMEOUT_S))
             except RayActorError:
@@ -220,7 +236,7 @@ class Fleet:
 
     def stop(self) -> None:
         """Kill exactly this fleet's actors, wait until their ports close, and disconnect."""
-        for actor in self._actors:
+        for _, actor in self._actors:
             with contextlib.suppress(RayError):  # already dead, or its node gone with it
                 ray.kill(actor, no_restart=True)
         deadline = time.monotonic() + STOP_TIMEOUT_S
