@@ -5,6 +5,7 @@ moved. Imports that do not fit fail their Future with a clear reason and leave n
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -15,9 +16,9 @@ import pytest
 from shardline.config import RunConfig
 from shardline.errors import ShardlineError
 from shardline.model.tokenizer import ChatTokenizer
-from shardline.pipeline.kv import KvSnapshot, handoff
+from shardline.pipeline.kv import KvSnapshot, handoff, join
 from shardline.pipeline.local import LocalPipeline
-from shardline.pipeline.plan import decode, prefill, run
+from shardline.pipeline.plan import Outcome, decode, prefill, run
 from shardline.stage.cache import KVBook
 from tests.conftest import CHAT_PROMPTS
 from tests.helpers import GREEDY, greedy_ours, ok
@@ -80,6 +81,38 @@ def test_decoding_after_a_transfer_gives_the_tokens_of_staying(
     assert on_b == on_a == plain
     a.release(1)
     b.release(7)
+
+
+def test_slices_exported_chunk_by_chunk_join_into_the_whole_cache(
+        pipes: tuple[LocalPipeline, LocalPipeline], prompt: list[int]) -> None:
+    """A chunk-level transfer: after each prefill chunk, the slots it added are exported (queued
+    behind it, not waited for); joined, they are the whole cache's export, bit for bit, and B
+    decodes from them what A decodes on the key that never moved. A start past the slots fails."""
+    a, b = pipes
+    book, slices, sent_slots = KVBook(), [], 0
+    chunks = [prompt[i:i + 16] for i in range(0, len(prompt), 16)]
+    assert len(chunks) >= 3
+    for i, chunk in enumerate(chunks):
+        a.submit(prefill(3, book, chunk, GREEDY, first=i == 0, last=i == len(chunks) - 1))
+        slices.append(a.export_kv(3, sent_slots))
+        sent_slots = book.slots
+    outs: list[Outcome] = []
+    while len(outs) < len(chunks):
+        outs += a.outcomes(WAIT_S)
+    assert len(outs) == len(chunks) and not any(o.failed for o in outs)
+    parts = [f.result(WAIT_S) for f in slices]
+    assert [(s.start, s.slots) for s in parts] == [(16 * i, len(c)) for i, c in enumerate(chunks)]
+    joined, whole = join(parts), a.export_kv(3).result(WAIT_S)
+    assert (joined.start, joined.slots) == (whole.start, whole.slots) == (0, len(prompt))
+    for got, want in zip(joined.stages, whole.stages, strict=True):
+        assert all(np.array_equal(got.arrays[n], want.arrays[n]) for n in want.arrays)
+    with pytest.raises(ShardlineError, match=f"KV from slot {len(prompt) + 1} of key 3, which holds {len(prompt)}"):
+        a.export_kv(3, len(prompt) + 1).result(WAIT_S)
+    first = outs[-1].choices[0].token
+    b.import_kv(11, joined).result(WAIT_S)
+    assert _greedy(b, 11, copy.deepcopy(book), first) == _greedy(a, 3, book, first)
+    a.release(3)
+    b.release(11)
 
 
 def _refusal(b: LocalPipeline, key: int, snap: KvSnapshot) -> str:

@@ -1,4 +1,4 @@
-"""A stream's KV moving over worker links (protocol 6), with real worker processes on loopback
+"""A stream's KV moving over worker links (protocol 6; slices since 7), with real worker processes on loopback
 under mutual TLS, exact precision: prefilled on one pipeline, exported, imported under another
 key into another pipeline (in process or over other workers, chain or star) and decoded there,
 it gives the tokens of a run that never moved. Moves that cannot be done fail their Future with
@@ -28,7 +28,7 @@ from shardline.model.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.node import kv as node_kv
 from shardline.node.worker import StageWorker
-from shardline.pipeline.kv import KvSnapshot
+from shardline.pipeline.kv import KvSnapshot, join
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.plan import Pipeline, decode, prefill, run
 from shardline.pipeline.remote import RemotePipeline
@@ -152,6 +152,33 @@ def test_remote_to_remote(folder: Path, cluster: Path, workers: list[Proc], prom
     finally:
         a.shutdown()
         b.shutdown()
+
+
+@pytest.mark.parametrize("topology", ["chain", "star"])
+def test_slices_pulled_chunk_by_chunk_join_into_the_whole_cache(folder: Path, cluster: Path, workers: list[Proc],
+                                                                prompt: list[int], topology: str) -> None:
+    """Chunk-level transfer over the links: after each prefill chunk, the slots it added are
+    pulled from stage 0 and the worker (KvPull's start); joined, they are the whole cache's
+    export bit for bit. A start past the slots fails with the worker's reason."""
+    remote = _remote(folder, workers[0], cluster, topology)
+    try:
+        book, slices, at = KVBook(), [], 0
+        chunks = [prompt[i:i + 16] for i in range(0, len(prompt), 16)]
+        for i, chunk in enumerate(chunks):
+            remote.submit(prefill(21, book, chunk, GREEDY, first=i == 0, last=i == len(chunks) - 1))
+            slices.append(remote.export_kv(21, at))
+            at = book.slots
+        parts = [f.result(WAIT_S) for f in slices]
+        assert [(x.start, x.slots) for x in parts] == [(16 * i, len(c)) for i, c in enumerate(chunks)]
+        joined, whole = join(parts), remote.export_kv(21).result(WAIT_S)
+        for got, want in zip(joined.stages, whole.stages, strict=True):
+            assert (got.first_layer, got.last_layer) == (want.first_layer, want.last_layer)
+            assert all(np.array_equal(got.arrays[n], want.arrays[n]) for n in want.arrays)
+        assert f"KV from slot {len(prompt) + 1} of key 21, which holds {len(prompt)}" in _error(
+            remote.export_kv(21, len(prompt) + 1))
+        remote.release(21)
+    finally:
+        remote.shutdown()
 
 
 def _shorter(snap: KvSnapshot) -> KvSnapshot:

@@ -1,7 +1,7 @@
-"""The KV messages of protocol 6 (KvPull, KvPush, KvPart, KvDone): they round-trip, and a frame
-whose fields do not fit (a wrong dtype or shape, a negative seq, layers out of range, a field of
-the wrong type) or whose bytes are corrupt is refused by the codec before any of it reaches a
-worker or a coordinator."""
+"""The KV messages (KvPull, KvPush, KvPart, KvDone; since protocol 6, KvPull's start slot since
+7): they round-trip, and a frame whose fields do not fit (a wrong dtype or shape, a negative
+seq, layers out of range, a field of the wrong type) or whose bytes are corrupt is refused by
+the codec before any of it reaches a worker or a coordinator."""
 
 from __future__ import annotations
 
@@ -33,13 +33,16 @@ DONE = KvDone(11, 4, "")
 KV: list[Message] = [PULL, PUSH, PART, DONE]
 
 
-def test_protocol_6_carries_kv() -> None:
-    assert PROTOCOL == 6
+def test_protocol_7_pulls_kv_from_a_start_slot() -> None:
+    assert PROTOCOL == 7
+    assert KvPull(1, 2).start == 0 and KvPull(1, 2, 128).start == 128
 
 
 @pytest.mark.parametrize("msg", [
     *KV,
     KvPull(0, -3),  # a decode group's key is negative: its state may move too
+    KvPull(4, 7, 256),  # a chunk-level transfer's slice: the slots from 256 on
+    KvPull(4, 7, MAX_SLOTS),
     KvPush(0, -1, MAX_ROWS, MAX_SLOTS, MAX_KV_PARTS),
     KvPart(3, 0, 0, "v", np.zeros((2, 1, 0, 8), np.float16)),  # an empty cache: 0 slots
     KvPart(3, 0, (1 << 16) - 1, "n" * 256, np.zeros((MAX_ROWS, 1, 1, 1), np.float32)),
@@ -56,10 +59,15 @@ def test_a_part_keeps_its_bits_and_big_endian_travels_little_endian() -> None:
 
 
 @pytest.mark.parametrize("msg,meta,message", [
-    (PULL, {"seq": -1, "key": 7}, "negative seq -1"),
-    (PULL, {"seq": 1, "key": True}, "key: True is not an integer"),
-    (PULL, {"seq": "1", "key": 7}, "seq: '1' is not an integer"),
-    (PULL, {"seq": 1, "key": 1 << 63}, "outside the 64-bit range"),
+    (PULL, {"seq": -1, "key": 7, "start": 0}, "negative seq -1"),
+    (PULL, {"seq": 1, "key": True, "start": 0}, "key: True is not an integer"),
+    (PULL, {"seq": "1", "key": 7, "start": 0}, "seq: '1' is not an integer"),
+    (PULL, {"seq": 1, "key": 1 << 63, "start": 0}, "outside the 64-bit range"),
+    (PULL, {"seq": 1, "key": 7, "start": -1}, "a start slot of -1"),
+    (PULL, {"seq": 1, "key": 7, "start": MAX_SLOTS + 1}, "a start slot of"),
+    (PULL, {"seq": 1, "key": 7, "start": "3"}, "start: '3' is not an integer"),
+    (PULL, {"seq": 1, "key": 7, "start": False}, "start: False is not an integer"),
+    (PULL, {"seq": 1, "key": 7}, "fields"),  # protocol 6's pull: no start
     (PULL, {"seq": 1}, "fields"),
     (PUSH, split(PUSH)[0] | {"rows": 0}, "0 rows of 9 slots"),
     (PUSH, split(PUSH)[0] | {"rows": MAX_ROWS + 1}, "rows of 9 slots"),
@@ -125,11 +133,12 @@ def test_corrupt_and_truncated_frames_are_refused(msg: Message) -> None:
 
 
 @pytest.mark.parametrize("msg", KV, ids=lambda m: type(m).__name__)
-def test_a_frame_of_protocol_5_is_refused(msg: Message) -> None:
+def test_a_frame_of_an_older_protocol_is_refused(msg: Message) -> None:
     raw = bytearray(encode(msg))
-    raw[2] = 5
-    with pytest.raises(WireError, match="protocol version 5, expected 6"):
-        decode(bytes(raw))
+    for old in (5, 6):  # 6: a pull without its start slot
+        raw[2] = old
+        with pytest.raises(WireError, match=f"protocol version {old}, expected 7"):
+            decode(bytes(raw))
 
 
 @pytest.mark.parametrize("build,message", [

@@ -54,7 +54,7 @@ def pull(stages: list[StageRunner], key: Hashable, msg: KvPull) -> Iterator[Mess
     sent = 0
     for stage in stages:
         try:
-            arrays = sorted(stage.kv(key).items())
+            arrays = sorted(stage.kv(key, msg.start).items())
         except Exception as e:  # noqa: BLE001 - the coordinator hears why, the worker goes on
             yield KvDone(msg.seq, sent, f"{stage.entry.name}: {type(e).__name__}: {e}")
             return

@@ -46,8 +46,12 @@ class StageLayout:
 class KvSnapshot:
     export: str  # export_identity of the pipeline it came from
     rows: int  # rows of the state (1 for a stream; a decode group's key has one per member)
-    slots: int  # physical KV entries per row, masked ones included (the book's `slots`)
+    slots: int  # physical KV entries per row it holds, masked ones included
     stages: tuple[StageKv, ...]
+    # The first slot it holds: a slice [start, start + slots) of the key's cache, exported
+    # while the prompt is still prefilling (chunk-level transfer); `join` makes whole ones.
+    # Only a whole snapshot (start 0, every slot: the book's `slots`) is imported.
+    start: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -61,20 +65,49 @@ def frozen(arrays: dict[str, np.ndarray]) -> Mapping[str, np.ndarray]:
     return MappingProxyType(arrays)
 
 
-def snapshot(export: str, parts: list[StageKv]) -> KvSnapshot:
-    """The stages' parts as one snapshot. Every stage must hold the same rows and slots: they
-    differ when a step failed part way down the stages (its KV written on the first ones only)."""
+def snapshot(export: str, parts: list[StageKv], start: int = 0) -> KvSnapshot:
+    """The stages' parts as one snapshot (of the slots from `start` on). Every stage must hold
+    the same rows and slots: they differ when a step failed part way down the stages (its KV
+    written on the first ones only)."""
     shapes = {a.shape[0::2] for p in parts for a in p.arrays.values()}
     if len(shapes) != 1:
         raise ShardlineError(f"the stages hold different (rows, slots) for this key: {sorted(shapes)}")
     (rows, slots), = shapes
-    return KvSnapshot(export, int(rows), int(slots), tuple(parts))
+    return KvSnapshot(export, int(rows), int(slots), tuple(parts), start)
+
+
+def join(slices: list[KvSnapshot]) -> KvSnapshot:
+    """Consecutive slices of one key's cache, from slot 0, as one whole snapshot. ShardlineError
+    for slices that leave a gap or overlap, or come from different exports, rows or layouts."""
+    if not slices:
+        raise ShardlineError("no KV slices to join")
+    first, at = slices[0], 0
+    for s in slices:
+        if s.start != at:
+            raise ShardlineError(f"KV slices do not follow each other: one starts at slot {s.start}, expected {at}")
+        if (s.export, s.rows, _layout(s)) != (first.export, first.rows, _layout(first)):
+            raise ShardlineError("KV slices of different exports, rows or state layouts cannot be joined")
+        at += s.slots
+    if len(slices) == 1:
+        return first
+    stages = tuple(StageKv(part.first_layer, part.last_layer, frozen(
+        {name: np.concatenate([s.stages[k].arrays[name] for s in slices], axis=2) for name in part.arrays}))
+        for k, part in enumerate(first.stages))
+    return KvSnapshot(first.export, first.rows, at, stages)
+
+
+def _layout(s: KvSnapshot) -> list[tuple[int, int, list[tuple[str, np.dtype, tuple[int, ...]]]]]:
+    """Each stage's layers and its arrays' names, dtypes and [rows, heads, -, dim] shapes."""
+    return [(p.first_layer, p.last_layer, sorted((n, a.dtype, a.shape[:2] + a.shape[3:]) for n, a in p.arrays.items()))
+            for p in s.stages]
 
 
 def check(snap: KvSnapshot, export: str, layout: list[StageLayout]) -> None:
     """ShardlineError unless `snap` fits, array by array, a pipeline of `export` laid out as `layout`."""
     if snap.export != export:
         raise ShardlineError(f"a KV snapshot of export {snap.export[:24]} cannot go into export {export[:24]}")
+    if snap.start != 0:
+        raise ShardlineError(f"a KV slice from slot {snap.start} cannot be imported: only a whole cache can")
     got = [(s.first_layer, s.last_layer) for s in snap.stages]
     want = [(s.first_layer, s.last_layer) for s in layout]
     if got != want:
@@ -110,7 +143,7 @@ class Handoff:
     _book: KVBook
 
     def __post_init__(self) -> None:
-        if self.kv.rows != 1 or self._book.slots != self.kv.slots:
+        if self.kv.rows != 1 or self.kv.start != 0 or self._book.slots != self.kv.slots:
             raise ShardlineError(f"a book of {self._book.slots} slots for a KV snapshot of {self.kv.rows} rows "
                                  f"of {self.kv.slots} slots (one stream's state has one row)")
 

@@ -67,6 +67,7 @@ class _Export:
     key: int
     export: str
     future: Future[KvSnapshot]
+    start: int = 0  # the first slot copied (a chunk-level transfer's slice); 0: the whole cache
     parts: list[StageKv] = field(default_factory=list)
 
 
@@ -129,12 +130,13 @@ class LocalPipeline:
         self._start_threads()
         self._inboxes[0].put(_Release(key))
 
-    def export_kv(self, key: int) -> Future[KvSnapshot]:
+    def export_kv(self, key: int, start: int = 0) -> Future[KvSnapshot]:
         """A copy of `key`'s KV on every stage, after every step submitted before (the key stays
-        open). Fails (ShardlineError) for a key some stage does not hold, or whose stages disagree."""
+        open): the slots from `start` on (0: all of them). Fails (ShardlineError) for a key some
+        stage does not hold, a start past its slots, or a key whose stages disagree."""
         future: Future[KvSnapshot] = _started()
         self._start_threads()
-        self._inboxes[0].put(_Export(key, self.identity, future))
+        self._inboxes[0].put(_Export(key, self.identity, future, start))
         return future
 
     def import_kv(self, key: int, snap: KvSnapshot) -> Future[None]:
@@ -257,9 +259,9 @@ def _apply(k: int, stage: StageRunner, work: _Control, last: bool) -> bool:
         stage.close(work.key)
     elif isinstance(work, _Export):
         e = stage.entry
-        work.parts.append(StageKv(e.first_layer, e.last_layer, frozen(stage.kv(work.key))))
+        work.parts.append(StageKv(e.first_layer, e.last_layer, frozen(stage.kv(work.key, work.start))))
         if last:
-            work.future.set_result(snapshot(work.export, work.parts))
+            work.future.set_result(snapshot(work.export, work.parts, work.start))
     elif isinstance(work, _Import):
         write_kv(stage, work.key, work.snapshot.stages[k])
         if last:

@@ -186,9 +186,9 @@ class RemotePipeline:
     def release(self, key: int) -> None:
         self._inbox.put(_Release(key))
 
-    def export_kv(self, key: int) -> Future[KvSnapshot]:
+    def export_kv(self, key: int, start: int = 0) -> Future[KvSnapshot]:
         """As LocalPipeline's; it also fails when the chain breaks under it."""
-        return self.kv.export(key, self._inbox.put)
+        return self.kv.export(key, self._inbox.put, start)
 
     def import_kv(self, key: int, snap: KvSnapshot) -> Future[None]:
         """As LocalPipeline's; it also fails when the chain breaks under it."""

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -52,6 +52,7 @@ def started() -> Future[Any]:
 class KvExport:
     key: int
     future: Future[KvSnapshot]
+    start: int = 0  # the first slot copied (chunk-level transfer); 0: the whole cache
 
 
 @dataclass(frozen=True)
@@ -118,10 +119,11 @@ class KvMoves:
 
     # --- the caller's thread ----------------------------------------------------------------------
 
-    def export(self, key: int, queue_up: Callable[[KvWork], None]) -> Future[KvSnapshot]:
-        """A copy of `key`'s KV on every stage once the stage-0 thread takes it (the key stays open)."""
+    def export(self, key: int, queue_up: Callable[[KvWork], None], start: int = 0) -> Future[KvSnapshot]:
+        """A copy of `key`'s KV from slot `start` on, on every stage, once the stage-0 thread
+        takes it (the key stays open)."""
         future: Future[KvSnapshot] = started()
-        queue_up(KvExport(key, future))
+        queue_up(KvExport(key, future, start))
         return future
 
     def import_(self, key: int, snap: KvSnapshot, queue_up: Callable[[KvWork], None]) -> Future[None]:
@@ -142,13 +144,15 @@ class KvMoves:
         """The messages for each of `workers`, and stage 0's part: an export's copy, an import's
         write. ShardlineError, with stage 0 as it was, when either cannot be done."""
         if isinstance(work, KvExport):
-            sends: list[list[KvPull | KvPush | KvPart]] = [[KvPull(seq, work.key)] for _ in range(workers)]
+            sends: list[list[KvPull | KvPush | KvPart]] = [[KvPull(seq, work.key, work.start)]
+                                                           for _ in range(workers)]
         else:
             sends = [_pushes(work, seq, i, workers) for i in range(workers)]
         try:
             if isinstance(work, KvExport):
                 e = self.stage0.entry
-                return _Move(work, seq, sends, StageKv(e.first_layer, e.last_layer, frozen(self.stage0.kv(work.key))))
+                head = StageKv(e.first_layer, e.last_layer, frozen(self.stage0.kv(work.key, work.start)))
+                return _Move(work, seq, sends, head)
             write_kv(self.stage0, work.key, work.snap.stages[0])
             return _Move(work, seq, sends, None)
         except Exception as e:  # noqa: BLE001 - the move fails with the reason; the thread goes on
@@ -278,8 +282,11 @@ class KvMoves:
         stages: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         for part in (p for parts in move.parts for p in parts):
             stages.setdefault((part.first_layer, part.last_layer), {})[part.name] = part.state
-        snap = snapshot(self.identity, [move.head, *(StageKv(f, la, frozen(a)) for (f, la), a in stages.items())])
-        check(snap, self.identity, self.layout())
+        assert isinstance(move.work, KvExport)
+        start = move.work.start
+        snap = snapshot(self.identity, [move.head, *(StageKv(f, la, frozen(a)) for (f, la), a in stages.items())],
+                        start)
+        check(replace(snap, start=0), self.identity, self.layout())  # a slice fits as a whole cache would
         return snap
 
     def _undo(self, move: _Move) -> None:

@@ -95,9 +95,14 @@ class StageRunner:
     def rows(self, key: Key) -> int:
         return self._held(key).rows
 
-    def kv(self, key: Key) -> dict[str, np.ndarray]:
-        """A copy of the key's KV state: variable name -> [B, kv_heads, slots, head_dim]."""
-        return {s.name: s.state.data.copy() for s in self._held(key).request.query_state()}
+    def kv(self, key: Key, start: int = 0) -> dict[str, np.ndarray]:
+        """A copy of the key's KV state from slot `start` on: variable name -> [B, kv_heads,
+        slots - start, head_dim] (a chunk-level transfer copies only what it has not sent).
+        StepRefused for a start past the key's slots."""
+        held = self._held(key)
+        if not 0 <= start <= held.slots:
+            raise StepRefused(f"KV from slot {start} of key {_shown(key)}, which holds {held.slots}")
+        return {s.name: s.state.data[:, :, start:].copy() for s in held.request.query_state()}
 
     def set_kv(self, key: Key, kv: dict[str, np.ndarray]) -> None:
         """Replace the key's whole KV state (OpenVINO sets a variable as a whole)."""

@@ -1,4 +1,4 @@
-"""The closed set of messages that travel between coordinator and stage workers (protocol 6).
+"""The closed set of messages that travel between coordinator and stage workers (protocol 7).
 
 Every message is a frozen dataclass with a fixed kind number. Scalar fields travel as JSON and
 are checked against their declared types on decode (an int is not a bool, an enum takes only
@@ -21,8 +21,9 @@ from shardline.config import SamplingParams
 # 2: Forward and Sampled carry `hops`; 3: rows (decode groups); 4: multi-token steps with
 # chosen sample positions, explicit first step, run-length masks, typed sampling, sessions;
 # 5: `compact` (speculation drops masked slots), verify draws against a draft distribution;
-# 6: a key's KV moves over the coordinator's links (KvPull, KvPush, KvPart, KvDone).
-PROTOCOL = 6
+# 6: a key's KV moves over the coordinator's links (KvPull, KvPush, KvPart, KvDone);
+# 7: KvPull.start, the slots from which a pull copies (chunk-level KV transfer).
+PROTOCOL = 7
 MAX_SUPPORT = 64  # token ids of a draft distribution sent per sampled position
 
 # One row of `hops` per stage a step has run through, appended by the process that ran it:
@@ -363,17 +364,20 @@ def _check_seq(seq: int) -> None:
 
 @dataclass(frozen=True)
 class KvPull:
-    """Coordinator -> worker: a copy of `key`'s KV on each of its stages (the key stays open).
-    The answer: a KvPart per state variable, then a KvDone (its error says why none, e.g. an
-    unknown key). `key` is any key a step may hold (a decode group's are negative)."""
+    """Coordinator -> worker: a copy of `key`'s KV from slot `start` on, on each of its stages
+    (the key stays open). The answer: a KvPart per state variable, then a KvDone (its error says
+    why none, e.g. an unknown key or a start past its slots). `key` is any key a step may hold
+    (a decode group's are negative)."""
 
     KIND: ClassVar[int] = 10
     ARRAYS: ClassVar[dict[str, Arr]] = {}
     seq: int
     key: int
+    start: int = 0  # the first slot copied: the slots a chunk-level transfer has not sent yet
 
     def __post_init__(self) -> None:
         _check_seq(self.seq)
+        _need(0 <= self.start <= MAX_SLOTS, f"a start slot of {self.start}")
 
 
 @dataclass(frozen=True)
