@@ -113,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-policy", default="fcfs", help="a prefill instance's order: fcfs, sjf or ljf")
     s.add_argument("--flip", action="store_true", help="idle instances change role when the other role's "
                    "queues are under pressure (with --disaggregate)")
+    s.add_argument("--kv-transfer", default="request", help="KV from prefill to decode instance (with "
+                   "--disaggregate): request (the whole cache after the prefill) or chunk (each prompt chunk's "
+                   "as soon as it has run)")
     s.add_argument("--length-predictor", default="auto", metavar="auto|max-tokens|FILE",
                    help="how prefill instances predict decode lengths (with --disaggregate): the bundled model "
                    "trained on stage 0's hidden states when it fits the export (auto), each request's "
@@ -330,7 +333,7 @@ def _serve(args: argparse.Namespace) -> int:
                       cors_origins=tuple(args.cors_origin),
                       disaggregate=disaggregation(args.disaggregate) if args.disaggregate else None,
                       admission=args.admission, prefill_policy=args.prefill_policy, flip=args.flip,
-                      length_predictor=args.length_predictor)
+                      length_predictor=args.length_predictor, kv_transfer=args.kv_transfer)
     run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
     if cfg.disaggregate and args.draft:
         raise ShardlineError("--disaggregate runs without speculation: it cannot be combined with --draft yet")

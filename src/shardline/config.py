@@ -231,6 +231,9 @@ class ServeConfig:
     # when it fits the export, else "max-tokens"), "max-tokens" (the request's own cap), or the
     # path of a model made by disagg/length_train.py.
     length_predictor: str = "auto"
+    # KV from prefill to decode instance: "request" (the whole cache once the first token is
+    # out) or "chunk" (each prompt chunk's slots as soon as it has run, overlapping the prefill).
+    kv_transfer: str = "request"
 
     def __post_init__(self) -> None:
         if self.decode_groups is not None and self.decode_groups < 0:
@@ -262,6 +265,8 @@ class ServeConfig:
                                  f"got {self.prefill_policy!r}")
         if not 1 <= len(self.length_predictor) <= 4096 or "\0" in self.length_predictor:
             raise ShardlineError("--length-predictor must be auto, max-tokens or a model file's path")
+        if self.kv_transfer not in KV_TRANSFERS:
+            raise ShardlineError(f"--kv-transfer must be one of {', '.join(KV_TRANSFERS)}, got {self.kv_transfer!r}")
         if len(self.cors_origins) > 32:
             raise ShardlineError(f"at most 32 --cors-origin, got {len(self.cors_origins)}")
         for origin in self.cors_origins:
@@ -271,6 +276,7 @@ class ServeConfig:
 
 ADMISSIONS = ("vanilla", "reserve-static", "reserve-dynamic")  # disagg/instance.py Admission
 PREFILL_POLICIES = ("fcfs", "sjf", "ljf")  # disagg/policies.py PrefillPolicy
+KV_TRANSFERS = ("request", "chunk")  # disagg/prefill.py PrefillEngine(chunked_kv=...)
 
 
 def disaggregation(text: str) -> tuple[int, int]:

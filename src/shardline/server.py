@@ -149,7 +149,7 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
 
     def prefill_on(pipe: Pipeline) -> PrefillEngine:
         return PrefillEngine(pipe, limits, context, cfg.prefill_chunk, front.dispatch, predict,
-                             PrefillPolicy(cfg.prefill_policy), replays=replays)
+                             PrefillPolicy(cfg.prefill_policy), replays=replays, chunked_kv=cfg.kv_transfer == "chunk")
 
     def decode_on(pipe: Pipeline) -> DecodeEngine:
         return DecodeEngine(pipe, limits, context, scheduling(cfg, len(manifest.stages), bool(workers)),

@@ -1,7 +1,8 @@
 """`shardline serve --disaggregate 1:1 --workers A,B` (issue 13): a prefill and a decode instance,
 each with stage 0 in the server and stage 1 on a worker process of its own, over mutual TLS on
-loopback. Every prompt is prefilled on A's chain, its KV pulled from A and pushed to B over the
-links, and decoded on B's: greedy answers equal a coupled run's, concurrent and streamed. The
+loopback. Every prompt is prefilled on A's chain in chunks of 16, each chunk's KV pulled from A
+as soon as it has run (`--kv-transfer chunk`), the whole pushed to B over the links, and decoded
+on B's: greedy answers equal a coupled run's, concurrent and streamed. The
 bundled length predictor reads stage 0's summaries there too. A worker count that does not fit
 the instances gets a clear error before anything starts."""
 
@@ -51,7 +52,7 @@ def server(balanced: Path, cluster: Path) -> Iterator[tuple[Proc, list[Proc]]]:
     try:
         s = serve(["--shards", str(balanced), "--port", "0", "--model-id", MODEL, "--disaggregate", "1:1",
                    "--workers", ",".join(w.addr for w in workers), "--credentials", str(cluster / "node-0"),
-                   "--max-streams", "4"])
+                   "--max-streams", "4", "--kv-transfer", "chunk", "--prefill-chunk", "16"])
     except BaseException:
         for w in workers:
             w.stop()

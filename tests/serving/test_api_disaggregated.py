@@ -103,6 +103,7 @@ def test_health_and_metrics_after_the_requests(server: Server, client: openai.Op
     (["--disaggregate", "1:1", "--length-predictor", str(BUNDLED)],  # `two` is split evenly
      "--length-predictor: the length predictor was trained for stage0_layers [0, 18]; this export has [0, 14]"),
     (["--disaggregate", "1:1", "--length-predictor", ""], "--length-predictor must be auto, max-tokens or a model"),
+    (["--disaggregate", "1:1", "--kv-transfer", "layer"], "--kv-transfer must be one of request, chunk, got 'layer'"),
 ])
 def test_bad_flags_get_a_clear_error(two: Path, flags: list[str], said: str) -> None:
     done = subprocess.run([SHARDLINE, "serve", "--shards", str(two), "--port", "0", *flags],

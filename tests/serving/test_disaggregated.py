@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -20,6 +22,7 @@ from shardline.disagg.policies import PrefillPolicy
 from shardline.disagg.prefill import Moving, PrefillEngine, oracle_predict
 from shardline.disagg.state import Role
 from shardline.model.tokenizer import ChatTokenizer
+from shardline.pipeline.kv import KvSnapshot
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.plan import Pipeline
 from shardline.serving.admission import Limits
@@ -88,10 +91,10 @@ def _run(serving: Serving, requests: list[Request]) -> list[tuple[list[int], str
     return got.wait()
 
 
-def _front(pipes: list[LocalPipeline], decodes: int, admission: Admission = Admission.RESERVE_DYNAMIC,
-           decode_streams: int = 8, policy: PrefillPolicy = PrefillPolicy.FCFS) -> Disaggregated:
+def _front(pipes: list[Pipeline], decodes: int, admission: Admission = Admission.RESERVE_DYNAMIC,
+           decode_streams: int = 8, policy: PrefillPolicy = PrefillPolicy.FCFS, chunked: bool = False) -> Disaggregated:
     front = Disaggregated(FrontConfig(heavy_from=64, period_s=0.02))
-    prefill = PrefillEngine(pipes[0], Limits(8, 16), CONTEXT, 16, front.dispatch, PREDICT, policy)
+    prefill = PrefillEngine(pipes[0], Limits(8, 16), CONTEXT, 16, front.dispatch, PREDICT, policy, chunked_kv=chunked)
     decode = {f"decode-{i}": DecodeEngine(pipes[1 + i], Limits(decode_streams, 16), CONTEXT,
                                           SchedulerConfig(chunk=16, groups=1), admission,
                                           decode_streams * CONTEXT, 64) for i in range(decodes)}
@@ -109,12 +112,13 @@ def coupled(pipes: list[LocalPipeline], prompts: list[list[int]],
         engine.stop()
 
 
-@pytest.mark.parametrize("decodes", [1, 2])
+@pytest.mark.parametrize("decodes, chunked", [(1, False), (2, False), (1, True)])
 def test_tokens_equal_a_coupled_engine(pipes: list[LocalPipeline], prompts: list[list[int]],
                                        stop_ids: frozenset[int], coupled: list[tuple[list[int], str]],
-                                       decodes: int) -> None:
+                                       decodes: int, chunked: bool) -> None:
+    """Request-level KV transfer to one or two decode instances, and chunk-level to one."""
     assert [f for _, f in coupled] != ["length"] * len(CASES) or all(t for t, _ in coupled)
-    front = _front(pipes, decodes)
+    front = _front(list(pipes), decodes, chunked=chunked)
     try:
         got = _run(front, _requests(prompts, stop_ids))
         assert got == coupled
@@ -123,6 +127,41 @@ def test_tokens_equal_a_coupled_engine(pipes: list[LocalPipeline], prompts: list
         assert all(x.running == 0 and x.queued == 0 for x in used)
     finally:
         front.stop()
+
+
+class Exports:
+    """A pipeline that records every KV export asked of it (key, start), and runs it."""
+
+    def __init__(self, pipe: LocalPipeline) -> None:
+        self.pipe, self.asked = pipe, list[tuple[int, int]]()
+
+    def export_kv(self, key: int, start: int = 0) -> Future[KvSnapshot]:
+        self.asked.append((key, start))
+        return self.pipe.export_kv(key, start)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pipe, name)
+
+
+def test_chunk_level_transfer_exports_each_chunk_once_it_has_run(pipes: list[LocalPipeline],
+                                                                  prompts: list[list[int]],
+                                                                  stop_ids: frozenset[int],
+                                                                  coupled: list[tuple[list[int], str]]) -> None:
+    """Chunks of 16: each prompt's slots go out 16 at a time, the last chunk's as it leaves;
+    a request done at its first token leaves nothing to move (its slices were exported and
+    dropped); every request gets its coupled tokens."""
+    spy = Exports(pipes[0])
+    front = _front([cast(Pipeline, spy), *pipes[1:]], 1, chunked=True)
+    try:
+        assert _run(front, _requests(prompts, stop_ids)) == coupled
+    finally:
+        front.stop()
+    by_key: dict[int, list[int]] = {}
+    for key, start in spy.asked:
+        by_key.setdefault(key, []).append(start)
+    chunks = sorted(-(-len(prompts[i]) // 16) - (n == 1) for i, n, *_ in CASES)  # max_tokens 1: no last slice
+    assert sorted(len(starts) for starts in by_key.values()) == chunks
+    assert all(starts == list(range(0, 16 * len(starts), 16)) for starts in by_key.values())
 
 
 def test_cancels_on_the_way_end_their_request_alone(pipes: list[LocalPipeline], prompts: list[list[int]],

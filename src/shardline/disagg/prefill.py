@@ -29,7 +29,7 @@ from shardline.disagg.predictor import LengthPredictor
 from shardline.disagg.state import LengthRange, PrefillLoad, bucket
 from shardline.errors import ShardlineError
 from shardline.pipeline.hidden import PromptHidden
-from shardline.pipeline.kv import Handoff, KvSnapshot, handoff
+from shardline.pipeline.kv import Handoff, KvSnapshot, handoff, join
 from shardline.pipeline.plan import Outcome, Pipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Ticket
@@ -58,10 +58,22 @@ class Moving:
 
 @dataclass(eq=False)
 class _Export:
+    """A stream leaving: its KV's slices on their way out of the stages (one, the whole cache,
+    for a request-level transfer; the chunks' slices and the rest for a chunk-level one)."""
+
     ticket: Ticket
     stream: Stream
     predicted: LengthRange
-    future: Future[KvSnapshot]
+    slices: list[Future[KvSnapshot]]
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.slices)
+
+    def error(self) -> BaseException | None:
+        return next((e for f in self.slices if (e := f.exception()) is not None), None)
+
+    def kv(self) -> KvSnapshot:
+        return join([f.result() for f in self.slices])
 
 
 # A prefilled stream's predicted decode length, named as it leaves: from its request (an oracle)
@@ -73,8 +85,12 @@ class PrefillEngine(Engine):
     def __init__(self, pipe: Pipeline, limits: Limits, max_context: int, chunk: int,
                  send: Callable[[Moving], None], predict: Predict,
                  policy: PrefillPolicy = PrefillPolicy.FCFS, batch: int = DEFAULT_PREFILL_BATCH,
-                 replays: Replays | None = None) -> None:
+                 replays: Replays | None = None, chunked_kv: bool = False) -> None:
+        """`chunked_kv`: chunk-level KV transfer. Each prompt chunk's slots are exported once it
+        has run (in queue order, before the stream's next chunk), so a leaving stream's export
+        is its last chunk's slots alone; else the whole cache is exported as it leaves."""
         self.send, self.predict, self.policy, self.batch = send, predict, policy, batch
+        self.chunked_kv = chunked_kv
         self._batch_left = 0  # tickets at the head of the queue that form the current batch
         self._exports: deque[_Export] = deque()  # engine thread only
         # No decode groups: a stream never decodes here. One prompt at a time, in policy order.
@@ -124,18 +140,30 @@ class PrefillEngine(Engine):
     def _stepped(self, stream: Stream) -> None:
         if stream.decoding and not stream.done:
             self._leave(stream)
+        elif self.chunked_kv and not stream.decoding:
+            stream.kv_sent.append(self._export_rest(stream))
+
+    def _export_rest(self, stream: Stream) -> Future[KvSnapshot]:
+        """The slots of `stream`'s cache not exported yet, queued behind its steps so far (none
+        is in flight: the book's slots are those the stages hold)."""
+        future = self.pipe.export_kv(stream.id, stream.kv_through)
+        stream.kv_through = stream.book.slots
+        return future
 
     def _leave(self, stream: Stream) -> None:
-        """`stream` has its first token: its KV is exported, then its key released (queue order)."""
+        """`stream` has its first token: the rest of its KV is exported (all of it, unless
+        chunk by chunk), then its key released (queue order)."""
         ticket = self._ticket(stream)
-        future = self.pipe.export_kv(stream.id)
+        slices = [*stream.kv_sent, self._export_rest(stream)]
+        stream.kv_sent, stream.kv_through = [], 0  # the slices leave with the export, not the stream
         self.scheduler.remove(stream)
         self._release_slot()
         ticket.stream = None
         predicted = self.predict(stream)
         stream.expect = predicted.lo
-        self._exports.append(_Export(ticket, stream, predicted, future))
-        future.add_done_callback(lambda _: self.pipe.wake())
+        self._exports.append(_Export(ticket, stream, predicted, slices))
+        for f in slices:
+            f.add_done_callback(lambda _: self.pipe.wake())
 
     def _admit(self) -> None:
         self._hand_on()
@@ -143,18 +171,24 @@ class PrefillEngine(Engine):
 
     def _hand_on(self) -> None:
         """Exports that finished go on to `send`, in the order they left."""
-        while self._exports and self._exports[0].future.done():
+        while self._exports and self._exports[0].done():
             x = self._exports.popleft()
-            if (error := x.future.exception()) is not None:
+            kv, error = None, x.error()
+            if error is None:
+                try:
+                    kv = x.kv()
+                except ShardlineError as e:  # slices that do not join
+                    error = e
+            if error is not None or kv is None:
                 x.ticket.on_event(Event(None, finish="error", error=f"the KV export failed: {error}"))
             elif x.ticket.cancelled:
                 x.ticket.on_event(Event(None, finish="cancelled"))
             else:
-                self._send(x)
+                self._send(x, kv)
 
-    def _send(self, x: _Export) -> None:
+    def _send(self, x: _Export, kv: KvSnapshot) -> None:
         try:
-            self.send(Moving(x.ticket, x.stream, handoff(x.future.result(), x.stream.book), x.predicted))
+            self.send(Moving(x.ticket, x.stream, handoff(kv, x.stream.book), x.predicted))
         except Exception as e:  # noqa: BLE001 - no decode instance takes it: this request alone fails
             log.warning("request %d: no decode instance took it (%s: %s)", x.ticket.id, type(e).__name__, e)
             x.ticket.on_event(Event(None, finish="error", error=f"no decode instance took the request: {e}"))

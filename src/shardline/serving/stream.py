@@ -8,11 +8,13 @@ emitted is emitted again and its (seed, position) draws are the ones it would ha
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardline.config import SamplingParams
 from shardline.pipeline.hidden import PromptHidden
+from shardline.pipeline.kv import KvSnapshot
 from shardline.serving.speculation import Speculation
 from shardline.stage.cache import KVBook
 
@@ -41,6 +43,10 @@ class Stream:
     # What stage 0 saw of its prefix so far, on a prefill instance whose pipeline summarizes
     # (the length predictor's input; pipeline/hidden.py). A restart prefills anew: None again.
     hidden: PromptHidden | None = None
+    # Slices of its KV already exported, in slot order, on a prefill instance that transfers
+    # chunk by chunk (each chunk's slots as soon as it has run; disagg/prefill.py).
+    kv_sent: list[Future[KvSnapshot]] = field(default_factory=list)
+    kv_through: int = 0  # the slots those slices cover: [0, kv_through)
 
     @property
     def prefilling(self) -> bool:
@@ -57,6 +63,7 @@ class Stream:
         if self.in_flight:
             raise ValueError(f"stream {self.id} still has a step in flight")
         self.id, self.book, self.prefilled, self.sent, self.hidden = key, KVBook(), 0, None, None
+        self.kv_sent, self.kv_through = [], 0  # slices of the old key: the new one is exported anew
         self.resumed = len(self.generated)
         self.replays += 1
         if self.spec is not None:
