@@ -220,7 +220,7 @@ def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | N
     else:
         engine, manifest = open_engine(folder, run, cfg, workers, spec=spec, credentials=credentials)
     served = Served(engine, ChatTokenizer(folder), model_id(manifest, cfg), cfg.default_max_tokens,
-                    cfg.max_body_bytes, api_key=cfg.api_key, cors_origins=cfg.cors_origins)
+                    cfg.max_body_bytes, api_key=cfg.api_key, cors_origins=cfg.cors_origins, precision=run.precision)
     sock = socket.create_server((cfg.host, cfg.port))  # bound here, so port 0 reports its real port
     host, port = sock.getsockname()[:2]
     print(f"serving {served.model_id} ({len(manifest.stages)} stages, up to {engine.limits.max_streams} streams) "

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app: /v1/chat/completions, /v1/completions, /v1/models,
-/health and /metrics. Errors use OpenAI's JSON error format, whatever their source: a bad field,
-an oversized body, a prompt the template or the tokenizer cannot take, a full server or an
+/health and /metrics; and the pages for people (api/pages.py: the chat at /, the fleet at
+/fleet). Errors use OpenAI's JSON error format, whatever their source: a bad field, an
+oversized body, a prompt the template or the tokenizer cannot take, a full server or an
 engine that has stopped."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from shardline.api.generation import Generation, check_alive
 from shardline.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from shardline.api.logprobs import ChatLogprobs, LegacyLogprobs, TokenLogprob, TokenText
 from shardline.api.metrics import ServerMetrics
+from shardline.api.pages import add_pages
 from shardline.api.prompt import tokenize
 from shardline.api.schemas import ApiError, ChatRequest, CompletionRequest, Sampling, now, usage
 from shardline.model.tokenizer import ChatTokenizer
@@ -45,6 +47,7 @@ class Served:
     retry_after_s: int = 1  # Retry-After of a 429 when every stream and queue slot is taken
     api_key: str | None = None  # required of /v1 requests when set (api/auth.py)
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (none: CORS off)
+    precision: str = "exact"  # the run precision of this process's stages (the fleet page shows it)
 
 
 class Json(JSONResponse):
@@ -66,6 +69,7 @@ def build_app(served: Served) -> FastAPI:
     metrics = ServerMetrics(served.engine)
     token_text = TokenText(served.tok)
     _errors(app)
+    add_pages(app, served, Json)
 
     def generation(endpoint: str, prompt: list[int], body: Sampling) -> Generation:
         return Generation(served.engine, served.tok, metrics, endpoint, prompt, body, served.default_max_tokens,

@@ -33,7 +33,7 @@ from shardline.pipeline import metrics
 from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import KvSnapshot, StageKv, StageLayout, check, export_identity, frozen, snapshot
-from shardline.pipeline.plan import DecodeStep, Outcome, PrefillStep, Step
+from shardline.pipeline.plan import DecodeStep, Outcome, Placed, PrefillStep, Step
 from shardline.pipeline.timing import Timing
 from shardline.stage.cache import StepInputs, logits_index
 from shardline.stage.merge import prepare as prepare_stage
@@ -168,6 +168,9 @@ class LocalPipeline:
 
     def idle(self) -> bool:
         return False  # every stage's work runs here: never free for other graph work meanwhile
+
+    def placement(self) -> list[Placed]:
+        return [Placed(s.entry.first_layer, s.entry.last_layer, "this process") for s in self.stages]
 
     def shutdown(self) -> None:
         """Stop the stage threads once every step and release submitted before has run."""
@@ -336,7 +339,7 @@ def finish(outbox: Outbox, step: Step, logits: np.ndarray, pick: np.ndarray, tim
     drafted = step.drafted if isinstance(step, DecodeStep) else None
     choices = choose_at(logits, step.sample_at, pick, step.inputs.position_ids, list(step.sampling),
                         step.want_logits, drafted)
-    metrics.observe(timing)
+    metrics.observe(timing, len(step.streams))
     rows = step.sample_at[:, 0].tolist()
     for r, stream in enumerate(step.streams):
         mine = tuple(c for c, row in zip(choices, rows, strict=True) if row == r)

@@ -11,11 +11,16 @@ come back to it with the token (timing.py), and workers stay free of metrics.
     shardline_worker_host_seconds{phase}             workers' other work (queueing, sampling)
     shardline_coordinator_host_seconds{phase}        the coordinator's other work
     shardline_step_seconds{phase}                    the coordinator's round trip of one step
+
+Besides, the last steps are kept (`recent`, with or without prometheus-client) for figures of
+the last few seconds: the fleet page's graph time per token and tokens per second (api/fleet.py).
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from typing import Any
 
 from shardline.pipeline.timing import Timing
@@ -24,6 +29,8 @@ from shardline.pipeline.timing import Timing
 BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
            2.5, 5.0, 10.0)
 _lock = threading.Lock()
+RECENT_STEPS = 4096  # bounded whatever the rate: a few seconds of the busiest serving
+_recent: deque[tuple[float, Timing, int]] = deque(maxlen=RECENT_STEPS)  # (monotonic time, timing, rows)
 _histograms: dict[str, Any] | None = None
 _unavailable = False
 
@@ -53,7 +60,17 @@ def _get() -> dict[str, Any] | None:
         return _histograms
 
 
-def observe(t: Timing) -> None:
+def recent(window_s: float) -> list[tuple[float, Timing, int]]:
+    """The steps observed in the last `window_s` seconds: (when, timing, rows), oldest first."""
+    since = time.monotonic() - window_s
+    with _lock:
+        return [x for x in _recent if x[0] >= since]
+
+
+def observe(t: Timing, rows: int = 1) -> None:
+    """One step of `rows` streams done (each got at least one token if it sampled)."""
+    with _lock:
+        _recent.append((time.monotonic(), t, rows))
     m = _get()
     if m is None:
         return

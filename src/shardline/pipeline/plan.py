@@ -105,6 +105,17 @@ class Outcome:
         return bool(self.error)
 
 
+@dataclass(frozen=True)
+class Placed:
+    """Where a run of stages runs and whether it is up (the fleet page's chain, api/fleet.py)."""
+
+    first_layer: int
+    last_layer: int
+    where: str  # "this process", or a worker's HOST:PORT
+    up: bool = True
+    why: str = ""  # why it is down
+
+
 class Pipeline(Protocol):
     """Runs step plans through every stage; one Outcome per row comes out of `outcomes`."""
 
@@ -119,6 +130,7 @@ class Pipeline(Protocol):
     def wake(self) -> None: ...
     def idle(self) -> bool: ...  # no graph work of this pipeline runs or waits on this machine
     def shutdown(self) -> None: ...
+    def placement(self) -> list[Placed]: ...  # in chain order, from stage 0 (any thread)
 
 
 def prefill(stream: int, book: KVBook, tokens: list[int], params: SamplingParams, *, first: bool,

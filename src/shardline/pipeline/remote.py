@@ -47,7 +47,7 @@ from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import KvSnapshot
 from shardline.pipeline.local import prepare
-from shardline.pipeline.plan import Outcome, PrefillStep, Step
+from shardline.pipeline.plan import Outcome, Placed, PrefillStep, Step
 from shardline.pipeline.remote_kv import KV_S, KvExport, KvHeld, KvImport, KvMoves, KvWork
 from shardline.pipeline.repair import reopen
 from shardline.pipeline.star import StarRefused, relay
@@ -199,6 +199,22 @@ class RemotePipeline:
 
     def wake(self) -> None:
         self.outbox.wake()
+
+    def placement(self) -> list[Placed]:
+        """Stage 0 here, then each worker with the layers it answered its handshake with. While
+        the chain is broken, a worker the reason names is down (a link of it ended, it refused or
+        stopped answering); a break that names none marks every worker."""
+        with self._lock:
+            links, broken = list(self.links), self._broken
+        e0 = self.manifest.stages[0]
+        out = [Placed(e0.first_layer, e0.last_layer, "this process")]
+        named = [w for w in self.workers if broken and w in broken]
+        for i, addr in enumerate(self.workers):
+            peer = links[i].peer if i < len(links) else None
+            first, last = (peer.first_layer, peer.last_layer) if peer else (-1, -1)
+            down = bool(broken) and (addr in named or not named)
+            out.append(Placed(first, last, addr, not down, (broken or "") if down else ""))
+        return out
 
     def idle(self) -> bool:
         """Whether stage 0 has run every submitted step (the rest is on workers and links)."""
@@ -389,7 +405,7 @@ class RemotePipeline:
         for r, stream in enumerate(step.streams):
             mine = tuple(choice(msg, e, step.sampling[r].top_logprobs) for e, row in enumerate(rows) if row == r)
             self.outbox.put(Outcome(stream, mine, timing=timing, hidden=sent.hidden))
-        metrics.observe(timing)  # after the puts: the consumer need not wait for it
+        metrics.observe(timing, len(step.streams))  # after the puts: the consumer need not wait for it
 
 def _close_all(links: list[Link]) -> None:
     for link in links:

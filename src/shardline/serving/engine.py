@@ -123,6 +123,7 @@ class Engine:
         self._ids = count()
         self._running = True
         self.failed: str | None = None  # why the engine thread stopped, if it did (then unhealthy)
+        self.groups_live = 0  # decode groups with members after the last round (read by any thread)
         self._thread = threading.Thread(target=self._loop, daemon=True, name="engine")
         self._thread.start()
         trim_memory_every()  # streams come and go for as long as it runs
@@ -211,7 +212,9 @@ class Engine:
         # joiner merged into its key), and a release after that merge would free the new state.
         for key in self.scheduler.releases():
             self.pipe.release(key)
-        for step in self.scheduler.plan():
+        plan = self.scheduler.plan()
+        self.groups_live = sum(1 for g in self.scheduler.groups if g.members())
+        for step in plan:
             if isinstance(step, DecodeStep):
                 self.spec.launched(step)
             try:

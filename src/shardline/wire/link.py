@@ -70,6 +70,7 @@ class Link:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.last_decode_s = 0.0  # decode time of the last message `recv` returned (one reader)
+        self.peer: Hello | None = None  # the Hello the other side answered with, once shaken hands
         # The largest payload `recv` accepts: small until the handshake raises it (see chunk_payload).
         self.max_payload = HANDSHAKE_PAYLOAD
         self.frame_timeout = frame_timeout
@@ -270,6 +271,7 @@ def client_handshake(link: Link, mine: Hello, check: Callable[[Hello], str | Non
         if reason := _why_not(link, theirs, check):
             raise refuse(link, reason)
     assert isinstance(theirs, Hello)
+    link.peer = theirs
     return theirs
 
 
@@ -288,4 +290,5 @@ def server_handshake(link: Link, mine: Hello | Callable[[Hello], Hello],
         if reason := check(theirs):
             raise refuse(link, reason)
         link.send(answer)
+    link.peer = theirs
     return theirs
