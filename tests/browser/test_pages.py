@@ -161,7 +161,7 @@ def three(shards: Callable[..., Path]) -> Path:
 STAGES_JS = """return [...document.querySelectorAll('#chain .stage')].map(b => ({
   where: b.dataset.where, health: b.dataset.health, title: b.querySelector('h3').textContent,
   layers: b.querySelector('.layers').textContent, graph: b.querySelector('.graph').textContent,
-  why: b.querySelector('.why').textContent, hops: document.querySelectorAll('#chain .hop').length}))"""
+  why: b.querySelector('.why').textContent, kv: b.querySelector('.kv').textContent, hops: document.querySelectorAll('#chain .hop').length}))"""
 
 
 def _stages(driver: WebDriver) -> list[dict[str, Any]]:
@@ -184,7 +184,7 @@ def test_the_fleet_page_draws_the_chain_and_marks_a_killed_worker(browser: WebDr
                 ("coordinator", "this process", "up"), (workers[0].addr, workers[0].addr, "up"),
                 (workers[1].addr, workers[1].addr, "up")]
             assert [s["layers"] for s in stages] == ["0–9", "10–19", "20–29"] and stages[0]["hops"] == 2
-            assert all(s["graph"] == "–" for s in stages)  # nothing ran yet
+            assert all(s["graph"] == "–" and s["kv"] == "0 MB" for s in stages)  # nothing ran yet
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT_PROMPTS[0]}],
                                            max_tokens=8, temperature=0)
             _wait(browser, 10, lambda d: all(s["graph"].endswith(" ms") for s in _stages(d)),

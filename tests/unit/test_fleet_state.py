@@ -24,7 +24,7 @@ BASE = Readings(
     steps=[(100.0, _decode({0: 0.004, 1: 0.006, 2: 0.008}, 0.002), 2),
            (101.0, _decode({0: 0.004, 1: 0.006, 2: 0.008}, 0.004), 2),
            (101.5, Timing("prefill", 0.5, {0: 0.1, 1: 0.2, 2: 0.2}, 0, 0, 0, 0, 0.0), 1)],
-    now=102.0, drafted=10, accepted=7, rss_bytes=512 * 2**20)
+    now=102.0, drafted=10, accepted=7, rss_bytes=512 * 2**20, kv_slots=2048, kv_token_bytes_per_layer=1024)
 
 
 def test_the_chain_its_health_and_recent_figures() -> None:
@@ -39,6 +39,7 @@ def test_the_chain_its_health_and_recent_figures() -> None:
     assert f["streams"] == {"active": 2, "waiting": 1, "max": 8, "decode_groups": 1}
     assert f["speculation"] == {"drafted": 10, "accepted": 7, "acceptance": 0.7}
     assert (f["memory_mb"], f["status"], f["window_s"]) == (512.0, "ok", WINDOW_S)
+    assert [s["kv_mb"] for s in f["stages"]] == [20.0, 20.0, 20.0]  # 2048 slots x 10 layers x 1 KiB
 
 
 def test_a_worker_that_runs_two_stages_gets_both_stages_graph_time() -> None:

@@ -36,6 +36,8 @@ class Readings:
     drafted: int
     accepted: int
     rss_bytes: int  # this process
+    kv_slots: int = 0  # the KV slots the streams hold, on every stage
+    kv_token_bytes_per_layer: int = 0  # one token's keys and values in one layer, as this process keeps them
 
 
 def fleet_state(r: Readings) -> dict[str, Any]:
@@ -65,10 +67,13 @@ def _stage(i: int, p: Placed, r: Readings, decode: list[tuple[float, Timing, int
     here = p.where == "this process"
     mine = [k for k, (a, b) in enumerate(r.stage_layers) if p.first_layer <= a and b <= p.last_layer]
     graph = sum(timing.graph_s.get(k, 0.0) for _, timing, _ in decode for k in mine)
+    layers = p.last_layer - p.first_layer + 1 if p.first_layer >= 0 else 0
     return {"index": i, "where": p.where, "layers": [p.first_layer, p.last_layer] if p.first_layer >= 0 else None,
             "precision": f"{r.weights}, {r.precision}" if here else r.weights,
             "health": "up" if p.up else "down", "why": p.why,
-            "graph_ms_per_token": _ms(graph / tokens) if tokens else None}
+            "graph_ms_per_token": _ms(graph / tokens) if tokens else None,
+            # the streams' KV on this stage's layers, at this process's KV dtype (a worker's may differ)
+            "kv_mb": round(r.kv_slots * layers * r.kv_token_bytes_per_layer / 2**20, 2)}
 
 
 def _ms(seconds: float) -> float:

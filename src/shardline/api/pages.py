@@ -17,6 +17,7 @@ from fastapi.staticfiles import StaticFiles
 from shardline.api.fleet import WINDOW_S, Readings, fleet_state
 from shardline.pipeline import metrics
 from shardline.pipeline.plan import Placed
+from shardline.serving.admission import kv_bytes_per_token
 
 STATIC = Path(__file__).parent / "static"
 
@@ -54,4 +55,6 @@ def read(served: Any) -> Readings:
         steps=metrics.recent(WINDOW_S), now=time.monotonic(),
         drafted=ended.drafted + sum(s.drafted for s in running.values()),
         accepted=ended.accepted + sum(s.accepted for s in running.values()),
-        rss_bytes=psutil.Process().memory_info().rss)
+        rss_bytes=psutil.Process().memory_info().rss, kv_slots=getattr(e, "kv_slots_live", 0),
+        kv_token_bytes_per_layer=kv_bytes_per_token(1, manifest.arch.n_kv_heads, manifest.arch.head_dim,
+                                                    4 if served.precision == "exact" else 1) if manifest else 0)

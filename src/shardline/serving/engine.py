@@ -123,7 +123,10 @@ class Engine:
         self._ids = count()
         self._running = True
         self.failed: str | None = None  # why the engine thread stopped, if it did (then unhealthy)
-        self.groups_live = 0  # decode groups with members after the last round (read by any thread)
+        # After the last round, for readers on any thread (the fleet page): decode groups with
+        # members, and the KV slots the streams' own caches hold (a group pads to its longest).
+        self.groups_live = 0
+        self.kv_slots_live = 0
         self._thread = threading.Thread(target=self._loop, daemon=True, name="engine")
         self._thread.start()
         trim_memory_every()  # streams come and go for as long as it runs
@@ -214,6 +217,7 @@ class Engine:
             self.pipe.release(key)
         plan = self.scheduler.plan()
         self.groups_live = sum(1 for g in self.scheduler.groups if g.members())
+        self.kv_slots_live = sum(s.book.slots for s in self.scheduler.streams.values())
         for step in plan:
             if isinstance(step, DecodeStep):
                 self.spec.launched(step)

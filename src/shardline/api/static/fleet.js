@@ -13,12 +13,14 @@ function stageBox(s) {
   const layers = s.layers ? `${s.layers[0]}–${s.layers[1]}` : "–";
   box.innerHTML = `<h3></h3><span class="health"></span><dl>
     <dt>layers</dt><dd class="layers"></dd><dt>precision</dt><dd class="precision"></dd>
-    <dt>graph / token</dt><dd class="graph"></dd></dl><div class="muted why"></div>`;
+    <dt>graph / token</dt><dd class="graph"></dd><dt>KV held</dt><dd class="kv"></dd></dl>
+    <div class="muted why"></div>`;
   box.querySelector("h3").textContent = title;
   box.querySelector(".health").textContent = s.health === "up" ? "up" : "down";
   box.querySelector(".layers").textContent = layers;
   box.querySelector(".precision").textContent = s.precision;
   box.querySelector(".graph").textContent = fmt(s.graph_ms_per_token, " ms");
+  box.querySelector(".kv").textContent = `${s.kv_mb} MB`;
   box.querySelector(".why").textContent = s.why;
   return box;
 }
