@@ -161,7 +161,8 @@ def three(shards: Callable[..., Path]) -> Path:
 STAGES_JS = """return [...document.querySelectorAll('#chain .stage')].map(b => ({
   where: b.dataset.where, health: b.dataset.health, title: b.querySelector('h3').textContent,
   layers: b.querySelector('.layers').textContent, graph: b.querySelector('.graph').textContent,
-  why: b.querySelector('.why').textContent, kv: b.querySelector('.kv').textContent, hops: document.querySelectorAll('#chain .hop').length}))"""
+  why: b.querySelector('.why').textContent, kv: b.querySelector('.kv').textContent,
+  hops: document.querySelectorAll('#chain .hop').length}))"""
 
 
 def _stages(driver: WebDriver) -> list[dict[str, Any]]:

@@ -88,6 +88,8 @@ def test_health_and_metrics_after_the_requests(server: Server, client: openai.Op
     assert health["status"] == "ok" and health["waiting"] == 0
     assert server.metric("shardline_max_streams") == 4  # the decode instance's slots
     assert server.metric('shardline_requests_total{endpoint="chat",finish_reason="length"}') >= 1
+    fleet = httpx.get(f"{server.url}/fleet.json", timeout=10).json()  # the page's data: no chain drawn yet
+    assert (fleet["status"], fleet["stages"], fleet["streams"]["max"]) == ("ok", [], 4)
 
 
 @pytest.mark.parametrize("flags, said", [

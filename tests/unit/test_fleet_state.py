@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardline.api.fleet import WINDOW_S, Readings, fleet_state
-from shardline.pipeline.plan import Placed
-from shardline.pipeline.timing import Timing
+from shardline.serving.status import Placed, Timing
 
 
 def _decode(graph: dict[int, float], wire: float) -> Timing:

@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardline.pipeline.plan import Placed
-from shardline.pipeline.timing import Timing
+from shardline.serving.status import Placed, Timing
 
 WINDOW_S = 10.0  # "recent": the steps of the last ten seconds
 

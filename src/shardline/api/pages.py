@@ -15,9 +15,8 @@ from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from shardline.api.fleet import WINDOW_S, Readings, fleet_state
-from shardline.pipeline import metrics
-from shardline.pipeline.plan import Placed
 from shardline.serving.admission import kv_bytes_per_token
+from shardline.serving.status import pipeline_status
 
 STATIC = Path(__file__).parent / "static"
 
@@ -41,20 +40,18 @@ def add_pages(app: FastAPI, served: Any, json_response: type[Response]) -> None:
 def read(served: Any) -> Readings:
     """The readings of this moment (any thread: each is a lock-guarded or atomic read)."""
     e = served.engine
-    pipe = getattr(e, "pipe", None)  # a disaggregated front has several pipelines: not drawn yet
-    placement: list[Placed] = pipe.placement() if pipe is not None else []
-    manifest = getattr(pipe, "manifest", None)
+    status = pipeline_status(e, WINDOW_S)
     running = e.speculating()
     ended = e.spec_ended
+    per_layer = kv_bytes_per_token(1, status.kv_heads, status.head_dim, 4 if served.precision == "exact" else 1) \
+        if status else 0
     return Readings(
-        model=served.model_id, precision=served.precision, weights=manifest.weights if manifest else "",
+        model=served.model_id, precision=served.precision, weights=status.weights if status else "",
         status="unhealthy" if e.failed else "ok", error=e.failed or "", active_streams=e.active,
         waiting=e.waiting, max_streams=e.limits.max_streams, decode_groups=getattr(e, "groups_live", 0),
-        placement=placement,
-        stage_layers=[(s.first_layer, s.last_layer) for s in manifest.stages] if manifest else [],
-        steps=metrics.recent(WINDOW_S), now=time.monotonic(),
+        placement=status.placement if status else [], stage_layers=status.stage_layers if status else [],
+        steps=status.steps if status else [], now=time.monotonic(),
         drafted=ended.drafted + sum(s.drafted for s in running.values()),
         accepted=ended.accepted + sum(s.accepted for s in running.values()),
         rss_bytes=psutil.Process().memory_info().rss, kv_slots=getattr(e, "kv_slots_live", 0),
-        kv_token_bytes_per_layer=kv_bytes_per_token(1, manifest.arch.n_kv_heads, manifest.arch.head_dim,
-                                                    4 if served.precision == "exact" else 1) if manifest else 0)
+        kv_token_bytes_per_layer=per_layer)
