@@ -44,6 +44,15 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     return exported
 
 
+# The default export's split (2 stages balanced by work): the bundled length predictor fits it.
+DEFAULT_SPLIT = "0-18,19-29"
+
+
+@pytest.fixture(scope="session")
+def balanced(shards: Callable[..., Path]) -> Path:
+    return shards("gguf", layers=DEFAULT_SPLIT)
+
+
 # Children the test process keeps until it exits, by design: multiprocessing's resource tracker,
 # started by the first spawn-context pool (the exporter's per-stage processes, `isolate=True`),
 # shared by every later pool and stopped only when this process exits. Nothing else is tolerated.

@@ -9,7 +9,7 @@ the instances gets a clear error before anything starts."""
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,24 +18,13 @@ import openai
 import pytest
 
 from shardline.cluster.keygen import keygen
-from shardline.config import RunConfig, SamplingConfig
 from shardline.disagg.predictor import BUNDLED
-from shardline.model.tokenizer import ChatTokenizer
-from shardline.pipeline.local import LocalPipeline
-from shardline.serving.admission import Limits
-from shardline.serving.engine import Engine
-from shardline.serving.generate import tokens
 from tests.conftest import CHAT_PROMPTS
 from tests.multiproc.procs import SHARDLINE, Proc, serve, worker
-from tests.serving.test_disagg_predictor import DEFAULT_SPLIT
+from tests.serving.test_api_disaggregated import coupled_answers, greedy_chat
 
 N_NEW = 20
 MODEL = "smollm2-test"
-
-
-@pytest.fixture(scope="module")
-def balanced(shards: Callable[..., Path]) -> Path:
-    return shards("gguf", layers=DEFAULT_SPLIT)
 
 
 @pytest.fixture(scope="module")
@@ -70,21 +59,11 @@ def client(server: tuple[Proc, list[Proc]]) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def alone(balanced: Path) -> dict[str, str]:
-    tok = ChatTokenizer(balanced)
-    pipe = LocalPipeline(balanced, RunConfig())
-    engine = Engine(pipe, Limits(1, 1), 8192)
-    try:
-        return {p: tok.decode(tokens(engine, tok.encode_chat([{"role": "user", "content": p}]),
-                                     SamplingConfig(max_tokens=N_NEW), tok.stop_ids)) for p in CHAT_PROMPTS}
-    finally:
-        engine.stop()
-        pipe.shutdown()
+    return coupled_answers(balanced, N_NEW)
 
 
 def _chat(client: openai.OpenAI, prompt: str) -> str:
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                       max_tokens=N_NEW, temperature=0)
-    return r.choices[0].message.content or ""
+    return greedy_chat(client, MODEL, prompt, N_NEW)
 
 
 def test_answers_over_two_worker_chains_equal_a_coupled_run(server: tuple[Proc, list[Proc]], client: openai.OpenAI,

@@ -6,7 +6,7 @@ clear error before anything loads."""
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,15 +23,8 @@ from shardline.serving.engine import Engine
 from shardline.serving.generate import tokens
 from tests.conftest import CHAT_PROMPTS
 from tests.serving.test_api import MODEL, SHARDLINE, Server
-from tests.serving.test_disagg_predictor import DEFAULT_SPLIT
 
 N_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def balanced(shards: Callable[..., Path]) -> Path:
-    """The default export's split: the bundled length predictor fits it (`--length-predictor auto`)."""
-    return shards("gguf", layers=DEFAULT_SPLIT)
 
 
 @pytest.fixture(scope="module")
@@ -46,23 +39,32 @@ def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def alone(balanced: Path) -> dict[str, str]:
-    tok = ChatTokenizer(balanced)
-    pipe = LocalPipeline(balanced, RunConfig())
+def coupled_answers(folder: Path, n_new: int) -> dict[str, str]:
+    """Each chat prompt's greedy answer from a coupled engine in this process."""
+    tok = ChatTokenizer(folder)
+    pipe = LocalPipeline(folder, RunConfig())
     engine = Engine(pipe, Limits(1, 1), 8192)
     try:
         return {p: tok.decode(tokens(engine, tok.encode_chat([{"role": "user", "content": p}]),
-                                     SamplingConfig(max_tokens=N_NEW), tok.stop_ids)) for p in CHAT_PROMPTS}
+                                     SamplingConfig(max_tokens=n_new), tok.stop_ids)) for p in CHAT_PROMPTS}
     finally:
         engine.stop()
         pipe.shutdown()
 
 
-def _chat(client: openai.OpenAI, prompt: str) -> str:
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                       max_tokens=N_NEW, temperature=0)
+def greedy_chat(client: openai.OpenAI, model: str, prompt: str, n_new: int) -> str:
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                       max_tokens=n_new, temperature=0)
     return r.choices[0].message.content or ""
+
+
+@pytest.fixture(scope="module")
+def alone(balanced: Path) -> dict[str, str]:
+    return coupled_answers(balanced, N_NEW)
+
+
+def _chat(client: openai.OpenAI, prompt: str) -> str:
+    return greedy_chat(client, MODEL, prompt, N_NEW)
 
 
 def test_the_bundled_predictor_serves_decode_lengths(server: Server) -> None:

@@ -26,15 +26,6 @@ from tests.conftest import CHAT_PROMPTS
 
 EXACT = RunConfig(precision="exact", threads=1)
 WAIT_S = 120.0
-# The default export's split (2 stages balanced by work): the bundled model was trained on it.
-DEFAULT_SPLIT = "0-18,19-29"
-
-
-@pytest.fixture(scope="module")
-def balanced(shards: Callable[..., Path]) -> Path:
-    return shards("gguf", layers=DEFAULT_SPLIT)
-
-
 def test_a_live_prediction_equals_the_offline_one(balanced: Path) -> None:
     predictor = LengthPredictor.load(BUNDLED)
     predictor.check_fits(load_manifest(balanced))
