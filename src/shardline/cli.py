@@ -41,11 +41,15 @@ def _parser() -> argparse.ArgumentParser:
     split.add_argument("--layers", help="explicit layer ranges, e.g. 0-9,10-19,20-29")
     e.add_argument("--balance", action="store_true",
                    help="with --stages: equal work per token on every stage (the lm_head counted), not equal layers")
-    e.add_argument("--weights", choices=WEIGHTS, default="int8")
+    e.add_argument("--weights", choices=WEIGHTS,
+                   help="gguf: the GGUF file's own weights (its default); int8/int4 (NNCF), fp16, fp32: "
+                        "re-quantized or widened (a Hugging Face folder's default: int8)")
     e.add_argument("--group-size", type=int, default=64, help="int4 group size (must divide hidden size)")
     e.add_argument("--no-isolate", action="store_true", help="export all stages in this process")
     e.add_argument("--truncate", type=int, metavar="N",
                    help="keep only the first N decoder layers, then the final norm and head (a self-speculation draft)")
+    e.add_argument("--context", type=int, metavar="N",
+                   help="the longest sequence the export serves (default and most: the model's own)")
     e.add_argument("--out", type=Path, required=True)
 
     i = sub.add_parser("inspect", help="print a shard folder's manifest and verify every checksum")
@@ -296,7 +300,7 @@ def _export(args: argparse.Namespace) -> int:
     cfg = ExportConfig(
         out=args.out, model=args.model, stages=args.stages, layers=args.layers, balance=args.balance,
         weights=args.weights,
-        group_size=args.group_size, isolate=not args.no_isolate, truncate=args.truncate,
+        group_size=args.group_size, isolate=not args.no_isolate, truncate=args.truncate, context=args.context,
     )
     out = export(cfg)
     print(out)

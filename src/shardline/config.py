@@ -26,15 +26,19 @@ class ExportConfig:
     stages: int | None = None
     layers: str | None = None  # explicit split "0-9,10-19,20-29"
     balance: bool = False  # with `stages`: equal work per stage (the head counted), not equal layers
-    weights: str = "int8"
+    # None: the model's own weights (`gguf`) for a GGUF file, `int8` for a Hugging Face folder.
+    weights: str | None = None
     group_size: int = 64  # int4 only; must divide the hidden size
     isolate: bool = True  # export each stage in its own process (memory per stage, measured)
     progress: bool = True
     # Keep only the first N decoder layers, then the final norm and head: a self-speculation
     # draft. The upper bound (the model's layer count) is checked by the exporter.
     truncate: int | None = None
+    context: int | None = None  # the longest sequence the export serves (default: the model's own)
 
     def __post_init__(self) -> None:
+        if self.weights is None:
+            object.__setattr__(self, "weights", default_weights(self.model))
         if (self.stages is None) == (self.layers is None):
             raise ShardlineError("give exactly one of --stages N or --layers A-B,C-D,...")
         if self.balance and self.layers is not None:
@@ -45,6 +49,19 @@ class ExportConfig:
             raise ShardlineError("--group-size must be positive")
         if self.truncate is not None and self.truncate < 1:
             raise ShardlineError(f"--truncate must be at least 1 (layers kept), got {self.truncate}")
+        if self.context is not None and self.context < 1:
+            raise ShardlineError(f"--context must be at least 1 token, got {self.context}")
+
+    @property
+    def precision(self) -> str:
+        assert self.weights is not None  # resolved on construction
+        return self.weights
+
+
+def default_weights(model: Path | None) -> str:
+    """A GGUF file (or the embedded default, one) keeps its own weights; a Hugging Face folder
+    (f32 or bf16 safetensors) is compressed to int8."""
+    return "gguf" if model is None or model.suffix == ".gguf" else "int8"
 
 
 PRECISIONS = ("exact", "fast", "rounded", "plugin")

@@ -66,18 +66,22 @@ def greedy_reference(model, prompt: list[int], n: int) -> tuple[list[int], np.nd
     return tokens, np.stack(rows)
 
 
-def save_tiny_hf(folder: Path, family: str, seed: int = 0) -> Path:
-    """A tiny random-config model of `family` saved in Hugging Face format, with a tokenizer."""
+def save_tiny_hf(folder: Path, family: str, seed: int = 0, **config: object) -> Path:
+    """A tiny random-config model of `family` saved in Hugging Face format, with a tokenizer;
+    `config` sets more of its config (attention_bias, mlp_bias, sliding_window, rope_scaling)."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     torch.manual_seed(seed)
     arch = Arch(family=family, n_layers=6, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16,
                 intermediate=128, vocab=320, rope_theta=10000.0, rms_eps=1e-6,
-                qkv_bias=family == "qwen2", tied_embeddings=family == "qwen2", max_context=256)
+                biases=("q_proj", "k_proj", "v_proj") if family == "qwen2" else (),
+                tied_embeddings=family == "qwen2", max_context=256)
     cfg = _config(arch)
     if family == "mistral":
         cfg.sliding_window = None
+    for key, value in config.items():
+        setattr(cfg, key, value)
     cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
            "qwen2": transformers.Qwen2ForCausalLM}[family]
     model = cls(cfg).eval()

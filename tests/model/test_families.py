@@ -36,3 +36,38 @@ def test_tiny_family_arch_is_read_from_config(tiny: Path) -> None:
     arch = open_source(tiny).arch
     assert (arch.n_layers, arch.hidden, arch.n_heads, arch.n_kv_heads, arch.head_dim) == (6, 64, 4, 2, 16)
     assert arch.qkv_bias == (arch.family == "qwen2")
+
+
+@pytest.mark.parametrize("family,config", [
+    ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}),
+    ("mistral", {"sliding_window": 40}),
+], ids=["llama-biases", "llama-rope-linear", "mistral-sliding-window"])
+def test_architecture_variants_equal_transformers(family: str, config: dict[str, object], tmp_path: Path,
+                                                  shards: Callable[..., Path]) -> None:
+    """Biases on every linear, linear RoPE scaling, and Mistral's sliding window (the context is
+    capped at the window, where sliding and full attention agree) give transformers' tokens."""
+    folder = save_tiny_hf(tmp_path / family, family, seed=3, **config)
+    source = open_source(folder)
+    if "sliding_window" in config:
+        assert (source.arch.max_context, source.arch.sliding_window) == (40, 40)
+    if "rope_parameters" in config:
+        assert source.arch.rope_linear == 4.0
+    if "attention_bias" in config:
+        assert source.arch.biases == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    model = reference_model(source)
+    pipe = LocalPipeline(shards("fp32", stages=2, model=folder), EXACT)
+    for prompt in PROMPTS[:2]:
+        assert greedy_ours(pipe, prompt, 16)[0] == greedy_reference(model, prompt, 16)[0]
+
+
+def test_mixture_of_experts_and_other_scalings_are_refused(tmp_path: Path) -> None:
+    from shardline.errors import ShardlineError
+
+    folder = save_tiny_hf(tmp_path / "moe", "mistral", num_local_experts=8)
+    with pytest.raises(ShardlineError, match="mixture-of-experts models are not supported"):
+        open_source(folder)
+    folder = save_tiny_hf(tmp_path / "yarn", "llama",
+                          rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+    with pytest.raises(ShardlineError, match="unsupported rope scaling 'yarn'"):
+        open_source(folder)

@@ -14,6 +14,7 @@ from gguf.quants import dequantize
 
 from shardline.config import RunConfig
 from shardline.model.manifest import load_manifest
+from shardline.model.quant import GroupQuant
 from shardline.model.source import default_model_path, open_source
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
@@ -34,8 +35,8 @@ def _raw(name: str) -> tuple[np.ndarray, str]:
 ])
 def test_blocks_dequantize_exactly_like_gguf(hf: str, gguf_name: str) -> None:
     source = open_source(None)
-    blocks = source.blocks(hf)
-    assert blocks is not None
+    blocks = source.stored(hf)
+    assert isinstance(blocks, GroupQuant)
     data, kind = _raw(gguf_name)
     assert blocks.kind == kind
     expect = dequantize(data, getattr(__import__("gguf").GGMLQuantizationType, kind))
@@ -46,16 +47,16 @@ def test_exported_codes_and_scales_are_the_files_own(shards: Callable[..., Path]
     folder = shards("gguf", stages=2)
     model = ov.Core().read_model(folder / "stage0.xml")
     consts = {op.get_friendly_name(): op for op in model.get_ops() if op.get_type_name() == "Constant"}
-    blocks = open_source(None).blocks("model.layers.3.mlp.down_proj.weight")
-    assert blocks is not None
+    blocks = open_source(None).stored("model.layers.3.mlp.down_proj.weight")
+    assert isinstance(blocks, GroupQuant)
     codes = consts["model.layers.3.mlp.down_proj.weight.codes"]
     assert codes.get_element_type() == ov.Type.u4
     packed = codes.get_data().view(np.uint8)  # two codes per byte, low nibble first
-    unpacked = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(blocks.q.shape)
-    np.testing.assert_array_equal(unpacked, blocks.q)
-    scale = consts["model.layers.3.mlp.down_proj.weight.scale"]
-    np.testing.assert_array_equal(scale.get_data().reshape(blocks.scale.shape).view(np.uint16),
-                                  blocks.scale.view(np.uint16))
+    unpacked = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(blocks.rows, blocks.groups, blocks.group)
+    np.testing.assert_array_equal(unpacked, blocks.codes())
+    scale = consts["model.layers.3.mlp.down_proj.weight.scale"]  # the file's f16 d, as they are
+    np.testing.assert_array_equal(scale.get_data().reshape(blocks.group_scale.shape).view(np.uint16),
+                                  blocks.group_scale.view(np.uint16))
     emb = consts["model.embed_tokens.weight.codes"]
     assert emb.get_element_type() == ov.Type.i8  # Q8_0 stays 8-bit
 

@@ -9,7 +9,8 @@ from shardline.export.graph import build_stage, stage_tensor_names
 from shardline.export.plan import even_split
 from shardline.export.weights import Weights
 from shardline.model.gguf_source import GGUFSource
-from shardline.model.source import QuantBlocks, default_model_path
+from shardline.model.quant import Stored
+from shardline.model.source import default_model_path
 
 
 class SpySource(GGUFSource):
@@ -21,9 +22,9 @@ class SpySource(GGUFSource):
         self.read.append(name)
         return super().tensor(name)
 
-    def blocks(self, name: str) -> QuantBlocks | None:
+    def stored(self, name: str) -> Stored | None:
         self.read.append(name)
-        return super().blocks(name)
+        return super().stored(name)
 
 
 @pytest.mark.parametrize("index", [0, 2, 4])

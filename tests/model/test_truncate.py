@@ -16,7 +16,8 @@ from shardline.export.exporter import export
 from shardline.model.arch import Arch
 from shardline.model.gguf_source import GGUFSource
 from shardline.model.manifest import load_manifest
-from shardline.model.source import ModelSource, QuantBlocks, open_source
+from shardline.model.quant import Stored
+from shardline.model.source import ModelSource, open_source
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from tests.conftest import CHAT_PROMPTS
@@ -38,20 +39,20 @@ class Exported:
 @pytest.fixture(scope="module")
 def truncated(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     read: set[str] = set()
-    tensor, blocks = GGUFSource.tensor, GGUFSource.blocks
+    tensor, stored = GGUFSource.tensor, GGUFSource.stored
 
     def spy_tensor(self: GGUFSource, name: str) -> np.ndarray:
         read.add(name)
         return tensor(self, name)
 
-    def spy_blocks(self: GGUFSource, name: str) -> QuantBlocks | None:
+    def spy_stored(self: GGUFSource, name: str) -> Stored | None:
         read.add(name)
-        return blocks(self, name)
+        return stored(self, name)
 
     out = tmp_path_factory.mktemp("truncate") / f"first{KEEP}"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(GGUFSource, "tensor", spy_tensor)
-        mp.setattr(GGUFSource, "blocks", spy_blocks)
+        mp.setattr(GGUFSource, "stored", spy_stored)
         export(ExportConfig(out=out, stages=1, weights="gguf", truncate=KEEP, isolate=False, progress=False))
     return Exported(out, read)
 

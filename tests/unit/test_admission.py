@@ -64,8 +64,10 @@ def test_a_speculating_stream_is_budgeted_its_masked_slots_drafts_and_draft_mode
     from shardline.model.arch import Arch
     from shardline.serving.admission import per_stream_bytes
 
-    arch = Arch("llama", 30, 576, 9, 3, 64, 1536, 49152, 1e5, 1e-5, False, True, 8192)
-    draft = Arch("llama", 6, 576, 9, 3, 64, 1536, 49152, 1e5, 1e-5, False, True, 8192)
+    arch = Arch(family="llama", n_layers=30, hidden=576, n_heads=9, n_kv_heads=3, head_dim=64,
+                intermediate=1536, vocab=49152, rope_theta=1e5, rms_eps=1e-5, tied_embeddings=True, max_context=8192)
+    draft = Arch(family="llama", n_layers=6, hidden=576, n_heads=9, n_kv_heads=3, head_dim=64,
+                intermediate=1536, vocab=49152, rope_theta=1e5, rms_eps=1e-5, tied_embeddings=True, max_context=8192)
     plain = per_stream_bytes(arch, 2, 30, overhead=2**20)
     assert plain == 46_080 * 8192 + 2 * 2**20
     spec = per_stream_bytes(arch, 2, 30, extra_slots=128 + 8 + 1, draft=draft, overhead=2**20,

@@ -33,7 +33,8 @@ def _export(folder: Path, model: str = MODEL) -> Manifest:
         (folder / f"stage{k}.bin").write_bytes(rng.bytes(10_000 + 1000 * k))
         stages.append(StageEntry(k, k, k, k == 0, k == 2, f"stage{k}.xml", f"stage{k}.bin", [], [], []))
     (folder / "tokenizer.json").write_text("{}")
-    arch = Arch("llama", 3, 8, 2, 1, 4, 16, 32, 10000.0, 1e-5, False, True, 64)
+    arch = Arch(family="llama", n_layers=3, hidden=8, n_heads=2, n_kv_heads=1, head_dim=4,
+                intermediate=16, vocab=32, rope_theta=10000.0, rms_eps=1e-5, tied_embeddings=True, max_context=64)
     manifest = Manifest({"path": "m.gguf", "format": "gguf", "sha256": model}, arch, "gguf", None, stages,
                         hash_files(folder), {})
     (folder / MANIFEST).write_text(manifest.to_json())

@@ -23,13 +23,15 @@ import shardline
 from shardline.config import ExportConfig
 from shardline.errors import ShardlineError
 from shardline.export.compress import check_group_size, compress
-from shardline.export.graph import build_stage
+from shardline.export.graph import build_stage, stage_tensor_names
 from shardline.export.plan import StagePlan, balanced_split, even_split, parse_layers
 from shardline.export.stateful import make_stateful
 from shardline.export.weights import Weights
 from shardline.model.arch import Arch
+from shardline.model.gguf_blocks import KEPT_TYPES
+from shardline.model.gguf_source import cannot_keep, gguf_name
 from shardline.model.manifest import MANIFEST, Manifest, PortSpec, StageEntry, hash_files
-from shardline.model.source import open_source, source_sha256
+from shardline.model.source import ModelSource, open_source
 
 
 def plan_for(cfg: ExportConfig, arch: Arch) -> list[StagePlan]:
@@ -47,9 +49,14 @@ def export(cfg: ExportConfig) -> Path:
     # and head: planning, graphs and the manifest all see an N-layer arch, so no stage reads
     # (and no run time sizes KV for) a layer >= N.
     arch = source.arch if cfg.truncate is None else _truncated(source.arch, cfg.truncate)
+    if cfg.context is not None:
+        arch = arch.with_context(cfg.context)
     plans = plan_for(cfg, arch)
-    if cfg.weights == "int4":
+    if cfg.precision == "int4":
         check_group_size(arch.hidden, arch.intermediate, cfg.group_size)
+    _say_what_happens_to_weights(source, cfg)
+    if cfg.precision == "gguf":
+        _check_keepable(source, arch, plans)
     out = cfg.out.resolve()
     if out.exists():
         raise ShardlineError(f"output folder already exists: {out} (remove it or choose another --out)")
@@ -57,13 +64,15 @@ def export(cfg: ExportConfig) -> Path:
     try:
         source.tokenizer_files(tmp)  # first: cheap, and it fails fast on an incomplete model folder
         entries = _export_stages(cfg, source.path, arch, plans, tmp)
-        file_sha256 = source_sha256(source.path)
+        if cfg.progress and cfg.precision == "gguf":
+            print(f"kept as the file stores them: {_kept(entries)}", file=sys.stderr)
+        file_sha256 = source.sha256()
         manifest = Manifest(
             source={"path": str(source.path), "format": source.format,
                     "sha256": _model_identity(file_sha256, source.arch, arch)},
             arch=arch,
-            weights=cfg.weights,
-            group_size=cfg.group_size if cfg.weights == "int4" else None,
+            weights=cfg.precision,
+            group_size=cfg.group_size if cfg.precision == "int4" else None,
             stages=entries,
             files=hash_files(tmp),
             versions={"shardline": shardline.__version__, "openvino": ov.get_version(),
@@ -76,6 +85,36 @@ def export(cfg: ExportConfig) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _say_what_happens_to_weights(source: ModelSource, cfg: ExportConfig) -> None:
+    """Re-quantizing (or widening) a quantized file is a choice the user makes knowingly."""
+    quantized = {k: n for k, n in source.types().items() if k != "F32"}
+    if cfg.precision == "gguf" or not quantized or not cfg.progress:
+        return
+    what = {"int8": "re-quantizing them to int8 through NNCF", "int4": "re-quantizing them to int4 through NNCF",
+            "fp16": "storing them as f16", "fp32": "widening them to f32"}[cfg.precision]
+    listed = ", ".join(f"{k} ({n})" for k, n in quantized.items())
+    print(f"{source.path.name} stores tensors as {listed}: dequantizing them to f32 and {what}; "
+          "--weights gguf keeps the file's own", file=sys.stderr)
+
+
+def _check_keepable(source: ModelSource, arch: Arch, plans: list[StagePlan]) -> None:
+    """Every matrix the stages read must be a type --weights gguf keeps: refused before any
+    stage is built, never widened to f32 unseen."""
+    for plan in plans:
+        for name in stage_tensor_names(arch, plan):
+            kind = source.stored_type(name)
+            if kind not in KEPT_TYPES:
+                raise ShardlineError(cannot_keep(source.path.name, gguf_name(name), kind))
+
+
+def _kept(entries: list[StageEntry]) -> str:
+    total: dict[str, int] = {}
+    for e in entries:
+        for k, n in e.weights_kept.items():
+            total[k] = total.get(k, 0) + n
+    return ", ".join(f"{k} {n}" for k, n in sorted(total.items())) + " matrices"
 
 
 def _truncated(full: Arch, n: int) -> Arch:
@@ -115,7 +154,7 @@ def _export_stages(cfg: ExportConfig, model: Path, arch: Arch, plans: list[Stage
                    tmp: Path) -> list[StageEntry]:
     from tqdm import tqdm
 
-    jobs = [(model, arch, plan, cfg.weights, cfg.group_size, tmp) for plan in plans]
+    jobs = [(model, arch, plan, cfg.precision, cfg.group_size, tmp) for plan in plans]
     entries = []
     with tqdm(total=len(plans), desc="export", unit="stage", disable=not cfg.progress, file=sys.stderr) as bar:
         if cfg.isolate:
@@ -135,7 +174,8 @@ def _export_stages(cfg: ExportConfig, model: Path, arch: Arch, plans: list[Stage
 def _export_one(model: Path, arch: Arch, plan: StagePlan, weights: str, group_size: int, tmp: Path) -> StageEntry:
     """`arch` is the exported model's (the source's, or its first layers with --truncate)."""
     source = open_source(model)
-    graph = make_stateful(build_stage(arch, plan, Weights(source, weights)))
+    w = Weights(source, weights)
+    graph = make_stateful(build_stage(arch, plan, w))
     graph = compress(graph, weights, group_size)
     xml = tmp / f"{plan.name}.xml"
     ov.save_model(graph, xml, compress_to_fp16=False)
@@ -146,8 +186,10 @@ def _export_one(model: Path, arch: Arch, plan: StagePlan, weights: str, group_si
         inputs=[_port(p) for p in graph.inputs], outputs=[_port(p) for p in graph.outputs],
         state=sorted(s.get_variable_id() for s in graph.get_sinks()),
         export_peak_rss_mb=round(_peak_rss() / 2**20, 1),
+        weights_kept=dict(sorted(w.kept.items())),
+        weights_bytes=dict(sorted(w.kept_bytes.items())),
     )
-    del graph, source
+    del graph, source, w
     gc.collect()
     return entry
 

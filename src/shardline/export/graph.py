@@ -21,9 +21,8 @@ import openvino as ov
 import openvino.opset15 as ops
 
 from shardline.export.plan import StagePlan
-from shardline.export.weights import Linear, Weights
+from shardline.export.weights import EMBEDDING, Linear, Weights
 from shardline.model.arch import Arch
-from shardline.model.source import layer_names
 
 _NEG = float(np.finfo(np.float32).min)
 
@@ -33,9 +32,14 @@ def _i64(*values: int) -> ov.Node:
 
 
 def inv_freq(arch: Arch) -> np.ndarray:
-    """RoPE inverse frequencies, with Llama 3 frequency scaling when the model uses it."""
+    """RoPE inverse frequencies, with the model's scaling: Llama 3's (from its config, or as a
+    GGUF's rope_freqs factors, which llama.cpp divides the frequencies by) or linear."""
     d = arch.head_dim
     freq = 1.0 / (arch.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if arch.rope_factors is not None:
+        freq = freq / np.asarray(arch.rope_factors, dtype=np.float64)
+    if arch.rope_linear is not None:
+        freq = freq / arch.rope_linear
     s = arch.rope_llama3
     if s:
         low_wl = s["original_max_position_embeddings"] / s["low_freq_factor"]
@@ -50,10 +54,16 @@ def inv_freq(arch: Arch) -> np.ndarray:
 
 
 class _Builder:
+    """Builds a stage; implements the LayerOps an architecture's layer is written in."""
+
     def __init__(self, arch: Arch, plan: StagePlan, w: Weights) -> None:
         self.a, self.plan, self.w = arch, plan, w
         self.params: list[ov.Node] = []
         self.results: list[ov.Node] = []
+        # Shared by every layer of the stage (set by build before the layers).
+        self.attn_mask: ov.Output | None = None
+        self.cos: ov.Output | None = None
+        self.sin: ov.Output | None = None
 
     def param(self, name: str, dtype: ov.Type, shape: list[int]) -> ov.Node:
         p = ops.parameter(ov.PartialShape(shape), dtype, name=name)
@@ -76,10 +86,8 @@ class _Builder:
         else:
             y = self.project(x, lin)
             outs = [y] if len(names) == 1 else list(ops.variadic_split(y, _i64(-1), _i64(*lin.rows)).outputs())
-        if self.a.qkv_bias:
-            outs = [ops.add(y, self.w.vector(f"{prefix}{n}.bias")).output(0) if n in ("q_proj", "k_proj", "v_proj")
-                    else y for y, n in zip(outs, names, strict=True)]
-        return outs
+        return [ops.add(y, self.w.vector(f"{prefix}{n}.bias")).output(0) if n in self.a.biases else y
+                for y, n in zip(outs, names, strict=True)]
 
     def linear(self, x: ov.Output, name: str) -> ov.Output:
         prefix, _, last = name.rpartition(".")
@@ -135,41 +143,46 @@ class _Builder:
         allowed = ops.logical_and(ops.unsqueeze(causal, _i64(0, 1)), ops.unsqueeze(keep, _i64(1, 2)))
         return ops.select(allowed, np.float32(0.0), np.float32(_NEG)).output(0)
 
-    def layer(self, x: ov.Output, i: int, mask: ov.Output, cos: ov.Output, sin: ov.Output) -> ov.Output:
-        a, p = self.a, f"model.layers.{i}."
+    def add(self, a: ov.Output, b: ov.Output) -> ov.Output:
+        return ops.add(a, b).output(0)
+
+    def mul(self, a: ov.Output, b: ov.Output) -> ov.Output:
+        return ops.multiply(a, b).output(0)
+
+    def silu(self, x: ov.Output) -> ov.Output:
+        return ops.swish(x).output(0)
+
+    def attention(self, q: ov.Output, k: ov.Output, v: ov.Output, i: int) -> ov.Output:
+        """Rotary positions, layer i's past/present KV, SDPA: [B, T, heads * D]."""
+        a = self.a
+        assert self.attn_mask is not None and self.cos is not None and self.sin is not None
         kv_shape = [-1, a.n_kv_heads, -1, a.head_dim]
         past_k = self.param(f"past.{i}.key", ov.Type.f32, kv_shape)
         past_v = self.param(f"past.{i}.value", ov.Type.f32, kv_shape)
-        h = self.rms(x, p + "input_layernorm.weight")
-        q, k, v = self.linears(h, p + "self_attn.", ("q_proj", "k_proj", "v_proj"))
-        q = self.rope(self.heads(q, a.n_heads), cos, sin)
-        k = self.rope(self.heads(k, a.n_kv_heads), cos, sin)
+        q = self.rope(self.heads(q, a.n_heads), self.cos, self.sin)
+        k = self.rope(self.heads(k, a.n_kv_heads), self.cos, self.sin)
         v = self.heads(v, a.n_kv_heads)
         k_all = ops.concat([past_k, k], 2).output(0)
         v_all = ops.concat([past_v, v], 2).output(0)
         self.result(k_all, f"present.{i}.key")
         self.result(v_all, f"present.{i}.value")
-        attn = ops.scaled_dot_product_attention(q, self.expand_kv(k_all), self.expand_kv(v_all), mask)
-        attn = ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, a.n_heads * a.head_dim), True)
-        x = ops.add(x, self.linear(attn.output(0), p + "self_attn.o_proj")).output(0)
-        h = self.rms(x, p + "post_attention_layernorm.weight")
-        gate, up = self.linears(h, p + "mlp.", ("gate_proj", "up_proj"))
-        gate = ops.swish(gate)
-        return ops.add(x, self.linear(ops.multiply(gate, up).output(0), p + "mlp.down_proj")).output(0)
+        attn = ops.scaled_dot_product_attention(q, self.expand_kv(k_all), self.expand_kv(v_all), self.attn_mask)
+        return ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, a.n_heads * a.head_dim), True).output(0)
 
     def build(self) -> ov.Model:
         a, plan = self.a, self.plan
         if plan.has_embedding:
             ids = self.param("input_ids", ov.Type.i64, [-1, -1])
-            x = ops.gather(self.w.matrix("model.embed_tokens.weight"), ids, _i64(0)).output(0)
+            x = ops.gather(self.w.embedding(EMBEDDING), ids, _i64(0)).output(0)
         else:
             x = self.param("hidden_states", ov.Type.f32, [-1, -1, a.hidden]).output(0)
         attention_mask = self.param("attention_mask", ov.Type.i64, [-1, -1]).output(0)
         position_ids = self.param("position_ids", ov.Type.i64, [-1, -1]).output(0)
-        mask = self.mask(attention_mask, position_ids)
-        cos, sin = self.rope_tables(position_ids)
+        self.attn_mask = self.mask(attention_mask, position_ids)
+        self.cos, self.sin = self.rope_tables(position_ids)
+        layer = a.spec.layer
         for i in plan.layers:
-            x = self.layer(x, i, mask, cos, sin)
+            x = layer(self, x, i)
         if plan.has_head:
             # Logits only where a token is chosen: the lm_head (here as costly as ~8 layers per
             # position) runs on the positions `logits_index` names ([B, N], indices into T: the
@@ -177,7 +190,7 @@ class _Builder:
             # the last), not on every position of a prompt.
             index = self.param("logits_index", ov.Type.i64, [-1, -1]).output(0)
             x = ops.gather(x, index, np.int64(1), batch_dims=1).output(0)
-            head = "model.embed_tokens.weight" if a.tied_embeddings else "lm_head.weight"
+            head = EMBEDDING if a.tied_embeddings else "lm_head.weight"
             x = self.project(self.rms(x, "model.norm.weight"), self.w.one(head))
             self.result(x, "logits")
         else:
@@ -193,9 +206,9 @@ def build_stage(arch: Arch, plan: StagePlan, weights: Weights) -> ov.Model:
 
 def stage_tensor_names(arch: Arch, plan: StagePlan) -> list[str]:
     """Every source tensor a stage reads (for per-stage loading and the manifest)."""
-    names = [n for i in plan.layers for n in layer_names(arch, i)]
+    names = [n for i in plan.layers for n in arch.layer_tensors(i)]
     if plan.has_embedding or (plan.has_head and arch.tied_embeddings):
-        names.append("model.embed_tokens.weight")
+        names.append(EMBEDDING)
     if plan.has_head:
         names.append("model.norm.weight")
         if not arch.tied_embeddings:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardline.model.manifest import load_manifest, verify
+from shardline.model.manifest import Manifest, load_manifest, verify
 
 
 def inspect(folder: Path) -> str:
@@ -15,7 +15,7 @@ def inspect(folder: Path) -> str:
         f"source      {m.source['path']} ({m.source['format']}, sha256 {m.source['sha256'][:16]}...)",
         f"model       {a.family}: {a.n_layers} layers, hidden {a.hidden}, heads {a.n_heads}/{a.n_kv_heads} "
         f"(kv), vocab {a.vocab}, rope theta {a.rope_theta:g}, tied {a.tied_embeddings}",
-        f"weights     {m.weights}" + (f" (group {m.group_size})" if m.group_size else ""),
+        f"weights     {m.weights}" + (f" (group {m.group_size})" if m.group_size else "") + _kept(m),
         "versions    " + ", ".join(f"{k} {v}" for k, v in m.versions.items()),
         "",
         f"{'stage':<7}{'layers':<9}{'owns':<16}{'inputs':<56}{'outputs':<24}{'state':>6}{'peak MB':>9}",
@@ -29,3 +29,14 @@ def inspect(folder: Path) -> str:
                      f"{len(s.state):>6}{rss:>9}")
     lines += ["", f"{len(m.files)} files, all checksums verified"]
     return "\n".join(lines)
+
+
+def _kept(m: Manifest) -> str:
+    """Under gguf: what the stages kept, by the file's type (nothing is widened unseen)."""
+    total: dict[str, int] = {}
+    for s in m.stages:
+        for kind, n in s.weights_kept.items():
+            total[kind] = total.get(kind, 0) + n
+    if not total:
+        return ""
+    return ": kept " + ", ".join(f"{k} x{n}" for k, n in sorted(total.items()))

@@ -2,13 +2,15 @@
 
 `fp32` and `fp16` are plain constants (fp16 decompressed to f32 in the graph, the pattern
 OpenVINO's plugins run natively); `int8`/`int4` are built as fp32 here and compressed by NNCF
-afterwards; `gguf` keeps a GGUF file's own quantized blocks (codes and scales bit for bit) as
-u4/u8/i8 constants followed by the decompression subgraph OpenVINO fuses into its
-compressed matmul kernels.
+afterwards; `gguf` keeps a GGUF file's own weights: block-quantized types as their codes and
+scales bit for bit with the decompression subgraph the plugin fuses (export/decompress.py),
+F16/BF16 as 16-bit constants, F32 as f32. What each matrix was kept as is counted in `kept`
+(the manifest records it), so nothing is widened without a trace.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,9 +18,12 @@ import openvino as ov
 import openvino.opset15 as ops
 
 from shardline.errors import ShardlineError
-from shardline.model.source import ModelSource, QuantBlocks
+from shardline.export.decompress import group_constant, half_constant
+from shardline.model.quant import GroupQuant, HalfFloat, Stored, stack
+from shardline.model.source import ModelSource
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "gguf")
+EMBEDDING = "model.embed_tokens.weight"
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,13 @@ class Weights:
             raise ShardlineError("--weights gguf needs a GGUF model")
         self.source = source
         self.precision = precision
+        self.kept: Counter[str] = Counter()  # stored type -> matrices (under gguf)
+        self.kept_bytes: Counter[str] = Counter()
         self._made: dict[str, ov.Output] = {}
         self._stacked: dict[str, Linear | None] = {}
+        # The arrays the stored weights' constants are made over (no copy): they must outlive
+        # the graph until it is saved or compiled, so the Weights object is kept with it.
+        self.keep: list[np.ndarray] = []
 
     def vector(self, name: str) -> ov.Output:
         """Norm weights and biases: always f32 (tiny, and precision-critical)."""
@@ -54,7 +64,13 @@ class Weights:
     def matrix(self, name: str) -> ov.Output:
         """A 2-D [rows, cols] f32-valued weight (Hugging Face layout), in the export's precision."""
         if name not in self._made:
-            self._made[name] = self._matrix(name)
+            self._made[name] = self._matrix(name, gather=False)
+        return self._made[name]
+
+    def embedding(self, name: str) -> ov.Output:
+        """The token embedding, for a Gather (and the tied head's matmul, which shares it)."""
+        if name not in self._made:
+            self._made[name] = self._matrix(name, gather=True)
         return self._made[name]
 
     def one(self, name: str) -> Linear:
@@ -64,27 +80,44 @@ class Weights:
 
     def stacked(self, names: tuple[str, ...]) -> Linear | None:
         """The weights `names` stacked by rows for one matmul, made once; None when they cannot
-        share one (GGUF blocks of different kinds or shapes: apply them one by one)."""
+        share one (stored in different types or layouts: apply them one by one)."""
         key = "|".join(names)
         if key not in self._stacked:
             self._stacked[key] = self._stack(names, key)
         return self._stacked[key]
 
     def _stack(self, names: tuple[str, ...], key: str) -> Linear | None:
-        blocks = [self.source.blocks(n) for n in names] if self.precision == "gguf" else []
-        if any(b is not None for b in blocks):
-            found = [b for b in blocks if b is not None]
-            stacked = stack_blocks(found) if len(found) == len(names) else None
-            return None if stacked is None else Linear(gguf_constant(stacked, key), tuple(b.q.shape[0] for b in found))
+        if self.precision == "gguf":
+            stored = [self.source.stored(n) for n in names]
+            if any(s is not None for s in stored):
+                joined = _join(stored)
+                if joined is None:
+                    return None
+                rows = tuple(s.rows if isinstance(s, GroupQuant) else s.bits.shape[0] for s in stored if s is not None)
+                return Linear(self._stored_constant(joined, key, gather=False, count=len(names)), rows)
         parts = [np.asarray(self.source.tensor(n), dtype=np.float32) for n in names]
+        self._count("F32", sum(p.nbytes for p in parts), len(parts))
         return Linear(self._constant(np.concatenate(parts), key), tuple(w.shape[0] for w in parts))
 
-    def _matrix(self, name: str) -> ov.Output:
+    def _matrix(self, name: str, gather: bool) -> ov.Output:
         if self.precision == "gguf":
-            blocks = self.source.blocks(name)
-            if blocks is not None:
-                return gguf_constant(blocks, name)
-        return self._constant(np.asarray(self.source.tensor(name), dtype=np.float32), name)  # no copy if f32
+            stored = self.source.stored(name)
+            if stored is not None:
+                return self._stored_constant(stored, name, gather, count=1)
+        w = np.asarray(self.source.tensor(name), dtype=np.float32)  # no copy if f32
+        self._count("F32", w.nbytes, 1)
+        return self._constant(w, name)
+
+    def _stored_constant(self, s: Stored, name: str, gather: bool, count: int) -> ov.Output:
+        self._count(s.kind, s.nbytes, count)
+        if isinstance(s, HalfFloat):
+            return half_constant(s, name, self.keep)
+        return group_constant(s, name, self.keep, gather=gather)
+
+    def _count(self, kind: str, nbytes: int, n: int) -> None:
+        if self.precision == "gguf":
+            self.kept[kind] += n
+            self.kept_bytes[kind] += nbytes
 
     def _constant(self, w: np.ndarray, name: str) -> ov.Output:
         if self.precision == "fp16":
@@ -92,53 +125,13 @@ class Weights:
         return ops.constant(w, name=name).output(0)
 
 
-def gguf_constant(b: QuantBlocks, name: str) -> ov.Output:
-    """codes -> f32 -> (- zero point) -> * scale -> [rows, cols].
-
-    Codes (u4 / i8) and scales (f16) are the file's own, bit for bit. Q4_1's additive min m
-    becomes the f32 zero point -m/d, so d*(q - z) equals the file's d*q + m to f32 rounding.
-    The CPU plugin matches this chain and keeps the weights compressed inside its matmuls.
-    """
-    rows, groups, block = b.q.shape
-    q, d, z = _codes_scales_zero_points(b)
-    x = ops.convert(ops.constant(q if b.bits == 8 else _u4_tensor(q), name=name + ".codes"), ov.Type.f32)
-    if z is not None:
-        x = ops.subtract(x, ops.constant(z, name=name + ".zp"))
-    scale = ops.convert(ops.constant(d.reshape(rows, groups, 1), name=name + ".scale"), ov.Type.f32)
-    deq = ops.multiply(x, scale)
-    return ops.reshape(deq, ops.constant(np.array([rows, groups * block], dtype=np.int64)), False).output(0)
-
-
-def stack_blocks(blocks: list[QuantBlocks]) -> QuantBlocks | None:
-    """Several block-quantized matrices as one, rows after rows (None: kinds or blocks differ)."""
-    first = blocks[0]
-    if any(b.kind != first.kind or b.q.shape[1:] != first.q.shape[1:] for b in blocks):
+def _join(stored: list[Stored | None]) -> Stored | None:
+    """Stored matrices as one (rows after rows), if they share a type and layout."""
+    if any(s is None for s in stored):
         return None
-    if len(blocks) == 1:
-        return first
-    return QuantBlocks(first.kind, np.concatenate([b.q for b in blocks]), np.concatenate([b.scale for b in blocks]),
-                       np.concatenate([b.offset for b in blocks]), first.bits)
-
-
-def _codes_scales_zero_points(b: QuantBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    if b.kind == "Q8_0":  # signed codes, no zero point
-        return b.q, b.scale, None
-    if b.kind == "Q4_0":
-        return b.q, b.scale, np.full((1, 1, 1), 8, dtype=np.float32)
-    # Q4_1. A block with d == 0 (all values equal m) gets codes 0 and d = |m|/8, so that
-    # z = -m/d = -+8 exactly and the block still decodes to m.
-    d, q = b.scale.copy(), b.q
-    flat = d == 0
-    if flat.any():
-        q = np.where(flat[..., None], 0, b.q).astype(np.uint8)
-        d[flat] = np.where(b.offset[flat] != 0, np.abs(b.offset[flat]) / 8, 1).astype(np.float16)
-    return q, d, (-b.offset.astype(np.float32) / d.astype(np.float32))[..., None]
-
-
-def _u4_tensor(q: np.ndarray) -> ov.Tensor:
-    """Pack uint8 codes 0..15 two per byte, low nibble first (OpenVINO's u4 layout)."""
-    flat = q.reshape(-1)
-    packed = (flat[0::2] & 0x0F) | ((flat[1::2] & 0x0F) << 4)
-    t = ov.Tensor(ov.Type.u4, ov.Shape(list(q.shape)))
-    np.copyto(t.data.view(np.uint8).reshape(-1), packed.astype(np.uint8))
-    return t
+    if all(isinstance(s, GroupQuant) for s in stored):
+        return stack([s for s in stored if isinstance(s, GroupQuant)])
+    halves = [s for s in stored if isinstance(s, HalfFloat)]
+    if len(halves) == len(stored) and len({h.kind for h in halves}) == 1:
+        return HalfFloat(halves[0].kind, np.concatenate([h.bits for h in halves]))
+    return None

@@ -11,8 +11,10 @@ from typing import Any
 import numpy as np
 
 from shardline.errors import ShardlineError
+from shardline.model import families
 from shardline.model.arch import Arch
-from shardline.model.source import QuantBlocks
+from shardline.model.quant import Stored
+from shardline.model.source import source_sha256
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 
@@ -52,7 +54,7 @@ class HFSource:
             self.config: dict[str, Any] = json.loads((path / "config.json").read_text())
         except ValueError as e:
             raise ShardlineError(f"corrupt config.json in {path}: {e}") from None
-        self.arch = Arch.from_hf_config(self.config)
+        self.arch = hf_arch(self.config, f"{path / 'config.json'}")
         self._where: dict[str, _SafeTensors] = {}
         files = sorted(path.glob("*.safetensors"))
         if not files:
@@ -70,8 +72,17 @@ class HFSource:
             raise ShardlineError(f"tensor {name} is missing from {self.path}")
         return self._where[name].read(name)
 
-    def blocks(self, name: str) -> QuantBlocks | None:
+    def stored(self, name: str) -> Stored | None:
         return None
+
+    def stored_type(self, name: str) -> str:
+        return "F32"
+
+    def sha256(self) -> str:
+        return source_sha256(self.path)
+
+    def types(self) -> dict[str, int]:
+        return {}
 
     def tokenizer_files(self, out: Path) -> None:
         src = self.path / "tokenizer.json"
@@ -96,3 +107,55 @@ def _token_text(t: Any) -> str:
     if isinstance(t, dict):
         return str(t.get("content", ""))
     return "" if t is None else str(t)
+
+
+def hf_arch(cfg: dict[str, Any], where: str) -> Arch:
+    """An Arch from a Hugging Face config.json."""
+    fam = families.for_hf(str(cfg.get("model_type", "?")), where)
+    if cfg.get("num_local_experts") or cfg.get("num_experts"):
+        raise ShardlineError(f"{where}: mixture-of-experts models are not supported")
+    try:
+        n_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        rope = _hf_rope(cfg)
+        context = int(cfg.get("max_position_embeddings", 2048))
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if window is not None and int(window) < context:
+            context = int(window)  # sliding attention equals full attention within its window
+        return Arch(
+            family=fam.name,
+            n_layers=int(cfg["num_hidden_layers"]),
+            hidden=hidden,
+            n_heads=n_heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+            intermediate=int(cfg["intermediate_size"]),
+            vocab=int(cfg["vocab_size"]),
+            rope_theta=float(rope.pop("theta")),
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_context=context,
+            biases=fam.hf_biases(cfg),
+            sliding_window=None if window is None else int(window),
+            **rope,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ShardlineError(f"{where}: incomplete or malformed config: {type(e).__name__}: {e}") from None
+
+
+def _hf_rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """theta and the scaling fields of Arch, from rope_scaling (or transformers 5's rope_parameters)."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    out: dict[str, Any] = {"theta": cfg.get("rope_theta", params.get("rope_theta", 10000.0))}
+    if kind in (None, "default"):
+        return out
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        out["rope_llama3"] = {k: float(scaling[k]) for k in keys}
+        return out
+    if kind == "linear":
+        out["rope_linear"] = float(scaling["factor"])
+        return out
+    raise ShardlineError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")

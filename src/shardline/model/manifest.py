@@ -16,7 +16,9 @@ from shardline.model.arch import Arch
 from shardline.model.source import file_sha256
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 2  # 2: the last stage takes logits_index (logits only where tokens are chosen)
+# 2: the last stage takes logits_index (logits only where tokens are chosen); 3: architectures
+# by family (biases, rope factors and scaling, sliding window), what each stage kept of a GGUF.
+FORMAT_VERSION = 3
 # How the graphs are built, inside the same format: an older export still loads and runs, only
 # slower. 3: RoPE in the form OpenVINO fuses, and with it the KV cache inside the attention node;
 # 4: q, k and v (and gate and up) as one matmul each.
@@ -44,6 +46,9 @@ class StageEntry:
     outputs: list[PortSpec]
     state: list[str]
     export_peak_rss_mb: float | None = None
+    # Under --weights gguf: the file's types the stage's matrices were kept in, and their bytes.
+    weights_kept: dict[str, int] = field(default_factory=dict)
+    weights_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def name(self) -> str:

@@ -7,7 +7,6 @@ exporting one stage never touches the other stages' weights.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -15,26 +14,7 @@ import numpy as np
 
 from shardline.errors import ShardlineError
 from shardline.model.arch import Arch
-
-
-@dataclass(frozen=True)
-class QuantBlocks:
-    """A GGUF block-quantized matrix kept as it is: w[r, g*B + i] = scale[r, g] * q[r, g, i] + offset[r, g].
-
-    `q` holds the file's codes with shape (rows, groups, block): uint8 0..15 for Q4_0/Q4_1,
-    int8 for Q8_0. `offset` is Q4_1's min m, -8*d for Q4_0 (codes centred on 8), 0 for Q8_0.
-    """
-
-    kind: str  # "Q4_0" | "Q4_1" | "Q8_0"
-    q: np.ndarray
-    scale: np.ndarray  # float16 (rows, groups)
-    offset: np.ndarray  # float16 (rows, groups)
-    bits: int
-
-    def dequantize(self) -> np.ndarray:
-        w = self.q.astype(np.float32) * self.scale[..., None].astype(np.float32)
-        w += self.offset[..., None].astype(np.float32)
-        return w.reshape(self.q.shape[0], -1)
+from shardline.model.quant import Stored
 
 
 class ModelSource(Protocol):
@@ -48,8 +28,21 @@ class ModelSource(Protocol):
 
     def has(self, name: str) -> bool: ...
 
-    def blocks(self, name: str) -> QuantBlocks | None:
-        """The tensor's own quantized blocks, if the source stores it block-quantized."""
+    def stored(self, name: str) -> Stored | None:
+        """The matrix as the source stores it, when that is not f32: block-quantized (its codes
+        and scales) or 16-bit floats; None for f32. A type that cannot be kept raises."""
+        ...
+
+    def stored_type(self, name: str) -> str:
+        """The tensor's type in the source ("F32", "Q4_K", ...)."""
+        ...
+
+    def sha256(self) -> str:
+        """The model's identity: a hash of every file it is made of."""
+        ...
+
+    def types(self) -> dict[str, int]:
+        """How many tensors the source stores in each GGUF type ({} when it has none)."""
         ...
 
     def tokenizer_files(self, out: Path) -> None:
@@ -109,10 +102,4 @@ def open_source(path: Path | None) -> ModelSource:
 
 
 def layer_names(arch: Arch, layer: int) -> list[str]:
-    p = f"model.layers.{layer}."
-    names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-    names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
-    names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-    if arch.qkv_bias:
-        names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-    return names
+    return arch.layer_tensors(layer)

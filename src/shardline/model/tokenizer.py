@@ -4,18 +4,33 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, NoReturn
 
+from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from shardline.errors import ShardlineError
+from shardline.model.chat_text import ControlTokens, reveal
+
+
+END_OF_GENERATION = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>", "<|end|>",
+                     "<end_of_turn>", "</s>", "<EOT>")
+
+
+def _raise_exception(message: str) -> NoReturn:
+    """What chat templates call to refuse a conversation (as transformers provides it)."""
+    raise TemplateError(message)
 
 
 class ChatTokenizer:
     def __init__(self, folder: Path) -> None:
         try:
-            self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            spec = (folder / "tokenizer.json").read_text()
+            self._tok = Tokenizer.from_str(spec)
+            self._plain = Tokenizer.from_str(spec)  # the same, its special tokens never parsed
+            self._plain.encode_special_tokens = True
             cfg = json.loads((folder / "tokenizer_config.json").read_text())
         except (OSError, ValueError, Exception) as e:
             raise ShardlineError(f"cannot load the tokenizer in {folder}: {e}") from None
@@ -25,13 +40,17 @@ class ChatTokenizer:
             raise ShardlineError(f"the eos token {self.eos_token!r} is not in the vocabulary of {folder}")
         self.eos_id: int = eos_id
         self.add_bos: bool = bool(cfg.get("add_bos_token", False))
-        self.bos_id: int | None = self._tok.token_to_id(cfg.get("bos_token", ""))
-        template = cfg.get("chat_template")
+        self.bos_token: str = cfg.get("bos_token") or ""
+        self.bos_id: int | None = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self._source: str = cfg.get("chat_template") or ""
         env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
-        self._template = env.from_string(template) if template else None
-        # Chat models stop at the end of their turn as well as at the declared eos.
+        self._template = env.from_string(self._source) if self._source else None
+        self._control = ControlTokens(
+            {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special})
+        # Chat models stop at the end of their turn as well as at the declared eos: the
+        # end-of-generation tokens llama.cpp knows by name, where the vocabulary has them.
         self.stop_ids = {self.eos_id} | {
-            i for t in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>") if (i := self._tok.token_to_id(t)) is not None
+            i for t in END_OF_GENERATION if (i := self._tok.token_to_id(t)) is not None and t in self._control.ids
         }
 
     @property
@@ -43,22 +62,38 @@ class ChatTokenizer:
         """The `tokenizers` Tokenizer itself (its vocabulary: token strings and bytes)."""
         return self._tok
 
-    def encode(self, text: str) -> list[int]:
+    def tokens(self, text: str, parse_special: bool = True) -> list[int]:
+        """The ids of `text` alone (no BOS); special tokens in it parsed or left as text."""
         # encode_batch, not encode: it releases the GIL while it works, so a long prompt being
         # tokenized on a worker thread does not stall the server's event loop (measured 1-1.7 s
         # for a 1.9 MB prompt with encode).
-        ids = list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
+        tok = self._tok if parse_special else self._plain
+        return list(tok.encode_batch([text], add_special_tokens=False)[0].ids)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokens(text)
         if self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
         if self._template is None:
             raise ShardlineError("this model has no chat template")
-        return str(self._template.render(messages=messages, add_generation_prompt=True))
+        return str(self._template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
+                                         eos_token=self.eos_token, raise_exception=_raise_exception))
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode(self.chat_prompt(messages))
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The rendered template's ids: its own control tokens, and every piece of text between
+        them with special tokens left as text, so a message never smuggles in a control token."""
+        hidden, back = self._control.hide(messages, self._source)
+        prompt = self.chat_prompt(hidden)
+        pieces = list(self._control.split(prompt))
+        texts = [reveal(p, back) for p in pieces if isinstance(p, str)]
+        encoded = iter(self._plain.encode_batch(texts, add_special_tokens=False))  # releases the GIL
+        ids = [i for p in pieces for i in ([p] if isinstance(p, int) else next(encoded).ids)]
+        if self.add_bos and self.bos_id is not None and not prompt.startswith(self.bos_token):
+            ids = [self.bos_id, *ids]  # a template that writes the bos itself gets no second one
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode_batch([ids], skip_special_tokens=True)[0])

@@ -25,19 +25,23 @@ import numpy as np
 import openvino as ov
 import openvino.opset15 as ops
 
+from shardline.model.quant import unpack_codes
+
 
 @dataclass(frozen=True)
 class _Q4:
-    """A decompression chain Reshape(Multiply(Subtract(Convert(codes), z), Convert(d))) feeding a
-    MatMul's weights, taken apart."""
+    """A decompression chain Reshape(Multiply(Subtract(Convert(codes), z), s)) feeding a
+    MatMul's weights, taken apart (s and z: constants, or subgraphs of constants, as the export
+    writes them for K-quants)."""
 
     codes: ov.Output  # Convert(codes) -> f32 [rows, groups, block]
-    scale: ov.Output  # Convert(d) -> f32 [rows, groups, 1]
+    scale: ov.Output  # s -> f32 [rows, groups, 1]
     shape: ov.Output  # the Reshape's target [rows, groups * block]
-    mins: np.ndarray  # m = -z*d, f32 [rows, groups]
+    mins: np.ndarray  # m = -z*s, f32 [rows, groups]
     block: int
     subtract: ov.Node  # Subtract(codes, z)
     zero: np.ndarray  # z, f32 [rows, groups, 1]
+    code_type: ov.Type  # u2 / u4 / u8
 
 
 def split_zero_points(model: ov.Model) -> int:
@@ -51,7 +55,7 @@ def split_zero_points(model: ov.Model) -> int:
         if key not in sums:
             sums[key] = ops.reduce_sum(ops.reshape(x, _i64(0, 0, -1, q4.block), True), _i64(-1), False).output(0)
         weights = ops.reshape(ops.multiply(q4.codes, q4.scale), q4.shape, False)
-        mins = ops.convert(ops.constant(q4.mins.astype(np.float16)), ov.Type.f32)  # m was f16 in the file
+        mins = ops.constant(q4.mins.astype(np.float32))
         y = ops.add(ops.matmul(x, weights, False, True), ops.matmul(sums[key], mins, False, True))
         for target in node.output(0).get_target_inputs():
             target.replace_source_output(y.output(0))
@@ -62,13 +66,15 @@ def split_zero_points(model: ov.Model) -> int:
 
 
 def round_zero_points(model: ov.Model) -> int:
-    """`--precision rounded`: every fractional zero point becomes the nearest code (0-15), a u4
-    constant, as openvino_genai reads Q4_1. The matmuls then take the plugin's fastest kernels
-    with no extra node, but each weight moves by up to half a step; returns how many changed."""
+    """`--precision rounded`: every fractional zero point becomes the nearest code, a constant of
+    the codes' own type, as openvino_genai reads Q4_1. The matmuls then take the plugin's fastest
+    kernels with no extra node, but each weight moves by up to half a step; returns how many
+    changed."""
     done = 0
     for _, q4 in _matmuls(model):
-        codes = np.clip(np.round(q4.zero), 0, 15).astype(np.uint8)
-        rounded = ops.convert(ops.constant(codes, dtype=ov.Type.u4), ov.Type.f32)
+        top = {ov.Type.u2: 3, ov.Type.u4: 15}.get(q4.code_type, 255)
+        codes = np.clip(np.round(q4.zero), 0, top).astype(np.uint8)
+        rounded = ops.convert(ops.constant(codes, dtype=q4.code_type), ov.Type.f32)
         q4.subtract.input(1).replace_source_output(rounded.output(0))
         done += 1
     if done:
@@ -93,19 +99,54 @@ def _chain(reshape: ov.Node) -> _Q4 | None:
     if mul.get_type_name() != "Multiply":
         return None
     sub, scale = mul.input_value(0).get_node(), mul.input_value(1)
-    if sub.get_type_name() != "Subtract" or scale.get_node().get_type_name() != "Convert":
+    if sub.get_type_name() != "Subtract":
         return None
-    codes, zp = sub.input_value(0), sub.input_value(1).get_node()
-    d = scale.get_node().input_value(0).get_node()
-    if (codes.get_node().get_type_name() != "Convert" or zp.get_type_name() != "Constant"
-            or d.get_type_name() != "Constant" or zp.get_output_element_type(0) != ov.Type.f32):
+    codes = sub.input_value(0)
+    if codes.get_node().get_type_name() != "Convert":
         return None
-    z, dv = zp.get_data().astype(np.float32), d.get_data().astype(np.float32)
-    if z.ndim != 3 or dv.shape != z.shape or np.array_equal(z, np.round(z)):
+    code_type = codes.get_node().input_value(0).get_element_type()
+    z, s = constant_value(sub.input_value(1)), constant_value(scale)
+    if z is None or s is None or s.ndim != 3 or code_type not in (ov.Type.u2, ov.Type.u4, ov.Type.u8):
+        return None
+    z = np.broadcast_to(z.astype(np.float32), s.shape)
+    if np.array_equal(z, np.round(z)):
         return None  # integer zero points (Q4_0's 8) already take the fast kernels
     block = int(codes.get_partial_shape()[2].get_length())
-    return _Q4(codes, scale, reshape.input_value(1), (-z * dv)[..., 0], block, sub, z)
+    return _Q4(codes, scale, reshape.input_value(1), (-z * s.astype(np.float32))[..., 0], block, sub, z, code_type)
 
 
 def _i64(*values: int) -> ov.Node:
     return ops.constant(np.array(values, dtype=np.int64))
+
+
+def constant_value(output: ov.Output) -> np.ndarray | None:
+    """The value of a subgraph of constants (what the plugin folds), evaluated by OpenVINO's own
+    reference implementations; None when it reads a parameter."""
+    node = output.get_node()
+    if node.get_type_name() == "Parameter":
+        return None
+    if node.get_type_name() == "Constant":
+        return _as_f32_or_int(node)
+    inputs = []
+    for value in node.input_values():
+        v = constant_value(value)
+        if v is None:
+            return None
+        inputs.append(ov.Tensor(np.ascontiguousarray(v)))
+    outs = [ov.Tensor(node.get_output_element_type(i), node.get_output_shape(i)) for i in range(node.get_output_size())]
+    if not node.evaluate(outs, inputs):
+        return None
+    return np.array(outs[output.get_index()].data)
+
+
+def _as_f32_or_int(node: ov.Node) -> np.ndarray:
+    kind = node.get_output_element_type(0)
+    if kind in (ov.Type.u2, ov.Type.u4):
+        bits = 2 if kind == ov.Type.u2 else 4
+        shape = list(node.get_output_shape(0))
+        raw = np.array(node.get_tensor_view().data).view(np.uint8).reshape(-1)
+        return unpack_codes(raw[None, :], bits)[0, :int(np.prod(shape))].reshape(shape).astype(np.uint8)
+    if kind == ov.Type.bf16:
+        bits16 = np.array(node.get_tensor_view().data).view(np.uint16)
+        return (bits16.astype(np.uint32) << 16).view(np.float32)
+    return np.array(node.get_data())
