@@ -154,3 +154,23 @@ def test_a_sliding_window_caps_the_context(tmp_path: Path) -> None:
     spec = CASES["llama-Q8_0"].spec.with_(name="swa", extra_keys={"{arch}.attention.sliding_window": 64})
     arch = GGUFSource(Case(spec).write(tmp_path)).arch
     assert (arch.max_context, arch.sliding_window) == (64, 64)
+
+
+@pytest.mark.parametrize("name", ["qwen2-Q4_K", "llama-Q4_K_M"])
+def test_generate_through_the_command_line(name: str, exports: Callable[..., Path],
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`shardline generate` on the export: the file's own chat template and tokenizer, the
+    engine, and the text of the greedy tokens the pipeline gives for that chat prompt."""
+    from shardline.cli import main
+    from shardline.model.tokenizer import ChatTokenizer
+
+    folder = exports(name)
+    tok = ChatTokenizer(folder)
+    prompt = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    with LocalPipeline(folder, EXACT) as pipe:
+        tokens = greedy_ours(pipe, prompt, 12)[0]
+    if any(t in tok.stop_ids for t in tokens):
+        tokens = tokens[:min(i for i, t in enumerate(tokens) if t in tok.stop_ids)]
+    assert main(["generate", "--shards", str(folder), "--max-tokens", "12",
+                 "What is the capital of France?"]) == 0
+    assert capsys.readouterr().out == tok.decode(tokens) + "\n"

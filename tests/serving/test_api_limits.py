@@ -422,7 +422,9 @@ def test_health_and_requests_when_the_engine_has_failed(engine: Engine, two: Pat
 
 
 @pytest.mark.parametrize(("template", "says"), [
-    ("{{ raise_exception('roles must alternate') }}", "UndefinedError"),
+    # a template's own refusal (transformers' raise_exception) is the client's message
+    ("{{ raise_exception('roles must alternate') }}", "TemplateError: roles must alternate"),
+    ("{{ undefined_helper() }}", "UndefinedError"),
     ("{{ 1 / 0 }}", "ZeroDivisionError"),
     ("{{ messages.__class__.__mro__ }}", "SecurityError"),
     ("", "this model has no chat template"),

@@ -14,7 +14,6 @@ from tokenizers.decoders import DecodeStream
 from shardline.errors import ShardlineError
 from shardline.model.chat_text import ControlTokens, reveal
 
-
 END_OF_GENERATION = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>", "<|end|>",
                      "<end_of_turn>", "</s>", "<EOT>")
 
