@@ -6,7 +6,8 @@ matter) is exported and measured:
 
 - shard bytes against the file's tensor bytes (target <= 1.1x);
 - export peak RSS of each stage process (2 stages, one process each) against that stage's
-  shard size (target <= 1.25x), and the process's RSS before it read a weight;
+  shard size (target <= 1.25x), and what the process grew by from before it read a weight
+  (~60 MB of interpreter, numpy and OpenVINO, fixed whatever the stage); the 1-stage export's too;
 - decode tok/s of a 1-stage export (exact and fast precision), against llama.cpp's own
   llama-bench on the same file, default settings (its repacked kernels), same thread count.
 
@@ -114,10 +115,18 @@ def measure(kind: str, args: argparse.Namespace, bin_dir: Path | None) -> dict[s
                            "shard_over_file": (one / "stage0.bin").stat().st_size / file_bytes}
     m = load_manifest(two)
     rss = [s.export_peak_rss_mb or 0.0 for s in m.stages]
+    base = [s.export_base_rss_mb or 0.0 for s in m.stages]
     shard = [(two / s.bin).stat().st_size / 2**20 for s in m.stages]
     row["stage_shard_mb"] = shard
     row["stage_export_rss_mb"] = rss
+    row["stage_export_base_mb"] = base
     row["export_rss_over_shard"] = max(r / s for r, s in zip(rss, shard, strict=True))
+    # What reading and building the stage added, over the process it started in (~60 MB:
+    # the interpreter, numpy, OpenVINO and the file's header).
+    row["export_growth_over_shard"] = max((r - b) / s for r, b, s in zip(rss, base, shard, strict=True))
+    (one_stage,) = load_manifest(one).stages
+    row["one_stage_export_rss_over_shard"] = (one_stage.export_peak_rss_mb or 0.0) / (
+        (one / "stage0.bin").stat().st_size / 2**20)
     exact, fast, llama = [], [], []
     for _ in range(args.reps):
         exact.append(shardline_tok_s(one, "exact", args.tokens, args.threads))
@@ -136,13 +145,14 @@ def measure(kind: str, args: argparse.Namespace, bin_dir: Path | None) -> dict[s
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'type':<6}{'file MB':>9}{'shard/file':>12}{'export RSS/shard':>18}{'exact tok/s':>13}"
-            f"{'fast tok/s':>12}{'llama.cpp':>11}{'exact/lc':>10}{'fast/lc':>9}")
+    head = (f"{'type':<6}{'file MB':>9}{'shard/file':>12}{'RSS/shard':>11}{'growth/shard':>14}{'1-stage':>9}"
+            f"{'exact tok/s':>13}{'fast tok/s':>12}{'llama.cpp':>11}{'exact/lc':>10}{'fast/lc':>9}")
     lines = [head]
     for r in rows:
         lc = r["tok_s_llama_cpp"]
         lines.append(f"{r['type']:<6}{r['file_mb']:>9.0f}{r['shard_over_file']:>12.3f}"
-                     f"{r['export_rss_over_shard']:>18.2f}{r['tok_s_exact']:>13.1f}{r['tok_s_fast']:>12.1f}"
+                     f"{r['export_rss_over_shard']:>11.2f}{r['export_growth_over_shard']:>14.2f}"
+                     f"{r['one_stage_export_rss_over_shard']:>9.2f}{r['tok_s_exact']:>13.1f}{r['tok_s_fast']:>12.1f}"
                      + (f"{lc:>11.1f}{r['exact_over_llama_cpp']:>10.2f}{r['fast_over_llama_cpp']:>9.2f}" if lc
                         else f"{'-':>11}{'-':>10}{'-':>9}"))
     return "\n".join(lines)
@@ -172,8 +182,10 @@ def main() -> int:
         print(f"{kind}: done", file=sys.stderr, flush=True)
     print(table(rows))
     figures = {k: {r["type"]: r.get(k) for r in rows} for k in (
-        "shard_over_file", "export_rss_over_shard", "exact_over_llama_cpp", "fast_over_llama_cpp",
-        "tok_s_exact", "tok_s_fast", "tok_s_llama_cpp", "stage_export_rss_mb", "stage_shard_mb", "file_mb")}
+        "shard_over_file", "export_rss_over_shard", "export_growth_over_shard", "one_stage_export_rss_over_shard",
+        "exact_over_llama_cpp", "fast_over_llama_cpp",
+        "tok_s_exact", "tok_s_fast", "tok_s_llama_cpp", "stage_export_rss_mb", "stage_export_base_mb", "stage_shard_mb",
+        "file_mb")}
     print(json.dumps(figures | {"tokens": args.tokens, "reps": args.reps, "threads": args.threads,
                                 "quick": args.quick}))
     return 0

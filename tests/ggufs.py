@@ -70,7 +70,9 @@ def pack_k_quant(kind: str, rows: int, cols: int, std: float, seed: str) -> np.n
 
 def random_blocks(kind: str, raw: np.ndarray, rows: int, std: float, sample: int | None = None) -> np.ndarray:
     """Random bytes made blocks of `kind` [rows, row bytes]: codes and sub-scales as they come,
-    each block's f16 scale (and min) set so the values have about `std`, centred on 0."""
+    each block's f16 scale (and min) set so the values have about `std`, centred on 0, each
+    block's scale varied by up to 25% (one scale for every block would make identical scale
+    arrays, which a serializer may store once: not what real files look like)."""
     _, size = GGML_QUANT_SIZES[_ggml(kind)]
     blocks = raw.reshape(-1, size)
     d_at, dmin_at, centre = _LAYOUT[kind]
@@ -83,9 +85,10 @@ def random_blocks(kind: str, raw: np.ndarray, rows: int, std: float, sample: int
     if dmin_at is not None:
         put(dmin_at, one * np.float32(centre))
     spread = float(dequantize(blocks[:sample], _ggml(kind)).std()) or 1.0  # sample: the first blocks only
-    put(d_at, one * np.float32(std / spread))
+    jitter = np.float32(0.75) + blocks[:, 4].astype(np.float32) / np.float32(510)  # byte 4: never a scale
+    put(d_at, jitter * np.float32(std / spread))
     if dmin_at is not None:
-        put(dmin_at, one * np.float32(centre * std / spread))
+        put(dmin_at, jitter * np.float32(centre * std / spread))
     return blocks.reshape(rows, -1)
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset15 as ops
 
-from shardline.model.quant import GroupQuant, HalfFloat, pack_codes, unpack_codes
+from shardline.model.quant import GroupQuant, HalfFloat, pack_codes, repack_codes
 
 _OV_CODES = {"u2": ov.Type.u2, "u4": ov.Type.u4, "u8": ov.Type.u8, "i8": ov.Type.i8}
 
@@ -81,7 +81,7 @@ def _codes(q: GroupQuant, flat: np.ndarray | None, widen: bool) -> tuple[np.ndar
     if flat is not None:
         packed[flat] = 0
     if widen and q.bits == 2:  # no u2 gather: u4
-        return pack_codes(unpack_codes(packed, 2).astype(np.uint8), 4), 4
+        return repack_codes(q.packed, 2, 4).reshape(q.rows, q.groups, -1), 4
     return packed, q.bits
 
 

@@ -174,6 +174,7 @@ def _export_stages(cfg: ExportConfig, model: Path, arch: Arch, plans: list[Stage
 def _export_one(model: Path, arch: Arch, plan: StagePlan, weights: str, group_size: int, tmp: Path) -> StageEntry:
     """`arch` is the exported model's (the source's, or its first layers with --truncate)."""
     source = open_source(model)
+    base = _rss("VmRSS")  # the process before it reads a weight (interpreter, OpenVINO, the header)
     w = Weights(source, weights)
     graph = make_stateful(build_stage(arch, plan, w))
     graph = compress(graph, weights, group_size)
@@ -185,7 +186,8 @@ def _export_one(model: Path, arch: Arch, plan: StagePlan, weights: str, group_si
         xml=xml.name, bin=xml.with_suffix(".bin").name,
         inputs=[_port(p) for p in graph.inputs], outputs=[_port(p) for p in graph.outputs],
         state=sorted(s.get_variable_id() for s in graph.get_sinks()),
-        export_peak_rss_mb=round(_peak_rss() / 2**20, 1),
+        export_peak_rss_mb=round(_rss("VmHWM") / 2**20, 1),
+        export_base_rss_mb=round(base / 2**20, 1),
         weights_kept=dict(sorted(w.kept.items())),
         weights_bytes=dict(sorted(w.kept_bytes.items())),
     )
@@ -199,12 +201,12 @@ def _port(p: ov.Output) -> PortSpec:
     return PortSpec(p.get_any_name(), p.get_element_type().get_type_name(), shape)
 
 
-def _peak_rss() -> int:
-    """This process's peak resident memory in bytes (VmHWM). Not ru_maxrss: a process started by
-    exec keeps its parent's ru_maxrss, so a stage exported in a spawned process would report
-    its parent's peak whenever that was larger."""
+def _rss(which: str) -> int:
+    """This process's resident memory in bytes: VmHWM (its peak) or VmRSS (now). Not ru_maxrss:
+    a process started by exec keeps its parent's ru_maxrss, so a stage exported in a spawned
+    process would report its parent's peak whenever that was larger."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(which + ":"):
             return int(line.split()[1]) * 1024
     import resource  # not Linux: the best there is
 

@@ -147,20 +147,30 @@ def block_bytes(kind: str) -> tuple[int, int]:
     return layout.block, layout.size
 
 
-def unpack(kind: str, raw: np.ndarray, name: str) -> GroupQuant:
-    """raw: uint8 [rows, row bytes] exactly as the file stores the tensor."""
+Rows = Callable[[int, int], np.ndarray]  # (start, stop) -> uint8 [stop - start, row bytes]
+
+
+def unpack(kind: str, raw: np.ndarray | tuple[Rows, int, int], name: str) -> GroupQuant:
+    """raw: uint8 [rows, row bytes] exactly as the file stores the tensor, or (read, rows, row
+    bytes) to read it a chunk of rows at a time (then only one chunk of raw bytes is held)."""
     if kind not in _TYPES:
         raise ShardlineError(f"tensor {name}: type {kind} cannot be kept as blocks")
     layout, fn = _TYPES[kind]
-    rows = raw.shape[0]
-    if raw.ndim != 2 or raw.shape[1] % layout.size:
-        raise ShardlineError(f"tensor {name}: {raw.shape[1]} bytes per row is not a whole number of {kind} blocks")
-    per_row = raw.shape[1] // layout.size  # blocks per row
+    if isinstance(raw, np.ndarray):
+        if raw.ndim != 2:
+            raise ShardlineError(f"tensor {name}: {raw.ndim} dimensions, expected rows of blocks")
+        array = raw
+        read, rows, row_bytes = (lambda a, b: array[a:b]), raw.shape[0], raw.shape[1]
+    else:
+        read, rows, row_bytes = raw
+    if row_bytes % layout.size:
+        raise ShardlineError(f"tensor {name}: {row_bytes} bytes per row is not a whole number of {kind} blocks")
+    per_row = row_bytes // layout.size  # blocks per row
     groups = per_row * layout.block // layout.group
-    step = max(1, _CHUNK_BYTES // max(raw.shape[1], 1))
+    step = max(1, _CHUNK_BYTES // max(row_bytes, 1))
     out: list[np.ndarray] = []
     for r in range(0, rows, step):  # into arrays made once: no concatenation of the parts
-        part = _unpack_rows(fn, layout, np.ascontiguousarray(raw[r:r + step]), per_row)
+        part = _unpack_rows(fn, layout, np.ascontiguousarray(read(r, min(r + step, rows))), per_row)
         if not out:
             out = [np.empty((rows, *a.shape[1:]), dtype=a.dtype) for a in part]
         for whole, a in zip(out, part, strict=True):

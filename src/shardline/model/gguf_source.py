@@ -81,8 +81,16 @@ class _Tensor:
         self.shape = tuple(reversed(t.shape))
 
     def raw(self) -> np.ndarray:
-        data = np.fromfile(self.path, dtype=np.uint8, count=self.nbytes, offset=self.offset)
-        if data.size != self.nbytes:
+        return self._read(self.offset, self.nbytes)
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of a 2-D tensor's bytes, [stop - start, row bytes]."""
+        row = self.nbytes // self.shape[0]
+        return self._read(self.offset + start * row, (stop - start) * row).reshape(stop - start, row)
+
+    def _read(self, offset: int, count: int) -> np.ndarray:
+        data = np.fromfile(self.path, dtype=np.uint8, count=count, offset=offset)
+        if data.size != count:
             raise ShardlineError(f"{self.path.name}: a tensor's data is cut short (truncated file?)")
         return data
 
@@ -177,7 +185,7 @@ class GGUFSource:
         if t.kind in ("F16", "BF16"):
             s: Stored = HalfFloat(t.kind, t.raw().view(np.uint16).reshape(t.shape))
         elif t.kind in BLOCK_TYPES:
-            s = unpack(t.kind, t.raw().reshape(t.shape[0], -1), gguf_name(name))
+            s = unpack(t.kind, (t.rows, t.shape[0], t.nbytes // t.shape[0]), gguf_name(name))
         else:
             raise ShardlineError(cannot_keep(self.path.name, gguf_name(name), t.kind))
         heads = self._heads_for(name)

@@ -46,6 +46,7 @@ class StageEntry:
     outputs: list[PortSpec]
     state: list[str]
     export_peak_rss_mb: float | None = None
+    export_base_rss_mb: float | None = None  # the export process before it read a weight
     # Under --weights gguf: the file's types the stage's matrices were kept in, and their bytes.
     weights_kept: dict[str, int] = field(default_factory=dict)
     weights_bytes: dict[str, int] = field(default_factory=dict)

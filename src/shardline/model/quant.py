@@ -61,7 +61,8 @@ class GroupQuant:
 
     def codes(self) -> np.ndarray:
         """The codes unpacked, (rows, groups, group): int16, so signed and unsigned alike."""
-        return unpack_codes(self.packed, self.bits, self.signed).reshape(self.rows, self.groups, self.group)
+        codes = unpack_codes(self.packed, self.bits, self.signed).astype(np.int16)
+        return codes.reshape(self.rows, self.groups, self.group)
 
     def scale(self) -> np.ndarray:
         """S as f32 (rows, groups): exact, since no product has more than 24 significant bits."""
@@ -125,11 +126,20 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def unpack_codes(packed: np.ndarray, bits: int, signed: bool = False) -> np.ndarray:
+    """uint8 (..., n) packed -> the codes, uint8 (int8 when signed), lowest bits first."""
     if bits == 8:
-        return packed.view(np.int8 if signed else np.uint8).astype(np.int16)
+        return packed.view(np.int8 if signed else np.uint8)
     per, mask = 8 // bits, np.uint8((1 << bits) - 1)
     parts = [(packed >> np.uint8(bits * i)) & mask for i in range(per)]
-    return np.stack(parts, axis=-1).reshape(*packed.shape[:-1], -1).astype(np.int16)
+    return np.stack(parts, axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+def repack_codes(packed: np.ndarray, bits: int, to_bits: int, rows_at_a_time: int = 1024) -> np.ndarray:
+    """Codes packed at `bits` -> packed at `to_bits` (wider), rows at a time (bounded memory)."""
+    out = np.empty((packed.shape[0], packed.shape[1] * to_bits // bits), dtype=np.uint8)
+    for r in range(0, packed.shape[0], rows_at_a_time):
+        out[r:r + rows_at_a_time] = pack_codes(unpack_codes(packed[r:r + rows_at_a_time], bits), to_bits)
+    return out
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,7 @@ def _as_f32_or_int(node: ov.Node) -> np.ndarray:
         bits = 2 if kind == ov.Type.u2 else 4
         shape = list(node.get_output_shape(0))
         raw = np.array(node.get_tensor_view().data).view(np.uint8).reshape(-1)
-        return unpack_codes(raw[None, :], bits)[0, :int(np.prod(shape))].reshape(shape).astype(np.uint8)
+        return unpack_codes(raw[None, :], bits)[0, :int(np.prod(shape))].reshape(shape)
     if kind == ov.Type.bf16:
         bits16 = np.array(node.get_tensor_view().data).view(np.uint16)
         return (bits16.astype(np.uint32) << 16).view(np.float32)
