@@ -3,6 +3,7 @@ the problem, exit 1, and nothing left that looks like an export (issue 21 point 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,15 @@ def test_truncated_tensor_data(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_inconsistent_or_unsupported_metadata(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                               keys: dict[str, object], message: str) -> None:
     _export(capsys, write(SMALL.with_(extra_keys=keys), tmp_path / "m.gguf"), message)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"pre": "jais"}, "unsupported tokenizer.ggml.pre 'jais': supported are "),
+    ({"model": "bert"}, "unsupported tokenizer.ggml.model 'bert': supported are "),
+])
+def test_a_tokenizer_llama_cpp_would_read_otherwise_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                               change: dict[str, str], message: str) -> None:
+    _export(capsys, write(SMALL.with_(vocab=replace(byte_level_vocab(), **change)), tmp_path / "m.gguf"), message)
 
 
 def test_vocabulary_that_does_not_match_the_embedding(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
