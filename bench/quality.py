@@ -14,6 +14,12 @@ logit flips on any perturbation); teacher-forced agreement is the steadier figur
 
     python bench/quality.py            # 8 prompts, 64 tokens, all precisions
     python bench/quality.py --quick    # 2 prompts, 32 tokens, fp32 and gguf
+    python bench/quality.py --weights gguf --modes exact --kv f32,f16,u8   # the KV cache's precisions
+
+With `--kv`, each run precision is also run with each KV cache precision. A prompt fed in one
+step attends to its own keys and values before the cache stores them, so there the text's
+logits come from prompt steps of KV_CHUNK tokens, each after the cache of the ones before
+(the teacher-forced rows likewise), and greedy tokens read the cache at every step.
 
 The last line on stdout is one JSON object with the figures, agreements and ratios first.
 """
@@ -108,6 +114,28 @@ def prefill_logits(pipe: LocalPipeline, ids: list[int]) -> np.ndarray:
     return np.stack([np.asarray(c.logits) for c in out.choices])
 
 
+KV_CHUNK = 16
+
+
+def chunked_logits(pipe: LocalPipeline, ids: list[int], chunk: int) -> np.ndarray:
+    """The logits at every position of `ids`, fed in prompt steps of `chunk` tokens: every step
+    after the first attends to the cache as the run's KV precision keeps it."""
+    key, book, rows = next(_KEYS), KVBook(), []
+    try:
+        for start in range(0, len(ids), chunk):
+            part = ids[start:start + chunk]
+            inputs = book.plan(part)
+            book.commit(inputs)
+            at = np.stack([np.zeros(len(part), np.int64), np.arange(len(part), dtype=np.int64)], axis=1)
+            (out,) = run(pipe, PrefillStep(key, (key,), (SamplingParams(),), inputs, at, True, first=start == 0))
+            if out.failed:
+                raise RuntimeError(out.error)
+            rows.extend(np.asarray(c.logits) for c in out.choices)
+    finally:
+        pipe.release(key)
+    return np.stack(rows)
+
+
 def prefix_len(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
@@ -118,6 +146,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "shardline" / "bench")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 32 tokens, fp32 and gguf")
+    p.add_argument("--modes", default="exact,fast,rounded,plugin", help="run precisions (comma-separated)")
+    p.add_argument("--kv", default="", help="KV cache precisions to run each mode with (f32,f16,u8; default: "
+                                            "the mode's own, prompts in one step)")
     args = p.parse_args()
     weights = ["fp32", "gguf"] if args.quick else args.weights.split(",")
     if args.tokens < 1:
@@ -149,34 +180,39 @@ def main() -> int:
     print(f"reference: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
     rows: dict[str, dict[str, float | str]] = {}
-    for w in weights:
-        for mode in ("exact", "fast", "rounded", "plugin"):
-            t0 = time.perf_counter()
-            pipe = LocalPipeline(folders[w], RunConfig(precision=mode))
-            compiled = pipe.stages[0].compiled
-            greedy = [greedy_ours(pipe, c, n)[0] for c in chats]
+    kvs: list[str | None] = [k for k in args.kv.split(",") if k] or [None]
+    runs = [(w, mode, kv) for w in weights for mode in args.modes.split(",") for kv in kvs]
+    for w, mode, kv in runs:
+        t0 = time.perf_counter()
+        pipe = LocalPipeline(folders[w], RunConfig(precision=mode, kv_precision=kv))
+        compiled = pipe.stages[0].compiled
+        greedy = [greedy_ours(pipe, c, n)[0] for c in chats]
+        if kv is None:
             tf = [prefill_logits(pipe, s)[-n:].argmax(-1) for s in forced]
             text = prefill_logits(pipe, text_ids)
-            rows[f"{w}_{mode}"] = {
-                "prefix": float(np.mean([prefix_len(g, r) / n for g, r in zip(greedy, ref_tokens, strict=True)])),
-                "full": sum(g == r for g, r in zip(greedy, ref_tokens, strict=True)) / len(chats),
-                "tf": float(np.mean(np.concatenate([a == b for a, b in zip(tf, ref_tf, strict=True)]))),
-                "text_top1": float(np.mean(text.argmax(-1) == ref_text.argmax(-1))),
-                "ppl": perplexity(text, text_ids),
-                "compute": compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name(),
-                "kv": compiled.get_property("KV_CACHE_PRECISION").get_type_name(),
-            }
-            print(f"{w} {mode}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-            pipe.shutdown()
-            del pipe, compiled
+        else:
+            tf = [chunked_logits(pipe, s, KV_CHUNK)[-n:].argmax(-1) for s in forced]
+            text = chunked_logits(pipe, text_ids, KV_CHUNK)
+        rows[f"{w}_{mode}" + (f"_kv{kv}" if kv else "")] = {
+            "prefix": float(np.mean([prefix_len(g, r) / n for g, r in zip(greedy, ref_tokens, strict=True)])),
+            "full": sum(g == r for g, r in zip(greedy, ref_tokens, strict=True)) / len(chats),
+            "tf": float(np.mean(np.concatenate([a == b for a, b in zip(tf, ref_tf, strict=True)]))),
+            "text_top1": float(np.mean(text.argmax(-1) == ref_text.argmax(-1))),
+            "ppl": perplexity(text, text_ids),
+            "compute": compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name(),
+            "kv": compiled.get_property("KV_CACHE_PRECISION").get_type_name(),
+        }
+        print(f"{w} {mode} {kv or ''}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        pipe.shutdown()
+        del pipe, compiled
 
     print(f"\n{len(chats)} chat prompts x {n} greedy tokens, text {len(text_ids)} tokens, "
           f"load average {load:.1f} at start; reference = transformers fp32 on the same dequantized weights")
-    print(f"{'weights/run':<12} {'compute':>8} {'kv':>4} {'prefix agr':>10} {'identical':>9} {'teacher-forced':>14} "
+    print(f"{'weights/run':<18} {'compute':>8} {'kv':>4} {'prefix agr':>10} {'identical':>9} {'teacher-forced':>14} "
           f"{'text top1':>9} {'perplexity':>10} {'ppl/ref':>7}")
-    print(f"{'reference':<12} {'f32':>8} {'f32':>4} {'':>10} {'':>9} {'':>14} {'':>9} {ref_ppl:>10.3f} {1:>7.3f}")
+    print(f"{'reference':<18} {'f32':>8} {'f32':>4} {'':>10} {'':>9} {'':>14} {'':>9} {ref_ppl:>10.3f} {1:>7.3f}")
     for k, r in rows.items():
-        print(f"{k:<12} {r['compute']:>8} {r['kv']:>4} {r['prefix']:>10.1%} {r['full']:>9.0%} {r['tf']:>14.1%} "
+        print(f"{k:<18} {r['compute']:>8} {r['kv']:>4} {r['prefix']:>10.1%} {r['full']:>9.0%} {r['tf']:>14.1%} "
               f"{r['text_top1']:>9.1%} {r['ppl']:>10.3f} {float(r['ppl']) / ref_ppl:>7.3f}")
 
     figures: dict[str, object] = {}

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardline.config import (
+    ACTIVATIONS,
     DEFAULT_PREFILL_CHUNK,
+    KV_PRECISIONS,
     PRECISIONS,
     WEIGHTS,
     ExportConfig,
@@ -66,11 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="no chat template: continue the text as given")
     g.add_argument("--device", default="CPU", help="OpenVINO device name (CPU, GPU, NPU, ...)")
     _placement_flags(g)
-    g.add_argument("--activations", choices=("f16", "f32"), default="f16", help="hidden-state dtype on the wire")
+    _activations_flag(g)
     g.add_argument("--topology", choices=("chain", "star"), default="chain")
     g.add_argument("--precision", choices=PRECISIONS, default="exact",
                    help="exact: f32 everywhere (default); fast: int8 activations, u8 KV; rounded: fast, Q4_1 zero "
                         "points rounded (other weights, as openvino_genai); plugin: device defaults")
+    _context_flags(g)
     g.add_argument("--logprobs", type=int, default=0, metavar="N",
                    help="print each token's top-N log-probabilities to stderr (N <= 20)")
     g.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="prompt tokens per prefill step")
@@ -84,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--device", default="CPU")
     w.add_argument("--precision", choices=PRECISIONS, default="exact")
     w.add_argument("--threads", type=int, help="OpenVINO threads per stage")
+    _context_flags(w)
     _security_flags(w)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded model, 2 local stages)")
@@ -109,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, help="OpenVINO threads per stage")
     s.add_argument("--device", default="CPU")
     s.add_argument("--precision", choices=PRECISIONS, default="exact")
+    _context_flags(s)
+    _activations_flag(s)
     _speculation_flags(s)
     s.add_argument("--disaggregate", metavar="P:D", help="P prefill and D decode instances in this process, "
                    "each with every stage, behind the one API (TetriInfer); default: one coupled instance")
@@ -135,6 +141,25 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--delay-ms", type=float, required=True, help="one-way delay added to every byte")
     r.add_argument("--rate-mbit", type=float, help="bandwidth cap per direction")
     return p
+
+
+def _context_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--context", type=int, metavar="N",
+                   help="the longest sequence (prompt and answer) served; every node of a chain the same "
+                        "(default: the model's, capped where one stream's f32 KV takes 4 GiB)")
+    p.add_argument("--kv-precision", choices=KV_PRECISIONS,
+                   help="the KV cache's precision (default: f32 under exact, u8 under fast and rounded)")
+
+
+def _activations_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--activations", choices=ACTIVATIONS,
+                   help="hidden-state dtype on the wire to workers (default: f32 under exact, else f16)")
+
+
+def _run(args: argparse.Namespace) -> RunConfig:
+    """The run config of serve, generate and worker (checked on construction)."""
+    return RunConfig(device=args.device, precision=args.precision, threads=getattr(args, "threads", None),
+                     context=args.context, kv_precision=args.kv_precision)
 
 
 def _speculation_flags(p: argparse.ArgumentParser) -> None:
@@ -276,7 +301,7 @@ def _on_ray(args: argparse.Namespace, command: Callable[[argparse.Namespace], in
         raise ShardlineError("--plan places layers on Ray nodes: it needs --ray-address")
     from shardline.cluster.fleet import Fleet, FleetConfig
 
-    run = RunConfig(device=args.device, precision=args.precision, threads=getattr(args, "threads", None))
+    run = _run(args)
     _credentials(args, links=True)  # refused before any actor starts
     # Disaggregated serving: one chain of workers per instance, handed out instance by instance.
     chains = sum(disaggregation(args.disaggregate)) if getattr(args, "disaggregate", None) else 1
@@ -316,7 +341,7 @@ def _worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     first, last = parse_stage_range(args.stage, stage_count(args.shards))
     host, port = parse_hostport(args.listen, "--listen")
-    run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
+    run = _run(args)
     worker = StageWorker(args.shards, first, last, run, fetch=True, credentials=_credentials(args, links=True))
     port = worker.listen(host, port)
     print(f"listening on {host}:{port}", flush=True)
@@ -338,13 +363,13 @@ def _serve(args: argparse.Namespace) -> int:
                       disaggregate=disaggregation(args.disaggregate) if args.disaggregate else None,
                       admission=args.admission, prefill_policy=args.prefill_policy, flip=args.flip,
                       length_predictor=args.length_predictor, kv_transfer=args.kv_transfer)
-    run = RunConfig(device=args.device, precision=args.precision, threads=args.threads)
+    run = _run(args)
     if cfg.disaggregate and args.draft:
         raise ShardlineError("--disaggregate runs without speculation: it cannot be combined with --draft yet")
     credentials = _credentials(args, links=bool(args.workers))
     folder = args.shards or default_shards()
     serve(folder, run, cfg, args.workers.split(",") if args.workers else None, _speculation(args, folder),
-          credentials)
+          credentials, args.activations)
     return 0
 
 
@@ -359,7 +384,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, logprobs=args.logprobs,
     )
-    run = RunConfig(device=args.device, precision=args.precision)
+    run = _run(args)
     cfg = ServeConfig(max_streams=1, max_queue=0, prefill_chunk=args.prefill_chunk, recovery=_recovery(args))
     folder = args.shards or default_shards()
     workers = args.workers.split(",") if args.workers else None

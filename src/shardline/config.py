@@ -65,6 +65,8 @@ def default_weights(model: Path | None) -> str:
 
 
 PRECISIONS = ("exact", "fast", "rounded", "plugin")
+KV_PRECISIONS = ("f32", "f16", "u8")  # the KV cache as the device keeps it (model/context.py: bytes per token)
+MAX_CONTEXT = 1 << 24  # tokens; no model here has more (a bound for hostile flags)
 
 
 @dataclass(frozen=True)
@@ -87,25 +89,55 @@ class RunConfig:
     # each compiled model's threads from the first core on, so two one-thread instances ran on
     # one core (60 tokens each at once: 2.05 s pinned, 1.12 s unpinned, 1.07 s alone).
     pinned: bool = True
+    # The longest sequence served (None: the model's, capped to fit a 16 GiB PC: model/context.py).
+    # Every node of a chain must serve the same (the handshake checks it).
+    context: int | None = None
+    # The KV cache's precision (None: f32 under `exact`, u8 under `fast` and `rounded` on a
+    # CPU, the device's own under `plugin`). Stages may differ: each node keeps its own cache.
+    kv_precision: str | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ShardlineError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.threads is not None and self.threads < 1:
             raise ShardlineError("--threads must be positive")
+        if self.context is not None and not 1 <= self.context <= MAX_CONTEXT:
+            raise ShardlineError(f"--context must be in 1-{MAX_CONTEXT} tokens, got {self.context}")
+        if self.kv_precision is not None and self.kv_precision not in KV_PRECISIONS:
+            raise ShardlineError(f"--kv-precision must be one of {', '.join(KV_PRECISIONS)}, got {self.kv_precision!r}")
+
+    @property
+    def kv(self) -> str | None:
+        """The KV cache precision asked of the device (None: the device's default)."""
+        if self.kv_precision is not None:
+            return self.kv_precision
+        if self.precision == "exact":
+            return "f32"
+        # the CPU plugin's own default, made explicit so that it is reported and sized truly
+        return "u8" if self.precision in ("fast", "rounded") and self.device.upper().startswith("CPU") else None
 
     def ov_properties(self) -> dict[str, str]:
         props: dict[str, str] = {}
         if self.precision == "exact":
-            props |= {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32",
-                      "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
+            props |= {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
         elif self.precision in ("fast", "rounded") and self.device.upper().startswith("CPU"):
             props["INFERENCE_PRECISION_HINT"] = "f32"
+        if self.kv is not None:
+            props["KV_CACHE_PRECISION"] = self.kv
         if self.threads:
             props["INFERENCE_NUM_THREADS"] = str(self.threads)
         if not self.pinned and self.device.upper().startswith("CPU"):
             props["ENABLE_CPU_PINNING"] = "NO"
         return props
+
+
+ACTIVATIONS = ("f16", "f32")
+
+
+def default_activations(precision: str) -> str:
+    """Hidden states on the wire: f32 under `exact` (f16 would round them at every hop, and the
+    answer would depend on the split), else f16 (half the bytes per hop)."""
+    return "f32" if precision == "exact" else "f16"
 
 
 # Sampling bounds, shared by the API, the CLI and the wire (every peer checks them again).

@@ -9,9 +9,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardline.config import COMPACT_AT, RecoveryConfig, RunConfig, ServeConfig, SpeculationConfig
+from shardline.config import COMPACT_AT, RecoveryConfig, RunConfig, ServeConfig, SpeculationConfig, default_activations
 from shardline.errors import ShardlineError
 from shardline.host import available_memory
+from shardline.model.context import run_context
 from shardline.model.manifest import Manifest, load_manifest
 from shardline.pipeline.plan import Pipeline
 from shardline.serving.admission import Limits, max_streams_for_memory, per_stream_bytes
@@ -36,15 +37,16 @@ SHUTDOWN_GRACE_S = 3
 STREAM_OVERHEAD_BYTES = 2 * 2**20
 
 
-def stream_limits(manifest: Manifest, cfg: ServeConfig, local_layers: int,
+def stream_limits(manifest: Manifest, cfg: ServeConfig, local_layers: int, context: int, kv: str | None,
                   spec: SpeculationConfig | None = None, draft: Manifest | None = None) -> Limits:
-    """As many streams as this node's memory holds at the longest context (KV in f32)."""
+    """As many streams as this node's memory holds at `context` tokens, each with its KV at `kv`
+    (None, a device's own: sized as f32)."""
     extra = spec.compact_at + spec.k_max + 1 if spec and spec.kind != "off" else 0
     # the draft's chain (drafts in flight, a guess of the target's token, a next step's drafts:
     # 2 k_max + 1) once in its KV and once more masked, past the COMPACT_AT masked slots it
     # compacts at before each proposal
     draft_extra = COMPACT_AT + 2 * (2 * spec.k_max + 1) if spec and draft else 0
-    per_stream = per_stream_bytes(manifest.arch, len(manifest.stages), local_layers, extra,
+    per_stream = per_stream_bytes(manifest.arch, len(manifest.stages), local_layers, context, kv or "f32", extra,
                                   draft.arch if draft else None, STREAM_OVERHEAD_BYTES, draft_extra)
     fits = max_streams_for_memory(int(available_memory() * cfg.memory_fraction), per_stream, STREAM_CAP)
     return Limits(min(fits, cfg.max_streams or fits), cfg.max_queue)
@@ -62,19 +64,21 @@ def decode_groups(asked: int | None, stages: int, remote: bool) -> int:
     return stages if remote else 1
 
 
-def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None = None, activations: str = "f16",
+def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None = None, activations: str | None = None,
                   topology: str = "chain", credentials: Credentials | None = None,
                   recovery: RecoveryConfig | None = None, summarize: bool = False) -> tuple[Pipeline, int]:
     """The pipeline (stages 1.. here, or on `workers`, over mutual TLS with `credentials`, its
-    step deadlines and reconnect window from `recovery`; prompt summaries for a length predictor
-    if `summarize`), and how many layers of it run in this process (for the memory bound)."""
+    step deadlines and reconnect window from `recovery`, hidden states on the wire as
+    `activations` (None: as the precision implies); prompt summaries for a length predictor if
+    `summarize`), and how many layers of it run in this process (for the memory bound)."""
     manifest = load_manifest(folder)
     if workers:
         from shardline.pipeline.deadline import Deadlines
         from shardline.pipeline.remote import RemotePipeline
 
         rec = recovery or RecoveryConfig()
-        pipe = RemotePipeline(folder, workers, run, activations, topology, credentials,
+        wire = activations or default_activations(run.precision)
+        pipe = RemotePipeline(folder, workers, run, wire, topology, credentials,
                               deadlines=Deadlines(rec.step_floor_s, rec.step_multiple), reconnect_s=rec.reconnect_s,
                               summarize=summarize)
         return pipe, manifest.stages[0].last_layer + 1
@@ -102,22 +106,23 @@ def open_drafts(spec: SpeculationConfig, target: Manifest, run: RunConfig) -> tu
 
 
 def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None,
-                activations: str = "f16", topology: str = "chain", spec: SpeculationConfig | None = None,
+                activations: str | None = None, topology: str = "chain", spec: SpeculationConfig | None = None,
                 credentials: Credentials | None = None) -> tuple[Engine, Manifest]:
     """Pipeline, scheduler and engine: what `serve` and `generate` both run requests through."""
     manifest = load_manifest(folder)
     spec = spec or SpeculationConfig()
     drafts, draft = open_drafts(spec, manifest, run)
     pipe, local_layers = open_pipeline(folder, run, workers, activations, topology, credentials, cfg.recovery)
-    limits = stream_limits(manifest, cfg, local_layers, spec, draft)
+    limits = stream_limits(manifest, cfg, local_layers, pipe.context, run.kv, spec, draft)
     replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
-    engine = Engine(pipe, limits, manifest.arch.max_context,
+    engine = Engine(pipe, limits, pipe.context,
                     scheduling(cfg, len(manifest.stages), bool(workers), spec), drafts, replays)
     return engine, manifest
 
 
 def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None,
-                       credentials: Credentials | None = None) -> tuple[Disaggregated, Manifest]:
+                       credentials: Credentials | None = None,
+                       activations: str | None = None) -> tuple[Disaggregated, Manifest]:
     """`cfg.disaggregate` (P, D): P prefill and D decode instances behind one front end. Each
     instance is a pipeline of every stage: all in this process (threads: as given, else this
     machine's cores shared out), or stage 0 here and the others on a chain of workers of its
@@ -140,8 +145,8 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
     run = replace(run, threads=run.threads or max(1, cores // (n_prefill + n_decode)), pinned=False)
     share = replace(cfg, memory_fraction=cfg.memory_fraction / (n_prefill + n_decode))
     local_layers = manifest.stages[0].last_layer + 1 if workers else manifest.arch.n_layers
-    limits = stream_limits(manifest, share, local_layers)
-    context = manifest.arch.max_context
+    context = run_context(manifest.arch, run.context)
+    limits = stream_limits(manifest, share, local_layers, context, run.kv)
     replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
     front = Disaggregated(FrontConfig(heavy_from=THRESHOLDS.heavy_decode[0],
                                       flip=FlipConfig() if cfg.flip else None))
@@ -161,7 +166,7 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
 
     # Every instance's pipeline summarizes prompts when a trained predictor needs it: a decode
     # instance may flip to prefill; its replayed prefills' summaries cost a sum and are not used.
-    pipes = [open_pipeline(folder, run, chain, credentials=credentials, recovery=cfg.recovery,
+    pipes = [open_pipeline(folder, run, chain, activations, credentials=credentials, recovery=cfg.recovery,
                            summarize=summarize)[0] for chain in chains]
     prefills = {f"instance-{i}": prefill_on(pipes[i]) for i in range(n_prefill)}
     decodes = {f"instance-{i}": decode_on(pipes[i]) for i in range(n_prefill, n_prefill + n_decode)}
@@ -208,7 +213,8 @@ def length_prediction(choice: str, manifest: Manifest) -> tuple[Predict, bool]:
 
 
 def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None,
-          spec: SpeculationConfig | None = None, credentials: Credentials | None = None) -> None:
+          spec: SpeculationConfig | None = None, credentials: Credentials | None = None,
+          activations: str | None = None) -> None:
     import uvicorn
 
     from shardline.api.app import Served, build_app
@@ -216,15 +222,18 @@ def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | N
 
     engine: Serving
     if cfg.disaggregate:
-        engine, manifest = open_disaggregated(folder, run, cfg, workers, credentials)
+        engine, manifest = open_disaggregated(folder, run, cfg, workers, credentials, activations)
     else:
-        engine, manifest = open_engine(folder, run, cfg, workers, spec=spec, credentials=credentials)
+        engine, manifest = open_engine(folder, run, cfg, workers, activations, spec=spec, credentials=credentials)
+    context = run_context(manifest.arch, run.context)
     served = Served(engine, ChatTokenizer(folder), model_id(manifest, cfg), cfg.default_max_tokens,
-                    cfg.max_body_bytes, api_key=cfg.api_key, cors_origins=cfg.cors_origins, precision=run.precision)
+                    cfg.max_body_bytes, api_key=cfg.api_key, cors_origins=cfg.cors_origins, precision=run.precision,
+                    context=context, kv=run.kv or "device default")
     sock = socket.create_server((cfg.host, cfg.port))  # bound here, so port 0 reports its real port
     host, port = sock.getsockname()[:2]
-    print(f"serving {served.model_id} ({len(manifest.stages)} stages, up to {engine.limits.max_streams} streams) "
-          f"on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    print(f"serving {served.model_id} ({len(manifest.stages)} stages, context {context} tokens, KV cache "
+          f"{served.kv}, up to {engine.limits.max_streams} streams) on http://{host}:{port}/v1",
+          file=sys.stderr, flush=True)
     # A stop (Ctrl-C, SIGTERM) waits for open streams at most this long, then ends them.
     server = uvicorn.Server(uvicorn.Config(build_app(served), log_level="warning",
                                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S))

@@ -117,11 +117,12 @@ class Proc:
 
 
 def worker(folder: Path, stage: str, port: int = 0, ignore: Iterable[signal.Signals] = (),
-           nofile: int | None = None, credentials: Path | None = None) -> Proc:
-    """`shardline worker`: over mutual TLS with `credentials`, else in clear (--insecure)."""
+           nofile: int | None = None, credentials: Path | None = None, extra: Iterable[str] = ()) -> Proc:
+    """`shardline worker` (more flags in `extra`): over mutual TLS with `credentials`, else in
+    clear (--insecure)."""
     security = ["--credentials", str(credentials)] if credentials else ["--insecure"]
-    return Proc(["worker", "--shards", str(folder), "--stage", stage, "--listen", f"127.0.0.1:{port}", *security],
-                "listening on ", ignore=ignore, nofile=nofile)
+    return Proc(["worker", "--shards", str(folder), "--stage", stage, "--listen", f"127.0.0.1:{port}", *security,
+                 *extra], "listening on ", ignore=ignore, nofile=nofile)
 
 
 def relay(to: str, delay_ms: float, ignore: Iterable[signal.Signals] = ()) -> Proc:

@@ -14,6 +14,7 @@ import pytest
 
 from shardline.config import RunConfig, SamplingConfig
 from shardline.errors import ShardlineError
+from shardline.model.context import run_context
 from shardline.model.manifest import MANIFEST, load_manifest, verify
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
@@ -133,7 +134,7 @@ def test_an_empty_worker_refuses_to_start_from_another_worker(export: Path, tmp_
         with pytest.raises(Refused, match="^the worker for stages 2-2 has no shard yet: only a coordinator can "
                                           "deliver it$"):
             client_handshake(link, Hello(PROTOCOL, Role.WORKER, m.model_hash, 10, 19, m.weights, Activations.ANY,
-                                         "ab" * 16), lambda _: None)
+                                         "ab" * 16, run_context(m.arch, None)), lambda _: None)
         link.close()
     finally:
         empty.stop()

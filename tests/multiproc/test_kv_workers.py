@@ -24,6 +24,7 @@ import pytest
 from shardline.cluster.keygen import keygen
 from shardline.config import RunConfig
 from shardline.errors import ShardlineError
+from shardline.model.context import run_context
 from shardline.model.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.node import kv as node_kv
@@ -270,7 +271,7 @@ def _coordinator(w: StageWorker) -> Link:
     m = load_manifest(w.shard.folder)
     link = Link.connect("127.0.0.1", w.port, None, frame_timeout=WAIT_S, handshake_timeout=WAIT_S)
     client_handshake(link, Hello(PROTOCOL, Role.COORDINATOR, m.model_hash, 0, m.stages[1].first_layer - 1, m.weights,
-                                 Activations.F32, secrets.token_hex(16)), lambda _: None)
+                                 Activations.F32, secrets.token_hex(16), run_context(m.arch, None)), lambda _: None)
     link.send(Route(""))
     link._wait = WAIT_S  # every wait for an answer is bounded (a test's, not the worker's)
     return link

@@ -144,14 +144,16 @@ class Answer:
 
 
 @pytest.fixture(scope="module")
-def two(shards: Callable[..., Path]) -> Path:
-    return shards("gguf", stages=2)
+def three(shards: Callable[..., Path]) -> Path:
+    return shards("gguf", stages=3)
 
 
 @pytest.fixture(scope="module")
-def remote_server(two: Path) -> Iterator[Proc]:
-    """`shardline serve` with stage 0 in its own process and stage 1 on a `shardline worker`."""
-    with worker(two, "1") as w, serve(["--shards", str(two), "--workers", w.addr, "--port", "0", "--insecure"]) as s:
+def remote_server(three: Path) -> Iterator[Proc]:
+    """`shardline serve` with stage 0 in its own process and stages 1 and 2 on two `shardline
+    worker`s, at its defaults (exact precision: f32 hidden states on the wire)."""
+    with worker(three, "1") as w1, worker(three, "2") as w2, serve(
+            ["--shards", str(three), "--workers", f"{w1.addr},{w2.addr}", "--port", "0", "--insecure"]) as s:
         _wait_healthy(s.addr)
         yield s
 
@@ -176,7 +178,21 @@ def _ask(client: OpenAI, model: str, prompt: str, start: threading.Barrier | Non
     return Answer("".join(text), tokens, times[0], times[-1])
 
 
-def test_concurrent_streams_through_a_worker_equal_each_alone(remote_server: Proc) -> None:
+def _in_process(folder: Path, prompts: list[str]) -> list[str]:
+    """Each prompt's N_NEW greedy tokens with every stage in this process, as text."""
+    from shardline.config import RunConfig, SamplingConfig
+    from shardline.model.tokenizer import ChatTokenizer
+    from shardline.pipeline.local import LocalPipeline
+    from tests.helpers import engine_tokens
+
+    tok = ChatTokenizer(folder)
+    with LocalPipeline(folder, RunConfig()) as pipe:
+        return [tok.decode(engine_tokens(pipe, tok.encode_chat([{"role": "user", "content": p}]),
+                                         SamplingConfig(max_tokens=N_NEW), chunk=128)) for p in prompts]
+
+
+def test_concurrent_streams_through_two_workers_equal_each_alone_and_the_in_process_engine(
+        remote_server: Proc, three: Path) -> None:
     client = OpenAI(base_url=remote_server.addr, api_key="unused", timeout=120, max_retries=0)
     model = client.models.list().data[0].id
     prompts = CHAT_PROMPTS[:N_STREAMS]
@@ -186,6 +202,8 @@ def test_concurrent_streams_through_a_worker_equal_each_alone(remote_server: Pro
         together = list(pool.map(lambda p: _ask(client, model, p, start), prompts))
     assert [a.tokens for a in alone] == [N_NEW] * N_STREAMS
     assert [(a.text, a.tokens) for a in together] == [(a.text, a.tokens) for a in alone]
+    # exact precision through workers is the in-process model's answer, token for token
+    assert [a.text for a in together] == _in_process(three, prompts)
     # They really ran together: every stream was still producing when every other had begun.
     assert max(a.first_s for a in together) < min(a.last_s for a in together), together
 

@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from shardline.config import RunConfig, SamplingParams
+from shardline.model.context import run_context
 from shardline.model.manifest import Manifest, load_manifest
 from shardline.node import worker as worker_module
 from shardline.node.worker import StageWorker
@@ -136,7 +137,7 @@ def _hello(m: Manifest, stage: int, role: Role = Role.COORDINATOR, session: str 
     """The Hello of a peer whose chain ends just before `stage` (as a coordinator or as the
     previous worker of session `session`)."""
     return Hello(PROTOCOL, role, m.model_hash, 0, m.stages[stage].first_layer - 1, m.weights, Activations.F32,
-                 secrets.token_hex(16) if session is None else session)
+                 secrets.token_hex(16) if session is None else session, run_context(m.arch, None))
 
 
 class Peer:
@@ -391,9 +392,16 @@ def test_steps_that_do_not_fit_fail_alone(chain: list[Proc], manifest: Manifest,
         assert isinstance(reply := p.recv(), Sampled) and reply.seq == 40
         p.send(_step(2, 2, seq=41))
         assert isinstance(reply := p.recv(), Sampled) and reply.seq == 41
-        # Positions far beyond the cache but within the wire's bound: the graph runs (RoPE of any position).
-        p.send(_step(1, 4, seq=42, positions=np.array([[MAX_SLOTS - 1]], np.int64)))
+        # Positions beyond the cache but within the context the worker serves: the graph runs
+        # (RoPE of any position); at or past it (within the wire's bound), the step fails.
+        context = run_context(manifest.arch, None)
+        p.send(_step(1, 4, seq=42, positions=np.array([[context - 1]], np.int64)))
         assert isinstance(reply := p.recv(), Sampled) and reply.seq == 42
+        p.send(_step(1, 5, seq=44, positions=np.array([[MAX_SLOTS - 1]], np.int64)))
+        assert isinstance(reply := p.recv(), StepFailed) and reply.seq == 44
+        assert f"position {MAX_SLOTS - 1} is past the context of {context} tokens" in reply.reason
+        p.send(_step(1, 5, seq=45, positions=np.array([[context]], np.int64)))
+        assert isinstance(reply := p.recv(), StepFailed) and f"position {context} is past the context" in reply.reason
         # Hidden states that are not numbers: no token can be chosen, the step fails.
         p.send(_step(4, 0, 2, first=True, seq=43, hidden=np.full((1, 2, 576), np.nan, np.float32)))
         assert isinstance(reply := p.recv(), StepFailed) and "not finite" in reply.reason

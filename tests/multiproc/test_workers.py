@@ -20,7 +20,7 @@ from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.plan import Pipeline, decode, prefill, run
 from shardline.pipeline.remote import RemotePipeline
 from shardline.serving.admission import Limits
-from shardline.serving.engine import Engine
+from shardline.serving.engine import Engine, Request
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.stage.cache import KVBook
 from tests.conftest import CHAT_PROMPTS
@@ -175,6 +175,41 @@ def test_mismatched_shard_is_refused_naming_both_sides(shards: Callable[..., Pat
     other = shards("gguf", stages=3)  # same model, other weights
     with pytest.raises(ShardlineError, match="precision mismatch: worker has fp32 weights, coordinator has gguf"):
         RemotePipeline(other, [workers[0].addr, workers[1].addr])
+
+
+def test_a_coordinator_and_workers_serving_other_contexts_are_refused(three: Path, workers: list[Proc]) -> None:
+    """Workers at the model's default context (8192), a coordinator asked for 4096: refused on
+    connecting, not halfway through a long stream."""
+    with pytest.raises(ShardlineError, match=r"worker 127.0.0.1:\d+: context mismatch: worker serves 8192 tokens, "
+                                             r"coordinator 4096 \(give them the same --context\)"):
+        RemotePipeline(three, [workers[0].addr, workers[1].addr], RunConfig(context=4096))
+
+
+def test_workers_started_with_a_context_serve_a_coordinator_of_the_same(three: Path) -> None:
+    """`worker --context 64`: a coordinator of another context is refused, one of the same is
+    served; a prompt past it is refused before any stage runs it."""
+    ws = [worker(three, "1", extra=["--context", "64"]), worker(three, "2", extra=["--context", "64"])]
+    try:
+        with pytest.raises(ShardlineError, match="context mismatch: worker serves 64 tokens, coordinator 8192"):
+            RemotePipeline(three, [w.addr for w in ws])
+        remote = RemotePipeline(three, [w.addr for w in ws], RunConfig(context=64))
+        try:
+            prompt = _prompts(three)[0][:30]
+            engine = Engine(remote, Limits(1, 0), remote.context)
+            try:
+                with pytest.raises(ShardlineError, match="prompt of 30 tokens plus 40 new tokens exceeds the "
+                                                         "context of 64"):
+                    engine.submit(Request(prompt, SamplingConfig(max_tokens=40), frozenset()), lambda _: None)
+            finally:
+                engine.stop()
+            with LocalPipeline(three, RunConfig(context=64)) as local:
+                assert _run(remote, prompt, SamplingConfig(max_tokens=8)) == _run(local, prompt,
+                                                                                  SamplingConfig(max_tokens=8))
+        finally:
+            remote.shutdown()
+    finally:
+        for w in ws:
+            w.stop()
 
 
 def test_garbage_on_one_connection_does_not_stop_the_worker(three: Path, workers: list[Proc],

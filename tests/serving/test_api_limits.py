@@ -25,6 +25,7 @@ import pytest
 from shardline.api.app import Served, build_app
 from shardline.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from shardline.config import RunConfig
+from shardline.host import trim_memory_every
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.serving.admission import Limits
@@ -381,6 +382,7 @@ def test_overloaded_server_answers_429_with_retry_after(two: Path) -> None:
 
 @pytest.fixture(scope="module")
 def engine(two: Path) -> Iterator[Engine]:
+    trim_memory_every()  # the process's one memory trimmer, started by the first engine whichever test that is
     before = set(threading.enumerate())
     e = Engine(LocalPipeline(two, RunConfig()), Limits(1, 0), 8192)
     yield e
@@ -405,13 +407,16 @@ def _call(served: Served, method: str, path: str, body: object = None,
 def test_health_and_requests_when_the_engine_has_failed(engine: Engine, two: Path) -> None:
     served = Served(engine, ChatTokenizer(two), MODEL)
     ok = _call(served, "GET", "/health")
-    assert (ok.status_code, ok.json()) == (200, {"status": "ok", "model": MODEL, "active_streams": 0, "waiting": 0})
+    stages = [{"instance": "", "index": 0, "where": "this process", "layers": [0, 14], "state": "up", "why": ""},
+              {"instance": "", "index": 1, "where": "this process", "layers": [15, 29], "state": "up", "why": ""}]
+    state = {"model": MODEL, "active_streams": 0, "waiting": 0, "context": 0, "kv_cache": "f32", "stages": stages}
+    assert (ok.status_code, ok.json()) == (200, {"status": "ok", **state})
     engine.failed = "RuntimeError: device lost"
     try:
         sick = _call(served, "GET", "/health")
         assert sick.status_code == 503
-        assert sick.json() == {"status": "unhealthy", "error": "RuntimeError: device lost", "model": MODEL,
-                               "active_streams": 0, "waiting": 0}
+        assert sick.json() == {"status": "unhealthy", "error": "the engine has stopped: RuntimeError: device lost",
+                               **state}
         for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", TEXT)):
             r = _call(served, "POST", path, body)
             assert r.status_code == 503

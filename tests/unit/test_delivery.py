@@ -42,7 +42,7 @@ def _export(folder: Path, model: str = MODEL) -> Manifest:
 
 
 def _hello(role: str, model: str = MODEL, first: int = 0, last: int = 0) -> Hello:
-    return Hello(PROTOCOL, role, model, first, last, "gguf", Activations.F16, "ab" * 16)
+    return Hello(PROTOCOL, role, model, first, last, "gguf", Activations.F16, "ab" * 16, 8192)
 
 
 class Exchange:

@@ -55,6 +55,7 @@ class TimedChain:
     steps seen: (rows, whether any row offered drafts)."""
 
     n_stages = 2
+    context = 4096
 
     def __init__(self) -> None:
         self.outbox = Outbox()

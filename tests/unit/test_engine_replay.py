@@ -30,6 +30,7 @@ class FakeChain:
     RemotePipeline does), until a stream's first chunk opens one afresh."""
 
     n_stages = 3
+    context = 4096
 
     def __init__(self, lose: Callable[[Step], bool] = lambda _: False) -> None:
         self.state: dict[int, list[list[int]]] = {}  # key -> each row's tokens so far

@@ -46,7 +46,7 @@ def _pair(**options: float) -> tuple[Link, Link]:
 
 
 def _hello(first: int, last: int, model: str = "m" * 64, role: Role = Role.WORKER) -> Hello:
-    return Hello(PROTOCOL, role, model, first, last, "gguf", Activations.F16, "")
+    return Hello(PROTOCOL, role, model, first, last, "gguf", Activations.F16, "", 8192)
 
 
 def _prefill(t: int) -> Forward:

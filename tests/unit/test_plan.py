@@ -49,8 +49,13 @@ def test_run_config_properties() -> None:
     assert RunConfig().ov_properties() == {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32",
                                            "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
     assert RunConfig(precision="fast", threads=2).ov_properties() == {"INFERENCE_PRECISION_HINT": "f32",
-                                                                      "INFERENCE_NUM_THREADS": "2"}
+                                                                      "INFERENCE_NUM_THREADS": "2",
+                                                                      "KV_CACHE_PRECISION": "u8"}
     assert RunConfig(precision="fast", device="GPU").ov_properties() == {}
+    gpu_f16 = RunConfig(precision="fast", device="GPU", kv_precision="f16")
+    assert gpu_f16.ov_properties() == {"KV_CACHE_PRECISION": "f16"}
+    assert RunConfig(kv_precision="f16").ov_properties()["KV_CACHE_PRECISION"] == "f16"
+    assert RunConfig(precision="plugin").kv is None and RunConfig(precision="plugin", kv_precision="u8").kv == "u8"
     assert RunConfig(precision="rounded").ov_properties() == RunConfig(precision="fast").ov_properties()
     assert RunConfig(precision="plugin").ov_properties() == {}
     assert RunConfig(precision="plugin", threads=1, pinned=False).ov_properties() == {
@@ -58,6 +63,20 @@ def test_run_config_properties() -> None:
     assert RunConfig(precision="plugin", device="GPU", pinned=False).ov_properties() == {}
     with pytest.raises(ShardlineError, match="precision must be one of exact, fast, rounded, plugin"):
         RunConfig(precision="bf16")
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"context": 0}, "--context must be in 1-16777216 tokens, got 0"),
+    ({"context": -8}, "--context must be in 1-16777216 tokens, got -8"),
+    ({"context": 1 << 30}, "--context must be in 1-16777216 tokens"),
+    ({"kv_precision": "i8"}, "--kv-precision must be one of f32, f16, u8, got 'i8'"),
+    ({"kv_precision": "F16"}, "--kv-precision must be one of f32, f16, u8, got 'F16'"),
+])
+def test_run_config_refuses_contexts_and_kv_precisions_out_of_range(fields: dict[str, object], message: str) -> None:
+    from shardline.config import RunConfig
+
+    with pytest.raises(ShardlineError, match=message):
+        RunConfig(**fields)  # type: ignore[arg-type]
 
 
 def test_balanced_split_counts_the_head() -> None:

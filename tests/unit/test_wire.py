@@ -68,8 +68,8 @@ GROUP = Forward(-1, 5, Phase.DECODE, False, 6, False, False,
                 mask_to_runs(_mask("111111", "001111", "000011")), np.array([[5], [3], [1]], I64),
                 np.array([[0, 0], [1, 0], [2, 0]], I64), None, None, None, HOPS[:1])
 SAMPLES: list[Message] = [
-    Hello(PROTOCOL, Role.WORKER, "ab" * 32, 15, 29, "gguf", Activations.ANY, ""),
-    Hello(PROTOCOL, Role.COORDINATOR, "ab" * 32, 0, 14, "gguf", Activations.F16, "0f" * 16),
+    Hello(PROTOCOL, Role.WORKER, "ab" * 32, 15, 29, "gguf", Activations.ANY, "", 8192),
+    Hello(PROTOCOL, Role.COORDINATOR, "ab" * 32, 0, 14, "gguf", Activations.F16, "0f" * 16, 131072),
     Refuse("model hash mismatch: worker has x, coordinator has y"),
     StepFailed(7, 4, "unknown key 7"),
     Release(7),
@@ -168,7 +168,7 @@ def test_decoded_fields_have_their_declared_types() -> None:
 
 
 def test_plain_strings_for_enums_travel_as_their_values() -> None:
-    msg = Hello(PROTOCOL, "worker", "m", 1, 2, "int8", "f32", "")  # type: ignore[arg-type]
+    msg = Hello(PROTOCOL, "worker", "m", 1, 2, "int8", "f32", "", 4096)  # type: ignore[arg-type]
     got = decode(encode(msg))
     assert isinstance(got, Hello) and got.role is Role.WORKER and got.activations is Activations.F32
 
@@ -245,6 +245,10 @@ def _sampling(**changes: Any) -> list[dict[str, Any]]:
     (SAMPLES[0], _with(SAMPLES[0], activations="F16"), "activations: 'F16' is not one of"),
     (SAMPLES[0], _with(SAMPLES[0], first_layer=30), "bad layer range"),  # __post_init__
     (SAMPLES[0], _with(SAMPLES[0], session="x" * 65), "oversized Hello field"),
+    (SAMPLES[0], _with(SAMPLES[0], context=0), "context 0 outside 1-16777216"),
+    (SAMPLES[0], _with(SAMPLES[0], context=-4096), "context -4096 outside"),
+    (SAMPLES[0], _with(SAMPLES[0], context=1 << 40), "outside 1-16777216"),
+    (SAMPLES[0], _with(SAMPLES[0], context="8192"), "context: '8192' is not an integer"),
     (GROUP, _with(GROUP, first=0), "first: 0 is not true or false"),
     (GROUP, _with(GROUP, want_logits=[]), "want_logits: \\[\\] is not true or false"),
     (GROUP, _with(GROUP, phase="verify"), "phase: 'verify' is not one of prefill, decode"),
@@ -340,7 +344,7 @@ def _past_checks(msg: Message, **changes: Any) -> Message:
     (Release(True), "key: True is not an integer"),
     (Release(np.int64(3)), "key: np.int64\\(3\\) is not an integer"),  # type: ignore[arg-type]
     (Refuse(None), "reason: None is not a string"),  # type: ignore[arg-type]
-    (Hello(PROTOCOL, "queen", "m", 1, 2, "int8", "f32", ""), "role: 'queen' is not one of"),  # type: ignore[arg-type]
+    (Hello(PROTOCOL, "queen", "m", 1, 2, "int8", "f32", "", 4096), "role: 'queen' is not one of"),  # type: ignore[arg-type]
     (ShardChunk("a", 0, 4, "x", np.zeros(1, np.float32)), "data is f4 with 1 dims, not u1 with 1"),
     (ShardChunk("a", 0, 4, "x", np.zeros(3, dtype=np.complex64)), "dtype complex64 cannot travel"),
     (_past_checks(ShardChunk("a", 0, 4, "x", np.zeros(1, np.uint8)), data=[1, 2]), "data is a list, not an array"),

@@ -137,7 +137,7 @@ def hellos(draw: Any) -> Hello:
     first = draw(st.integers(0, (1 << 16) - 1))
     return Hello(draw(i64), draw(st.sampled_from(Role)), draw(st.text(max_size=128)), first,
                  draw(st.integers(first, (1 << 16) - 1)), draw(st.text(max_size=32)),
-                 draw(st.sampled_from(Activations)), draw(st.text(max_size=64)))
+                 draw(st.sampled_from(Activations)), draw(st.text(max_size=64)), draw(st.integers(1, 1 << 24)))
 
 
 seqs = st.integers(0, I64_MAX)

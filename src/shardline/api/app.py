@@ -31,6 +31,8 @@ from shardline.api.prompt import tokenize
 from shardline.api.schemas import ApiError, ChatRequest, CompletionRequest, Sampling, now, usage
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.serving.engine import Serving
+from shardline.serving.status import health as serving_health
+from shardline.serving.status import placements
 
 log = logging.getLogger("shardline.api")
 T = TypeVar("T")
@@ -48,6 +50,8 @@ class Served:
     api_key: str | None = None  # required of /v1 requests when set (api/auth.py)
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (none: CORS off)
     precision: str = "exact"  # the run precision of this process's stages (the fleet page shows it)
+    context: int = 0  # the longest sequence served (0: unknown)
+    kv: str = "f32"  # this process's KV cache precision ("device default" where the device chose)
 
 
 class Json(JSONResponse):
@@ -77,10 +81,13 @@ def build_app(served: Served) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while requests can be served, else 503 with the reason; each stage's state."""
         e = served.engine
-        state = {"model": served.model_id, "active_streams": e.active, "waiting": e.waiting}
-        if e.failed:
-            return Json({"status": "unhealthy", "error": e.failed, **state}, status_code=503)
+        now = serving_health(placements(e), e.failed)
+        state = {"model": served.model_id, "active_streams": e.active, "waiting": e.waiting,
+                 "context": served.context, "kv_cache": served.kv, "stages": now.stages}
+        if not now.ok:
+            return Json({"status": "unhealthy", "error": now.reason, **state}, status_code=503)
         return Json({"status": "ok", **state})
 
     @app.get("/metrics")

@@ -15,8 +15,9 @@ from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from shardline.api.fleet import WINDOW_S, Readings, fleet_state
-from shardline.serving.admission import kv_bytes_per_token
-from shardline.serving.status import pipeline_status
+from shardline.config import KV_PRECISIONS
+from shardline.model.context import kv_bytes_per_token
+from shardline.serving.status import health, pipeline_status, placements
 
 STATIC = Path(__file__).parent / "static"
 
@@ -43,11 +44,12 @@ def read(served: Any) -> Readings:
     status = pipeline_status(e, WINDOW_S)
     running = e.speculating()
     ended = e.spec_ended
-    per_layer = kv_bytes_per_token(1, status.kv_heads, status.head_dim, 4 if served.precision == "exact" else 1) \
-        if status else 0
+    kv = served.kv if served.kv in KV_PRECISIONS else "f32"
+    now = health(placements(e), e.failed)
+    per_layer = kv_bytes_per_token(1, status.kv_heads, status.head_dim, kv) if status else 0
     return Readings(
         model=served.model_id, precision=served.precision, weights=status.weights if status else "",
-        status="unhealthy" if e.failed else "ok", error=e.failed or "", active_streams=e.active,
+        status="ok" if now.ok else "unhealthy", error=now.reason, active_streams=e.active,
         waiting=e.waiting, max_streams=e.limits.max_streams, decode_groups=getattr(e, "groups_live", 0),
         placement=status.placement if status else [], stage_layers=status.stage_layers if status else [],
         steps=status.steps if status else [], now=time.monotonic(),

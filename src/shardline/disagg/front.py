@@ -32,7 +32,7 @@ from shardline.disagg.policies import dispatch, is_heavy, least_loaded_prefill
 from shardline.disagg.prefill import Moving, PrefillEngine
 from shardline.disagg.state import ClusterState, Role, sent_decode, sent_prefill
 from shardline.errors import ShardlineError
-from shardline.pipeline.plan import Pipeline
+from shardline.pipeline.plan import Pipeline, Placed
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Event, Request, Ticket
 from shardline.serving.speculation import SpecStats
@@ -194,6 +194,10 @@ class Disaggregated:
             self.decodes.pop(name, None)
             self._state = ClusterState({n: x for n, x in self._state.loads.items() if n != name})
             return engine
+
+    def placements(self) -> dict[str, list[Placed]]:
+        """Each instance's chain, by name (/health: every one must be up)."""
+        return {name: e.pipe.placement() for name, e in self._named()}
 
     def _named(self) -> list[tuple[str, Instance]]:
         """Every instance, by name: a snapshot (a flip changes the pools on the monitor's thread)."""

@@ -67,6 +67,9 @@ def check_peer(me: Hello, peer: Hello, sessions: dict[str, Session]) -> str | No
                 f"{me.model_hash[:12]}, {peer.role} has {peer.model_hash[:12]}")
     if peer.weights != me.weights:
         return f"precision mismatch: worker has {me.weights} weights, {peer.role} has {peer.weights}"
+    if peer.context != me.context:
+        return (f"context mismatch: worker serves {me.context} tokens, {peer.role} {peer.context} "
+                f"(give them the same --context)")
     if peer.last_layer + 1 != me.first_layer:
         return (f"layer order: the {peer.role}'s chain ends at layer {peer.last_layer}, "
                 f"but this worker serves layers {me.first_layer}-{me.last_layer}")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from shardline.config import RunConfig
 from shardline.errors import ShardlineError
+from shardline.model.context import run_context
 from shardline.model.manifest import Manifest, load_manifest, verify
 from shardline.node.delivery import CHUNK, DeliveryError, fetch, stage_files
 from shardline.stage.runner import StageRunner
@@ -68,10 +69,12 @@ class Shard:
 
     def _load(self, manifest: Manifest) -> None:
         entries = manifest.stages[self.first : self.last + 1]
-        self.stages = [StageRunner(self.folder, e, self.run, vocab=manifest.arch.vocab) for e in entries]
+        context = run_context(manifest.arch, self.run.context)
+        self.stages = [StageRunner(self.folder, e, self.run, vocab=manifest.arch.vocab, context=context)
+                       for e in entries]
         self.is_last = entries[-1].has_head
         self.hello = Hello(PROTOCOL, Role.WORKER, manifest.model_hash, entries[0].first_layer,
-                           entries[-1].last_layer, manifest.weights, Activations.ANY, "")
+                           entries[-1].last_layer, manifest.weights, Activations.ANY, "", context)
 
     def ready_for(self, link: Link, peer: Hello) -> Hello:
         """This worker's Hello for `peer`, fetching and loading the shard first if need be."""

@@ -28,15 +28,16 @@ Delivered = list[tuple[str, str, int]]  # (worker, file, bytes) sent to workers
 
 
 def open_chain(folder: Path, manifest: Manifest, workers: list[str], activations: str, topology: str,
-               delivered: Delivered, credentials: Credentials | None) -> list[Link]:
+               delivered: Delivered, credentials: Credentials | None, context: int) -> list[Link]:
     """One link per worker, in chain order, under a new session; routed for `topology`; under
-    mutual TLS with `credentials` (None: in clear)."""
+    mutual TLS with `credentials` (None: in clear); every worker serving `context` tokens."""
     session = secrets.token_hex(16)
     links: list[Link] = []
     last = manifest.stages[0].last_layer
     try:
         for addr in workers:
-            link, hello = _connect_one(folder, manifest, addr, last, session, activations, delivered, credentials)
+            link, hello = _connect_one(folder, manifest, addr, last, session, activations, delivered, credentials,
+                                       context)
             links.append(link)
             last = hello.last_layer
         if last != manifest.arch.n_layers - 1:
@@ -52,7 +53,7 @@ def open_chain(folder: Path, manifest: Manifest, workers: list[str], activations
 
 
 def _connect_one(folder: Path, m: Manifest, addr: str, prev_last: int, session: str, activations: str,
-                 delivered: Delivered, credentials: Credentials | None) -> tuple[Link, Hello]:
+                 delivered: Delivered, credentials: Credentials | None, context: int) -> tuple[Link, Hello]:
     try:
         # A worker may hash its files, receive its shard and compile its stages before it
         # answers our Hello: give it minutes, not the default seconds.
@@ -61,7 +62,8 @@ def _connect_one(folder: Path, m: Manifest, addr: str, prev_last: int, session: 
         raise ShardlineError(f"worker {addr} refused this node's credentials or showed none: {e}") from None
     except (OSError, ValueError) as e:  # ValueError: a host name the resolver cannot encode ("..")
         raise ShardlineError(f"cannot reach worker {addr}: {e}") from None
-    mine = Hello(PROTOCOL, Role.COORDINATOR, m.model_hash, 0, prev_last, m.weights, Activations(activations), session)
+    mine = Hello(PROTOCOL, Role.COORDINATOR, m.model_hash, 0, prev_last, m.weights, Activations(activations), session,
+                 context)
 
     def check(peer: Hello) -> str | None:
         if peer.model_hash != m.model_hash:
@@ -72,6 +74,9 @@ def _connect_one(folder: Path, m: Manifest, addr: str, prev_last: int, session: 
                     f"but the chain needs layer {prev_last + 1} next")
         if peer.weights != m.weights:
             return f"precision mismatch: coordinator has {m.weights} weights, worker {addr} has {peer.weights}"
+        if peer.context != context:
+            return (f"context mismatch: coordinator serves {context} tokens, worker {addr} {peer.context} "
+                    f"(give them the same --context)")
         return None
 
     def deliver(msg: Message) -> None:

@@ -28,6 +28,7 @@ import openvino as ov
 from shardline.config import RunConfig
 from shardline.decoding.sampler import choose_at
 from shardline.errors import ShardlineError, StepRefused
+from shardline.model.context import run_context
 from shardline.model.manifest import Manifest, load_manifest, verify
 from shardline.pipeline import metrics
 from shardline.pipeline.hidden import HiddenChunk
@@ -112,7 +113,8 @@ class LocalPipeline:
             verify(folder, self.manifest)
         core = ov.Core()
         vocab = self.manifest.arch.vocab
-        self.stages = [StageRunner(folder, e, run, core, vocab) for e in self.manifest.stages]
+        self.context = run_context(self.manifest.arch, run.context)
+        self.stages = [StageRunner(folder, e, run, core, vocab, self.context) for e in self.manifest.stages]
         self.n_stages = len(self.stages)
         self.outbox = Outbox()
         self._inboxes: list[queue.Queue[_Work]] = [queue.Queue() for _ in self.stages]

@@ -120,6 +120,7 @@ class Pipeline(Protocol):
     """Runs step plans through every stage; one Outcome per row comes out of `outcomes`."""
 
     n_stages: int
+    context: int  # the longest sequence it serves (RunConfig.context resolved; every stage agrees)
 
     def submit(self, step: Step) -> None: ...
     def release(self, key: int) -> None: ...

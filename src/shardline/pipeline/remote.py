@@ -25,6 +25,7 @@ A stream's first step reopens the chain (repair.py), within `reconnect_s`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -37,6 +38,7 @@ import numpy as np
 
 from shardline.config import RunConfig
 from shardline.errors import ShardlineError
+from shardline.model.context import run_context
 from shardline.model.manifest import load_manifest, verify
 from shardline.pipeline import metrics
 from shardline.pipeline.chain import Delivered, open_chain
@@ -66,8 +68,15 @@ from shardline.wire.messages import (
 )
 from shardline.wire.tls import Credentials
 
+log = logging.getLogger(__name__)
 ACTIVATIONS = {"f16": np.float16, "f32": np.float32}
 RECONNECT_S = 10.0  # how long a stream's first step waits for a chain that broke to come back
+# While a broken chain is idle it is reopened in the background, so that /health turns back to
+# ok when a worker is back without a request having to fail first: attempts of at most
+# REPAIR_S each, REPAIR_FIRST_S after the break, then backing off to REPAIR_MAX_S apart.
+REPAIR_S = 3.0
+REPAIR_FIRST_S = 0.5
+REPAIR_MAX_S = 15.0
 
 
 @dataclass
@@ -76,6 +85,10 @@ class _Sent:
     started: float = field(default_factory=time.perf_counter)  # for the step's breakdown
     out_at: float = 0.0  # monotonic: when it left for the workers (the watchdog's clock)
     hidden: HiddenChunk | None = None  # stage 0's output of a prefill chunk, summarized (summarize=True)
+
+
+class _Repair:
+    """Stage 0's thread: reopen the chain if it is still broken (queued by the watchdog)."""
 
 
 class _Lost(ShardlineError):
@@ -101,7 +114,9 @@ class RemotePipeline:
         self.manifest = load_manifest(folder)
         entry = self.manifest.stages[0]
         verify(folder, self.manifest, only=[entry.xml, entry.bin])
-        self.stage0 = StageRunner(folder, entry, run or RunConfig(), vocab=self.manifest.arch.vocab)
+        run = run or RunConfig()
+        self.context = run_context(self.manifest.arch, run.context)
+        self.stage0 = StageRunner(folder, entry, run, vocab=self.manifest.arch.vocab, context=self.context)
         self.n_stages = len(self.manifest.stages)
         if summarize and self.n_stages < 2:
             raise ShardlineError(f"{folder}: one stage outputs logits, not hidden states: summarizing prompts "
@@ -131,7 +146,9 @@ class RemotePipeline:
         self._epoch = 0  # which connect the links are of: news of an older chain changes nothing
         self._lock = threading.Lock()
         self._local = 0  # steps submitted that stage 0 has not finished sending
-        self._inbox: queue.Queue[Step | _Release | KvWork | None] = queue.Queue()
+        self._inbox: queue.Queue[Step | _Release | _Repair | KvWork | None] = queue.Queue()
+        self._repair_at = float("inf")  # monotonic time of the next background repair (inf: none due)
+        self._repair_gap = REPAIR_FIRST_S
         self._stopping = threading.Event()
         self.connect()
         self._thread = threading.Thread(target=self._stage0_loop, daemon=True, name="stage-0")
@@ -147,7 +164,7 @@ class RemotePipeline:
 
     def _open(self) -> list[Link]:
         return open_chain(self.folder, self.manifest, self.workers, self.activations, self.topology,
-                          self.delivered, self.credentials)
+                          self.delivered, self.credentials, self.context)
 
     def _adopt(self, links: list[Link]) -> None:
         with self._lock:
@@ -155,11 +172,29 @@ class RemotePipeline:
             self._epoch += 1
             epoch, self._broken = self._epoch, None
             self._held.clear()
+            self._repair_at, self._repair_gap = float("inf"), REPAIR_FIRST_S
         for link in old:
             link.close()
         if self.topology == "chain":  # tokens come back on the last link, refusals on any
             for link in links:
                 threading.Thread(target=self._receive, args=(link, epoch), daemon=True, name="receive").start()
+
+    def _repair(self) -> None:
+        """One background attempt to reopen a broken chain that nothing is waiting on."""
+        with self._lock:
+            due = self._broken is not None and not self._pending
+        if not due:
+            return
+        try:
+            links = reopen(self._open, REPAIR_S, _close_all)
+        except ShardlineError as e:
+            with self._lock:
+                self._broken = f"{self._last_break}; {e}"
+                self._repair_gap = min(REPAIR_MAX_S, 2 * self._repair_gap)
+                self._repair_at = time.monotonic() + self._repair_gap
+            return
+        self._adopt(links)
+        log.info("the chain is whole again: %s", ", ".join(self.workers))
 
     def _reconnect(self, made: float) -> None:
         """Reopen the broken chain for a step (a stream's first) or an import planned at `made`,
@@ -173,6 +208,7 @@ class RemotePipeline:
             self._gave_up = time.perf_counter()
             with self._lock:
                 self._broken = f"{self._last_break}; {e}"
+                self._repair_at = time.monotonic() + self._repair_gap
             raise _Lost(self._broken) from None
         self._adopt(links)
 
@@ -232,6 +268,9 @@ class RemotePipeline:
         while (work := self._inbox.get()) is not None:
             if isinstance(work, _Release):
                 self._release(work.key)
+                continue
+            if isinstance(work, _Repair):
+                self._repair()
                 continue
             if isinstance(work, KvExport | KvImport):
                 self._move_kv(work)
@@ -322,6 +361,7 @@ class RemotePipeline:
             if epoch != self._epoch or self._broken:
                 return
             self._broken = self._last_break = reason
+            self._repair_at = time.monotonic() + self._repair_gap
             self._held.clear()
             failed, self._pending = list(self._pending.values()), {}
             links = list(self.links)
@@ -343,6 +383,16 @@ class RemotePipeline:
                             f"step within {late:.1f} s (one of them hung?)", epoch)
             elif why := self.kv.overdue():
                 self._break(f"the workers ({', '.join(self.workers)}) {why} (one of them hung?)", epoch)
+            self._queue_repair()
+
+    def _queue_repair(self) -> None:
+        """A repair for stage 0's thread once one is due and the pipeline is idle (a request's
+        own first step reconnects otherwise, as it always has)."""
+        with self._lock:
+            if time.monotonic() < self._repair_at or self._pending or self._local or not self._inbox.empty():
+                return
+            self._repair_at = float("inf")  # until this attempt fails (or a new break)
+        self._inbox.put(_Repair())
 
     # --- what comes back -------------------------------------------------------------------------
 

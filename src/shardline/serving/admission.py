@@ -6,24 +6,20 @@ from dataclasses import dataclass
 
 from shardline.errors import ShardlineError
 from shardline.model.arch import Arch
+from shardline.model.context import kv_bytes_per_token
 
 
-def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int = 4) -> int:
-    """Keys and values of one token over the given layers (f32 under the `exact` precision)."""
-    return 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
-
-
-def per_stream_bytes(arch: Arch, stages: int, local_layers: int, extra_slots: int = 0, draft: Arch | None = None,
-                     overhead: int = 0, draft_extra_slots: int = 0) -> int:
-    """What one stream may hold on this node: the KV of its layers here at the longest context
-    plus `extra_slots` (speculation: up to the compaction threshold of masked slots and a step's
-    drafts), `overhead` per stage, and its draft model's own KV at the longest context plus
-    `draft_extra_slots` (its masked slots and its chain of drafts) and overhead, if any."""
-    slots = arch.max_context + extra_slots
-    total = kv_bytes_per_token(local_layers, arch.n_kv_heads, arch.head_dim) * slots + overhead * stages
+def per_stream_bytes(arch: Arch, stages: int, local_layers: int, context: int, kv: str = "f32", extra_slots: int = 0,
+                     draft: Arch | None = None, overhead: int = 0, draft_extra_slots: int = 0) -> int:
+    """What one stream may hold on this node: the KV of its layers here (at precision `kv`) at
+    `context` tokens plus `extra_slots` (speculation: up to the compaction threshold of masked
+    slots and a step's drafts), `overhead` per stage, and its draft model's own KV at the same
+    context plus `draft_extra_slots` (its masked slots and its chain of drafts) and overhead, if any."""
+    slots = context + extra_slots
+    total = kv_bytes_per_token(local_layers, arch.n_kv_heads, arch.head_dim, kv) * slots + overhead * stages
     if draft is not None:
-        draft_slots = arch.max_context + draft_extra_slots
-        total += kv_bytes_per_token(draft.n_layers, draft.n_kv_heads, draft.head_dim) * draft_slots + overhead
+        draft_slots = context + draft_extra_slots
+        total += kv_bytes_per_token(draft.n_layers, draft.n_kv_heads, draft.head_dim, kv) * draft_slots + overhead
     return total
 
 

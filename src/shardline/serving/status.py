@@ -12,7 +12,7 @@ from shardline.pipeline import metrics
 from shardline.pipeline.plan import Placed
 from shardline.pipeline.timing import Timing
 
-__all__ = ["PipelineStatus", "Placed", "Timing", "pipeline_status"]
+__all__ = ["Health", "PipelineStatus", "Placed", "Timing", "health", "pipeline_status"]
 
 
 @dataclass(frozen=True)
@@ -34,3 +34,34 @@ def pipeline_status(engine: Any, window_s: float) -> PipelineStatus | None:
     return PipelineStatus(pipe.placement(), [(s.first_layer, s.last_layer) for s in manifest.stages],
                           manifest.weights, manifest.arch.n_kv_heads, manifest.arch.head_dim,
                           metrics.recent(window_s))
+
+
+@dataclass(frozen=True)
+class Health:
+    ok: bool  # the pipeline can serve: the engine runs and every stage of every chain is up
+    reason: str  # why not ("" when ok)
+    stages: list[dict[str, Any]]  # each stage run: instance, index, where, layers, state, why
+
+
+def health(placements: dict[str, list[Placed]], failed: str | None) -> Health:
+    """Pure: whether requests can be served now. A stage is down from the moment its link ends,
+    it refuses, or a step outlives its deadline (a hung worker), until the chain is reopened;
+    a hung worker that no step has reached yet cannot be told from an idle one."""
+    stages = [{"instance": name, "index": i, "where": p.where,
+               "layers": [p.first_layer, p.last_layer] if p.first_layer >= 0 else None,
+               "state": "up" if p.up else "down", "why": p.why}
+              for name, chain in placements.items() for i, p in enumerate(chain)]
+    if failed:
+        return Health(False, f"the engine has stopped: {failed}", stages)
+    if down := [s for s in stages if s["state"] == "down"]:
+        first = down[0]
+        where = f"{first['instance']} " if first["instance"] else ""
+        return Health(False, f"{where}stage {first['index']} ({first['where']}) is down: {first['why']}", stages)
+    return Health(True, "", stages)
+
+
+def placements(engine: Any) -> dict[str, list[Placed]]:
+    """Every chain the engine serves through ("" for a coupled engine's one)."""
+    if (pipe := getattr(engine, "pipe", None)) is not None:
+        return {"": pipe.placement()}
+    return engine.placements() if hasattr(engine, "placements") else {}

@@ -34,6 +34,19 @@ class _Held:
     rows: int = 0  # rows of the state (0: fresh, no step run yet)
 
 
+def _kv_precision(compiled: ov.CompiledModel, run: RunConfig) -> str:
+    """The KV cache precision the device took (a device without the setting: its own default).
+    One it did not take as asked is an error: sizing and exactness assume it."""
+    try:
+        took = compiled.get_property("KV_CACHE_PRECISION").get_type_name()
+    except RuntimeError:
+        took = "device default"
+    if run.kv is not None and took != run.kv:
+        raise ShardlineError(f"{run.device} keeps its KV cache as {took}, not the {run.kv} asked "
+                             f"(--kv-precision is one of f32, f16, u8, as far as the device supports each)")
+    return str(took)
+
+
 def _shown(key: Key) -> object:
     """A key as its coordinator knows it (a worker scopes keys as (session, key))."""
     return key[-1] if isinstance(key, tuple) else key
@@ -41,8 +54,10 @@ def _shown(key: Key) -> object:
 
 class StageRunner:
     def __init__(self, folder: Path, entry: StageEntry, run: RunConfig, core: ov.Core | None = None,
-                 vocab: int | None = None) -> None:
+                 vocab: int | None = None, context: int | None = None) -> None:
+        """`context`: steps with a position at or past it are refused (None: no bound here)."""
         self.entry = entry
+        self.context = context
         core = core or ov.Core()
         try:
             model = core.read_model(folder / entry.xml)
@@ -54,7 +69,9 @@ class StageRunner:
             self.compiled = core.compile_model(model, run.device, run.ov_properties())
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ShardlineError(f"cannot load {entry.name} from {folder} on {run.device}: {first}") from None
+            kv = f" with a {run.kv} KV cache" if run.kv_precision else ""
+            raise ShardlineError(f"cannot load {entry.name} from {folder} on {run.device}{kv}: {first}") from None
+        self.kv_precision = _kv_precision(self.compiled, run)  # as the device took it
         self._input = "input_ids" if entry.has_embedding else "hidden_states"
         width = self.compiled.input(self._input).partial_shape
         self.hidden = None if entry.has_embedding else int(width[2].get_length())
@@ -162,6 +179,8 @@ class StageRunner:
         b, t, width = inputs.rows, inputs.new_tokens, int(inputs.attention_mask.shape[1])
         if inputs.position_ids.shape[0] != b or t < 1:
             raise StepRefused(f"positions of shape {inputs.position_ids.shape} for a mask of {b} rows")
+        if self.context is not None and inputs.position_ids.size and int(inputs.position_ids.max()) >= self.context:
+            raise StepRefused(f"position {int(inputs.position_ids.max())} is past the context of {self.context} tokens")
         if width != held.slots + t:
             raise StepRefused(f"a mask of {width} slots for a cache of {held.slots} plus {t} new tokens")
         beam = inputs.beam_idx

@@ -1,4 +1,4 @@
-"""The closed set of messages that travel between coordinator and stage workers (protocol 7).
+"""The closed set of messages that travel between coordinator and stage workers (protocol 8).
 
 Every message is a frozen dataclass with a fixed kind number. Scalar fields travel as JSON and
 are checked against their declared types on decode (an int is not a bool, an enum takes only
@@ -16,14 +16,15 @@ from typing import ClassVar
 
 import numpy as np
 
-from shardline.config import SamplingParams
+from shardline.config import MAX_CONTEXT, SamplingParams
 
 # 2: Forward and Sampled carry `hops`; 3: rows (decode groups); 4: multi-token steps with
 # chosen sample positions, explicit first step, run-length masks, typed sampling, sessions;
 # 5: `compact` (speculation drops masked slots), verify draws against a draft distribution;
 # 6: a key's KV moves over the coordinator's links (KvPull, KvPush, KvPart, KvDone);
-# 7: KvPull.start, the slots from which a pull copies (chunk-level KV transfer).
-PROTOCOL = 7
+# 7: KvPull.start, the slots from which a pull copies (chunk-level KV transfer);
+# 8: Hello.context, the longest sequence the sender serves.
+PROTOCOL = 8
 MAX_SUPPORT = 64  # token ids of a draft distribution sent per sampled position
 
 # One row of `hops` per stage a step has run through, appended by the process that ran it:
@@ -118,11 +119,15 @@ class Hello:
     weights: str
     activations: Activations
     session: str  # 32 hex digits; "" in a worker's answer
+    # The longest sequence the sender serves (RunConfig.context resolved): a chain's nodes must
+    # agree, or the coordinator admits streams that a worker refuses halfway.
+    context: int
 
     def __post_init__(self) -> None:
         _need(len(self.model_hash) <= 128 and len(self.weights) <= 32 and len(self.session) <= 64,
               "oversized Hello field")
         _need(0 <= self.first_layer <= self.last_layer < 1 << 16, "bad layer range")
+        _need(1 <= self.context <= MAX_CONTEXT, f"context {self.context} outside 1-{MAX_CONTEXT}")
 
 
 @dataclass(frozen=True)
