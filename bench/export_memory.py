@@ -1,162 +1,119 @@
-"""Peak memory of exporting each stage of a 1-, 3- and 5-stage split: it must scale with the stage, not the model.
+"""Peak RSS per export process and per serving worker, against the stage's shard (issue 22 point 2).
 
-Each split of the default model (SmolLM2-135M-Instruct) is exported with isolate=True: every stage
-is built in its own spawned process, which records its peak RSS (`export_peak_rss_mb` in the
-manifest). A spawned process that only imports what a stage worker imports gives the baseline,
-so the table also shows each stage's increment over it, and over a second baseline that also
-opens the model source (every worker does; for a GGUF that parses the whole tokenizer metadata).
+For each `--weights` choice the model is exported in `--stages` stages, each stage in its own
+process (the manifest records each one's peak RSS and its RSS before it read a weight); then
+every stage but 0 is served by a `shardline worker` (stage 0 by a coordinator in this process)
+through a few greedy requests, and each worker's peak RSS (VmHWM) is read before it stops.
+Targets: an export process within its shard plus a bounded working set, a worker within its
+shard plus its KV and a bounded runtime.
 
-    python bench/export_memory.py                   # fp32 weights
-    python bench/export_memory.py --weights gguf
-    python bench/export_memory.py --quick           # 1- and 3-stage splits only
+    python bench/export_memory.py                                  # the default model, gguf and int8
+    python bench/export_memory.py --model my.gguf --weights gguf --stages 4
 
-The last line on stdout is one JSON object with the figures, ratios first.
+The last line is one JSON object, ratios first.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import os
 import shutil
-import statistics
+import subprocess
 import sys
-import tempfile
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
-from multiprocessing import get_context
 from pathlib import Path
+from typing import Any
 
-from shardline.config import WEIGHTS, ExportConfig
+from shardline.config import ExportConfig, RunConfig, SamplingConfig
+from shardline.export.exporter import export
+from shardline.model.manifest import load_manifest
+from shardline.pipeline.remote import RemotePipeline
+from shardline.serving.admission import Limits
+from shardline.serving.engine import Engine
+from shardline.serving.generate import tokens
 
-# What a stage worker imports before touching any tensor; NNCF only for the weights it compresses.
-# (NNCF imports torch when it is installed, so that baseline is far larger.)
-BASE_MODULES = ("openvino", "shardline.export.exporter", "shardline.model.gguf_source")
-NNCF_MODULES = (*BASE_MODULES, "nncf")
-
-
-@dataclass
-class Row:
-    stage: int
-    layers: str  # "first-last", plus +emb / +head for the stages that own them
-    peak_mb: float
-    over_baseline_mb: float
-    over_opened_mb: float  # over the baseline that also opened the model source
-    file_mb: float  # xml + bin
+SHARDLINE = [sys.executable, "-m", "shardline.cli"]
 
 
-def _imports_peak_mb(modules: tuple[str, ...], open_model: bool) -> float:
-    """Run in a spawned process: import `modules` (and open the default model), return the peak RSS in MB."""
-    for m in modules:
-        importlib.import_module(m)
-    if open_model:
-        from shardline.model.source import open_source
-
-        open_source(None)
-    # VmHWM, not getrusage's ru_maxrss: Linux keeps ru_maxrss across execve, so a spawned child
-    # would start from its parent's peak.
-    with open("/proc/self/status") as f:
-        return round(next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024, 1)
+def vm_hwm_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
-def baseline_mb(modules: tuple[str, ...], open_model: bool = False, reps: int = 3) -> float:
-    """Median peak RSS of fresh spawned processes that only import `modules` (spawned like the stage workers)."""
-    ctx = get_context("spawn")
-    peaks = []
-    for _ in range(reps):
-        with ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
-            peaks.append(pool.submit(_imports_peak_mb, modules, open_model).result())
-    return statistics.median(peaks)
-
-
-def export_split(work: Path, weights: str, stages: int, group_size: int, base: tuple[float, float],
-                 keep: bool) -> list[Row]:
-    """Export a fresh `stages`-stage split with isolate=True; one row per stage."""
-    from shardline.export.exporter import export
-
-    tmp = Path(tempfile.mkdtemp(prefix=f"export-memory-{weights}-{stages}stages-", dir=work))
+def serve_workers(folder: Path, context: int, requests: int) -> list[float]:
+    """Each worker's peak RSS (MB) after `requests` greedy requests through the chain."""
+    n = len(load_manifest(folder).stages)
+    procs = [subprocess.Popen([*SHARDLINE, "worker", "--shards", str(folder), "--stage", str(i), "--insecure",
+                               "--context", str(context)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True) for i in range(1, n)]
     try:
-        folder = export(ExportConfig(out=tmp / "shards", stages=stages, weights=weights, group_size=group_size,
-                                     isolate=True, progress=False))
-        manifest = json.loads((folder / "manifest.json").read_text())
-        rows = []
-        for s in manifest["stages"]:
-            size = sum((folder / s[k]).stat().st_size for k in ("xml", "bin"))
-            extra = "".join(t for t, has in ((" +emb", s["has_embedding"]), (" +head", s["has_head"])) if has)
-            peak = float(s["export_peak_rss_mb"])
-            rows.append(Row(s["index"], f"{s['first_layer']}-{s['last_layer']}{extra}", peak,
-                            round(peak - base[0], 1), round(peak - base[1], 1), round(size / 2**20, 1)))
-        if keep:
-            print(f"kept {folder}", file=sys.stderr)
-        return rows
+        addrs = []
+        for p in procs:
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            if "listening on " not in line:
+                raise RuntimeError(f"a worker did not start: {line!r}")
+            addrs.append(line.split()[-1])
+        pipe = RemotePipeline(folder, addrs, RunConfig(context=context), "f32")
+        engine = Engine(pipe, Limits(1, 0), context)
+        try:
+            for r in range(requests):
+                tokens(engine, [100 + r + i for i in range(64)], SamplingConfig(max_tokens=32))
+        finally:
+            engine.stop()
+            pipe.shutdown()
+        return [vm_hwm_mb(p.pid) for p in procs]
     finally:
-        if not keep:
-            shutil.rmtree(tmp, ignore_errors=True)
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=60)
 
 
-def ratio(a: float, b: float) -> float | None:
-    return round(a / b, 3) if b > 0 else None
+def measure(model: Path | None, weights: str, args: argparse.Namespace) -> dict[str, Any]:
+    out = args.work / f"{(model.stem if model else 'default')}-{weights}-{args.stages}"
+    if not (out / "manifest.json").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        export(ExportConfig(out=out, model=model, stages=args.stages, weights=weights, isolate=True, progress=False))
+    m = load_manifest(out)
+    shard = [(out / s.bin).stat().st_size / 2**20 for s in m.stages]
+    rss = [s.export_peak_rss_mb or 0.0 for s in m.stages]
+    base = [s.export_base_rss_mb or 0.0 for s in m.stages]
+    workers = serve_workers(out, args.context, args.requests)
+    return {"weights": weights, "shard_mb": shard, "export_rss_mb": rss, "export_base_mb": base,
+            "worker_rss_mb": workers,
+            "export_rss_over_shard": max(r / s for r, s in zip(rss, shard, strict=True)),
+            "export_growth_over_shard": max((r - b) / s for r, b, s in zip(rss, base, shard, strict=True)),
+            "worker_rss_over_shard": max(w / s for w, s in zip(workers, shard[1:], strict=True)),
+            "worker_rss_minus_shard_mb": max(w - s for w, s in zip(workers, shard[1:], strict=True))}
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--weights", default="fp32", choices=WEIGHTS)
-    p.add_argument("--group-size", type=int, default=64, help="int4 only")
-    p.add_argument("--splits", default="1,3,5", help="comma-separated stage counts (default 1,3,5)")
-    p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "shardline" / "bench",
-                   help="parent of the temporary export folders")
-    p.add_argument("--keep", action="store_true", help="keep the exported folders")
-    p.add_argument("--quick", action="store_true", help="smoke run: 1- and 3-stage splits only")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, help="a GGUF file or Hugging Face folder (default: the default model)")
+    p.add_argument("--weights", default="gguf,int8")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--requests", type=int, default=3)
+    p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "shardline" / "bench-export-memory")
     args = p.parse_args()
-    splits = [1, 3] if args.quick else [int(s) for s in args.splits.split(",")]
-    if 1 not in splits:
-        p.error("--splits must include 1 (the whole-model reference)")
+    if args.stages < 2:
+        p.error("--stages must be at least 2 (stage 0 runs on the coordinator, the rest on workers)")
     args.work.mkdir(parents=True, exist_ok=True)
-    load = os.getloadavg()[0]
-
-    print("measuring the import baselines ...", file=sys.stderr)
-    base_plain = baseline_mb(BASE_MODULES)
-    base_nncf = baseline_mb(NNCF_MODULES)
-    mods = NNCF_MODULES if args.weights in ("int8", "int4") else BASE_MODULES
-    base = base_nncf if args.weights in ("int8", "int4") else base_plain
-    opened = baseline_mb(mods, open_model=True)
-    results: dict[int, list[Row]] = {}
-    for n in splits:
-        print(f"exporting a {n}-stage split ({args.weights}) ...", file=sys.stderr)
-        results[n] = export_split(args.work, args.weights, n, args.group_size, (base, opened), args.keep)
-
-    print(f"\nexport peak RSS per stage, weights {args.weights}, isolate=True, load average {load:.1f} at start")
-    print(f"baseline (spawned process, imports only): {base_plain:.1f} MB without NNCF, {base_nncf:.1f} MB with "
-          f"NNCF; using {base:.1f} MB; {opened:.1f} MB once the model source is opened too")
-    print(f"{'split':>5} {'stage':>5} {'layers':<16} {'peak MB':>9} {'over base MB':>13} {'over opened MB':>15} "
-          f"{'file MB':>9}")
-    for n, rows in results.items():
-        for r in rows:
-            print(f"{n:>5} {r.stage:>5} {r.layers:<16} {r.peak_mb:>9.1f} {r.over_baseline_mb:>13.1f} "
-                  f"{r.over_opened_mb:>15.1f} {r.file_mb:>9.1f}")
-
-    def top(n: int, key: str) -> float:
-        return max(float(getattr(r, key)) for r in results[n])
-
-    figures: dict[str, object] = {}
-    for n in [s for s in splits if s != 1]:  # the largest stage of each split against the whole model
-        figures[f"ratio_{n}stage_max_increment_vs_1stage"] = ratio(top(n, "over_baseline_mb"),
-                                                                  top(1, "over_baseline_mb"))
-        figures[f"ratio_{n}stage_max_increment_over_opened_vs_1stage"] = ratio(top(n, "over_opened_mb"),
-                                                                              top(1, "over_opened_mb"))
-        figures[f"ratio_{n}stage_max_peak_vs_1stage"] = ratio(top(n, "peak_mb"), top(1, "peak_mb"))
-        figures[f"ratio_{n}stage_max_file_vs_1stage"] = ratio(top(n, "file_mb"), top(1, "file_mb"))
-    figures |= {
-        "weights": args.weights, "group_size": args.group_size if args.weights == "int4" else None,
-        "baseline_mb": base, "baseline_no_nncf_mb": base_plain, "baseline_with_nncf_mb": base_nncf,
-        "baseline_opened_source_mb": opened,
-        "load_avg_1m_at_start": round(load, 2),
-        "stages": {f"{n}stage": [asdict(r) for r in rows] for n, rows in results.items()},
-    }
-    print(json.dumps(figures))
+    rows = [measure(args.model, w, args) for w in args.weights.split(",")]
+    print(f"{'weights':<8}{'shard MB':>22}{'export RSS MB':>24}{'growth/shard':>14}{'worker RSS MB':>22}"
+          f"{'worker-shard MB':>17}")
+    for r in rows:
+        print(f"{r['weights']:<8}{', '.join(f'{x:.0f}' for x in r['shard_mb']):>22}"
+              f"{', '.join(f'{x:.0f}' for x in r['export_rss_mb']):>24}{r['export_growth_over_shard']:>14.2f}"
+              f"{', '.join(f'{x:.0f}' for x in r['worker_rss_mb']):>22}{r['worker_rss_minus_shard_mb']:>17.0f}")
+    figures = {k: {r["weights"]: r[k] for r in rows} for k in (
+        "export_rss_over_shard", "export_growth_over_shard", "worker_rss_over_shard", "worker_rss_minus_shard_mb",
+        "shard_mb", "export_rss_mb", "export_base_mb", "worker_rss_mb")}
+    print(json.dumps(figures | {"model": str(args.model or "default"), "stages": args.stages,
+                                "context": args.context}))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

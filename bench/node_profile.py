@@ -20,6 +20,7 @@ openvino_genai build and save its graph there once.
 
     python bench/node_profile.py                       # exact and fast, the default model, gguf weights
     python bench/node_profile.py --precision fast --weights int8
+    python bench/node_profile.py --shards DIR --gguf FILE   # a 1-stage export of FILE against genai's graph of it
 
 Counters add a little time to every node; compare the two graphs with each other, and speed with
 bench/parity.py. The last line on stdout is one JSON object with the figures, ratios first.
@@ -104,9 +105,11 @@ class Profile:
         return sum(us for (t, _), us in self.kernel_us.items() if t in LEFTOVER) / self.steps
 
 
-def genai_graph(work: Path) -> Path:
-    """openvino_genai's graph of the default GGUF, built and saved by openvino_genai itself (once)."""
-    folder = work / "genai-gguf"
+def genai_graph(work: Path, source: Path | None = None) -> Path:
+    """openvino_genai's graph of a GGUF (the default model's), built and saved by openvino_genai
+    itself (once per file)."""
+    source = source or default_model_path()
+    folder = work / ("genai-gguf" if source == default_model_path() else f"genai-{source.stem}")
     xml = folder / "openvino_model.xml"
     if not xml.is_file():
         import openvino_genai as og
@@ -114,7 +117,7 @@ def genai_graph(work: Path) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         gguf = folder / "model.gguf"
         if not gguf.is_file():
-            shutil.copyfile(default_model_path(), folder / "model.gguf.tmp")
+            shutil.copyfile(source, folder / "model.gguf.tmp")
             (folder / "model.gguf.tmp").replace(gguf)
         print(f"openvino_genai builds its graph of {gguf} ...", file=sys.stderr)
         og.LLMPipeline(str(gguf), "CPU", enable_save_ov_model=True)
@@ -188,12 +191,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="smoke run: fast precision, 8 steps")
+    ap.add_argument("--shards", type=Path, help="a 1-stage export to profile (default: the default model's)")
+    ap.add_argument("--gguf", type=Path, help="with --shards: the GGUF it came from, for openvino_genai's graph")
     args = ap.parse_args()
     if args.quick:
         args.precision, args.steps, args.warmup = "fast", 8, 2
     quiet, load = wait_quiet(max_wait_s=0 if args.quick else 600)
-    ours_xml = shard_folder(args.work, args.weights, 1) / "stage0.xml"
-    theirs_xml = genai_graph(args.work)
+    ours_xml = (args.shards or shard_folder(args.work, args.weights, 1)) / "stage0.xml"
+    theirs_xml = genai_graph(args.work, args.gguf)
     figures: dict[str, Any] = {}
     for precision in (("exact", "fast") if args.precision == "both" else (args.precision,)):
         props: dict[str, Any] = RunConfig(precision=precision, threads=args.threads).ov_properties()

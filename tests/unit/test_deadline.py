@@ -54,3 +54,13 @@ def test_a_refusal_moves_the_clock_but_not_the_averages() -> None:
 def test_bad_limits_are_refused(floor: float, multiple: float) -> None:
     with pytest.raises(ShardlineError, match="a step deadline needs a floor > 0 s and a multiple >= 1"):
         Deadlines(floor, multiple)
+
+
+def test_a_step_expected_to_take_long_gets_a_multiple_of_that() -> None:
+    """A first 8B-class prompt chunk: stage 0 took 5 s here, three worker stages follow. With no
+    average yet and a 10 s floor it would be lost at 10 s; it is allowed 20 x 15 s."""
+    clock = StepClock(Deadlines(floor_s=10.0, multiple=20.0))
+    assert clock.late(PREFILL, sent_at=0.0, now=11.0) == 10.0
+    assert clock.late(PREFILL, sent_at=0.0, now=11.0, expected_s=15.0) is None
+    assert clock.late(PREFILL, sent_at=0.0, now=301.0, expected_s=15.0) == 300.0
+    assert clock.late(DECODE, sent_at=0.0, now=11.0, expected_s=0.1) == 10.0  # the floor still rules short steps

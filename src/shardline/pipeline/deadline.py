@@ -7,7 +7,10 @@ when it was sent or from the last answer, whichever is later: a step queued behi
 not charged for their time. Its allowance is the larger of a floor and a multiple of the running
 average of recent steps of its phase, measured the same way (a prefill chunk takes far longer
 than a decode step; the floor covers the first steps, before any average, and short steps'
-jitter).
+jitter). A step may also bring its own expectation: the coordinator has just run stage 0 on it,
+and the workers run the other stages of the same model, so a step whose stage 0 took 5 s (a
+128-token prompt chunk of an 8B model on two cores) is not declared lost after a 10 s floor
+because no step of its size was seen before.
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ class StepClock:
         """How long the oldest step in flight, sent at `sent_at`, has been the one awaited."""
         return now - max(sent_at, self.last_answer)
 
-    def late(self, phase: Phase, sent_at: float, now: float) -> float | None:
-        """The allowance the oldest step in flight has overrun (None: it is not late)."""
-        allowed = self.allowed(phase)
+    def late(self, phase: Phase, sent_at: float, now: float, expected_s: float = 0.0) -> float | None:
+        """The allowance the oldest step in flight has overrun (None: it is not late); at least
+        `multiple` x `expected_s`, what the step itself is expected to take on the workers."""
+        allowed = max(self.allowed(phase), self.limits.multiple * expected_s)
         return allowed if self.waited(sent_at, now) > allowed else None
 
     def answered(self, phase: Phase, sent_at: float, now: float, timed: bool = True) -> None:

@@ -84,6 +84,9 @@ class _Sent:
     step: Step
     started: float = field(default_factory=time.perf_counter)  # for the step's breakdown
     out_at: float = 0.0  # monotonic: when it left for the workers (the watchdog's clock)
+    # What the workers should take on it: stage 0's graph time here x the stages after it
+    # (they are slices of the same model); its deadline is at least a multiple of this.
+    expected_s: float = 0.0
     hidden: HiddenChunk | None = None  # stage 0's output of a prefill chunk, summarized (summarize=True)
 
 
@@ -332,6 +335,7 @@ class RemotePipeline:
         start = time.perf_counter()
         hidden = self.stage0.run(step.key, inputs)
         graph_s = time.perf_counter() - start
+        sent.expected_s = graph_s * (self.n_stages - 1)
         if self.summarize and isinstance(step, PrefillStep):
             sent.hidden = HiddenChunk.of(hidden)
         fwd = forward(step, next(self._seq), hidden.astype(self.dtype, copy=False), graph_s, sent.started)
@@ -377,7 +381,8 @@ class RemotePipeline:
             with self._lock:
                 oldest = next(iter(self._pending.values()), None)
                 epoch = self._epoch
-                late = oldest and self._clock.late(oldest.step.phase, oldest.out_at, time.monotonic())
+                late = oldest and self._clock.late(oldest.step.phase, oldest.out_at, time.monotonic(),
+                                                   oldest.expected_s)
             if oldest and late:
                 self._break(f"the workers ({', '.join(self.workers)}) did not answer a {oldest.step.phase.value} "
                             f"step within {late:.1f} s (one of them hung?)", epoch)

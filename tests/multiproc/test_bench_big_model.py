@@ -1,0 +1,34 @@
+"""bench/big_model.py's own code on a tiny file of the same layout (issue 22: the 8B-class bench is
+too slow for CI, so CI runs the same code small): a GGUF in Q4_K_M's mix with rope_freqs, its
+1- and 4-stage exports, a 4-process TLS chain of real workers, decode groups, verify steps;
+one JSON line of figures, and no process left behind. Speed is not asserted here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_big_model_bench_runs_small_and_reports_every_figure(tmp_path: Path) -> None:
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "big_model.py"), "--quick", "--no-llama-cpp",
+                          "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    assert list(figures)[:8] == ["one_stage_over_llama_cpp", "one_stage_fast_over_llama_cpp", "four_over_one_stage",
+                                 "four_over_llama_rpc", "streams4_over_1", "verify5_over_1",
+                                 "worker_rss_over_model_max", "one_stage_over_bound"]
+    assert figures["one_stage_over_llama_cpp"] is None and figures["quick"] is True
+    assert set(figures["tok_s"]) == {"shardline 1 stage exact", "shardline 1 stage fast", "shardline 4 processes"}
+    assert all(v > 0 for v in figures["tok_s"].values())
+    assert len(figures["worker_peak_rss_mb"]) == 3 and all(r > 0 for r in figures["worker_peak_rss_mb"])
+    assert len(figures["export_4_stages"]) == 4 and len(figures["export_1_stage"]) == 1
+    assert set(figures["verify_over_one"]) == {"1", "2", "3", "4"} and set(figures["aggregate_tok_s"]) == {"1", "2"}
+    assert "shardline 4 processes" in run.stdout and "verify step / one-token step" in run.stdout
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
