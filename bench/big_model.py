@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +42,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ggufs.py builds the file
 
+from procs import Proc, peak_rss_mb  # noqa: E402  (bench/ is on sys.path when this script runs)
+from steps import decode_tok_s  # noqa: E402
+
 from shardline.config import ExportConfig, RunConfig, SamplingParams  # noqa: E402
 from shardline.model.manifest import load_manifest  # noqa: E402
 from tests.gguf_vocab import NORMAL, Vocab, byte_level_vocab  # noqa: E402
@@ -48,7 +52,6 @@ from tests.ggufs import FileSpec, write  # noqa: E402
 
 GREEDY = SamplingParams()
 TOOLS = Path(__file__).with_name("llama_cpp_tools.sh")
-SHARDLINE = [sys.executable, "-m", "shardline.cli"]
 
 
 def more_bits(i: int, n: int) -> bool:
@@ -93,13 +96,6 @@ def export_stages(model: Path, stages: int, args: argparse.Namespace) -> tuple[P
     return out, time.perf_counter() - start
 
 
-def peak_rss_mb(pid: int | str = "self") -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def bandwidth_gb_s(threads: int) -> float:
     """Read bandwidth of this machine: summing a 1 GiB array in `threads` slices at once
     (numpy releases the GIL in the sum), best of 3."""
@@ -120,7 +116,7 @@ def bandwidth_gb_s(threads: int) -> float:
 
 def _timed_stream(pipe: Any, prompt_len: int, tokens: int, key: int = 1) -> tuple[float, float]:
     """(time to first token of a `prompt_len` prompt, decode tok/s over `tokens` steps)."""
-    from shardline.pipeline.plan import decode, prefill, run
+    from shardline.pipeline.plan import prefill, run
     from shardline.stage.cache import KVBook
 
     book = KVBook()
@@ -128,15 +124,7 @@ def _timed_stream(pipe: Any, prompt_len: int, tokens: int, key: int = 1) -> tupl
     start = time.perf_counter()
     (out,) = run(pipe, prefill(key, book, prompt, GREEDY, first=True, last=True))
     ttft = time.perf_counter() - start
-    last = out.choices[0].token
-    for _ in range(2):  # warm-up
-        (out,) = run(pipe, decode(key, book, [last], GREEDY))
-        last = out.choices[0].token
-    start = time.perf_counter()
-    for _ in range(tokens):
-        (out,) = run(pipe, decode(key, book, [last], GREEDY))
-        last = out.choices[0].token
-    tok_s = tokens / (time.perf_counter() - start)
+    tok_s = decode_tok_s(pipe, key, book, out.choices[0].token, tokens, warmup=2)
     pipe.release(key)
     return ttft, tok_s
 
@@ -223,54 +211,27 @@ def in_child(target: Any, *targs: Any) -> dict[str, Any]:
         p.join(timeout=120)
 
 
-# --- processes: shardline workers, llama.cpp's tools ------------------------------------------------
+# --- processes: shardline workers (procs.Proc), llama.cpp's tools ------------------------------------------------
 
-class Child:
-    """A process of ours, ready once its stdout prints `ready` (or, given `port`, once that port
-    on loopback accepts); stopped by its handle."""
+class RpcServer:
+    """A llama.cpp ggml-rpc-server on loopback, ready once its port accepts; stopped by its handle."""
 
-    def __init__(self, cmd: list[str], ready: str, timeout_s: float = 1800, port: int | None = None) -> None:
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL if port else subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
+    def __init__(self, binary: Path, port: int, threads: int, timeout_s: float = 60) -> None:
+        self.proc = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
-        if port is not None:
-            self.line = _wait_port(port, deadline, self)
-            return
-        assert self.proc.stdout is not None
-        while (line := self.proc.stdout.readline()) and ready not in line:
-            if time.monotonic() > deadline:
-                break
-        if ready not in line:
-            self.stop()
-            raise RuntimeError(f"{cmd[:3]} did not get ready")
-        self.line = line.strip()
-
-    def peak_rss_mb(self) -> float:
-        return peak_rss_mb(self.proc.pid)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"ggml-rpc-server: nothing listens on port {port}")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=60)
-
-
-def _wait_port(port: int, deadline: float, child: Child) -> str:
-    import socket
-
-    while time.monotonic() < deadline and child.alive():
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return f"listening on 127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.2)
-    child.stop()
-    raise RuntimeError(f"nothing listens on port {port}")
+        self.proc.kill()
+        self.proc.wait(timeout=60)
 
 
 def shardline_four(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -280,13 +241,13 @@ def shardline_four(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     if not (creds / "ca.pem").exists():
         shutil.rmtree(creds, ignore_errors=True)
         keygen(creds, 4)
-    workers = [Child([*SHARDLINE, "worker", "--shards", str(folder), "--stage", str(i), "--listen", "127.0.0.1:0",
-                      "--credentials", str(creds / f"node-{i}"), "--threads", str(args.threads),
-                      "--context", str(args.context)], "listening on ") for i in (1, 2, 3)]
+    workers = [Proc(["worker", "--shards", str(folder), "--stage", str(i), "--listen", "127.0.0.1:0",
+                     "--credentials", str(creds / f"node-{i}"), "--threads", str(args.threads),
+                     "--context", str(args.context)], "listening on ", timeout_s=1800) for i in (1, 2, 3)]
     try:
         addrs = [w.line.split()[-1] for w in workers]
         row = in_child(four_stage_run, str(folder), addrs, str(creds / "node-0"), child_args(args))
-        row["worker_peak_rss_mb"] = [w.peak_rss_mb() for w in workers]
+        row["worker_peak_rss_mb"] = [peak_rss_mb(w.proc.pid) for w in workers]
     finally:
         for w in workers:
             w.stop()
@@ -316,11 +277,10 @@ def llama_rpc(bin_dir: Path, model: Path, args: argparse.Namespace) -> dict[str,
     servers, ports = [], [50152 + i for i in range(4)]
     try:
         for port in ports:
-            servers.append(Child([str(bin_dir / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port),
-                                  "-t", str(args.threads)], "", timeout_s=60, port=port))
+            servers.append(RpcServer(bin_dir / "ggml-rpc-server", port, args.threads))
         rpc = ",".join(f"127.0.0.1:{p}" for p in ports)
         row = llama_bench(bin_dir, model, args, ["-rpc", rpc, "-ngl", "999", "-sm", "layer"])
-        row["server_peak_rss_mb"] = [s.peak_rss_mb() for s in servers]
+        row["server_peak_rss_mb"] = [peak_rss_mb(s.proc.pid) for s in servers]
     finally:
         for s in servers:
             s.stop()

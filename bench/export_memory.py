@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
+
+from procs import Proc, peak_rss_mb  # bench/ is on sys.path when this script runs
 
 from shardline.config import ExportConfig, RunConfig, SamplingConfig
 from shardline.export.exporter import export
@@ -31,30 +31,16 @@ from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine
 from shardline.serving.generate import tokens
 
-SHARDLINE = [sys.executable, "-m", "shardline.cli"]
-
-
-def vm_hwm_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
 
 def serve_workers(folder: Path, context: int, requests: int) -> list[float]:
     """Each worker's peak RSS (MB) after `requests` greedy requests through the chain."""
     n = len(load_manifest(folder).stages)
-    procs = [subprocess.Popen([*SHARDLINE, "worker", "--shards", str(folder), "--stage", str(i), "--insecure",
-                               "--context", str(context)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              text=True) for i in range(1, n)]
+    procs = []
     try:
-        addrs = []
-        for p in procs:
-            assert p.stdout is not None
-            line = p.stdout.readline()
-            if "listening on " not in line:
-                raise RuntimeError(f"a worker did not start: {line!r}")
-            addrs.append(line.split()[-1])
+        for i in range(1, n):
+            procs.append(Proc(["worker", "--shards", str(folder), "--stage", str(i), "--insecure", "--context",
+                               str(context)], "listening on ", timeout_s=1800))
+        addrs = [p.line.split()[-1] for p in procs]
         pipe = RemotePipeline(folder, addrs, RunConfig(context=context), "f32")
         engine = Engine(pipe, Limits(1, 0), context)
         try:
@@ -63,11 +49,10 @@ def serve_workers(folder: Path, context: int, requests: int) -> list[float]:
         finally:
             engine.stop()
             pipe.shutdown()
-        return [vm_hwm_mb(p.pid) for p in procs]
+        return [peak_rss_mb(p.proc.pid) for p in procs]
     finally:
         for p in procs:
-            p.terminate()
-            p.wait(timeout=60)
+            p.stop()
 
 
 def measure(model: Path | None, weights: str, args: argparse.Namespace) -> dict[str, Any]:

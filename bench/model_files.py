@@ -25,7 +25,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +32,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ggufs.py builds the files
 
+from steps import decode_tok_s  # noqa: E402  (bench/ is on sys.path when this script runs)
+
 from shardline.config import ExportConfig, RunConfig, SamplingParams  # noqa: E402
 from shardline.export.exporter import export  # noqa: E402
 from shardline.model.manifest import load_manifest  # noqa: E402
 from shardline.pipeline.local import LocalPipeline  # noqa: E402
-from shardline.pipeline.plan import decode, prefill, run  # noqa: E402
+from shardline.pipeline.plan import prefill, run  # noqa: E402
 from shardline.stage.cache import KVBook  # noqa: E402
 from tests.gguf_vocab import NORMAL, Vocab, byte_level_vocab  # noqa: E402
 from tests.ggufs import ALL_TYPES, FileSpec, write  # noqa: E402
@@ -81,17 +82,9 @@ def shardline_tok_s(folder: Path, precision: str, tokens: int, threads: int) -> 
         book, key = KVBook(), 1
         prompt = list(range(100, 116))
         run(pipe, prefill(key, book, prompt, GREEDY, first=True, last=True))
-        last = 200
-        for _ in range(4):  # warm-up steps
-            (out,) = run(pipe, decode(key, book, [last], GREEDY))
-            last = out.choices[0].token
-        start = time.perf_counter()
-        for _ in range(tokens):
-            (out,) = run(pipe, decode(key, book, [last], GREEDY))
-            last = out.choices[0].token
-        took = time.perf_counter() - start
+        tok_s = decode_tok_s(pipe, key, book, 200, tokens, warmup=4)
         pipe.release(key)
-    return tokens / took
+    return tok_s
 
 
 def llama_bench_tok_s(bin_dir: Path, model: Path, tokens: int, threads: int) -> float:

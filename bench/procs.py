@@ -40,3 +40,11 @@ class Proc:
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait(timeout=30)
+
+
+def peak_rss_mb(pid: int | str = "self") -> float:
+    """A process's peak RSS in MB (VmHWM; not ru_maxrss, which exec keeps from the parent)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
