@@ -75,6 +75,28 @@ def test_coupled_routes_to_the_fewest_requests_and_limits_streams() -> None:
     assert limited[1].first_token_s == pytest.approx(limited[0].finish_s + C.prefill_s(50, 0), abs=1e-12)
 
 
+def test_coupled_admits_only_what_its_kv_holds() -> None:
+    """Two prompts of 300 on 500 KV tokens: the second waits until the first has finished (its KV
+    freed), then prefills; before, a coupled instance ignored `Costs.kv_tokens` and ran both, on
+    memory a decode instance of the same costs does not have."""
+    costs = Costs(**{**C.__dict__, "kv_tokens": 500})
+    a, b = spec(0, 0.0, 300, 5), spec(1, 0.0, 300, 2)
+    res = simulate_coupled([a, b], costs, CoupledConfig(instances=1))
+    prefill = C.prefill_s(128, 0) + C.prefill_s(128, 128) + C.prefill_s(44, 256)
+    assert res.records[1].first_token_s == pytest.approx(res.records[0].finish_s + prefill, abs=1e-12)
+    both = simulate_coupled([a, b], C, CoupledConfig(instances=1))  # 100,000 KV tokens: side by side
+    assert both.records[1].first_token_s < both.records[0].finish_s
+
+
+def test_coupled_reports_a_stream_outgrowing_its_kv_and_refuses_one_that_never_fits() -> None:
+    costs = Costs(**{**C.__dict__, "kv_tokens": 500})
+    res = simulate_coupled([spec(0, 0.0, 300, 300)], costs, CoupledConfig(instances=1))
+    assert res.kv_overflow_peak == 300 + 299 - 500  # its last step began at context 599; none is evicted
+    assert simulate_coupled([spec(0, 0.0, 300, 5)], costs, CoupledConfig(instances=1)).kv_overflow_peak == 0
+    with pytest.raises(ShardlineError, match="can never start"):
+        simulate_coupled([spec(0, 0.0, 501, 2)], costs, CoupledConfig(instances=1))
+
+
 def test_regrouping_a_decode_group_costs_what_the_engine_copies() -> None:
     """A (prompt 400) joins B's group (prompt 50) and ends first: its join copies both rows at
     A's width, its departure drops a row, and the next plain step compacts B's row, which then
@@ -291,7 +313,8 @@ def test_costs_json_round_trip_is_atomic(tmp_path: Path) -> None:
 
 
 def _doc(**change: object) -> dict[str, Any]:
-    doc = json.loads(json.dumps({"format": "shardline-disagg-costs", "version": 2, **Costs().__dict__}))
+    fields = {k: v for k, v in Costs().__dict__.items() if k != "prefill_knee_tokens"}  # not in version 2
+    doc = json.loads(json.dumps({"format": "shardline-disagg-costs", "version": 2, **fields}))
     doc.update(change)
     return doc
 
@@ -340,6 +363,47 @@ def test_from_json_refuses_corrupt_files(tmp_path: Path, data: bytes) -> None:
         Costs.from_json(path)
     with pytest.raises(ShardlineError, match="cannot read"):
         Costs.from_json(tmp_path / "missing.json")
+
+
+def test_a_chunk_below_the_knee_costs_as_one_of_the_knee() -> None:
+    knee = Costs(**{**C.__dict__, "prefill_knee_tokens": 512})
+    assert knee.prefill_s(64, 100) == knee.prefill_s(512, 100) == C.prefill_s(512, 100)
+    assert knee.prefill_s(600, 100) == C.prefill_s(600, 100)  # past it, linear as before
+    assert Costs().prefill_knee_tokens == 0 and C.prefill_s(64, 0) < C.prefill_s(512, 0)  # off by default
+
+
+@pytest.mark.parametrize("knee", [-1, 1.5, True, "512"])
+def test_the_knee_must_be_a_whole_number_of_positions(knee: object) -> None:
+    with pytest.raises(ShardlineError, match="prefill_knee_tokens must be an integer >= 0"):
+        Costs(prefill_knee_tokens=knee)  # type: ignore[arg-type]
+
+
+def test_costs_files_keep_version_2_without_a_knee_and_say_3_with_one(tmp_path: Path) -> None:
+    path = tmp_path / "costs.json"
+    C.to_json(path)
+    old = json.loads(path.read_text())
+    assert old["version"] == 2 and "prefill_knee_tokens" not in old  # what older readers take
+    assert list(old)[2:] == [k for k in C.__dict__ if k != "prefill_knee_tokens"]
+    assert Costs.from_json(path) == C
+    knee = Costs(**{**C.__dict__, "prefill_knee_tokens": 512})
+    knee.to_json(path)
+    assert json.loads(path.read_text())["version"] == 3
+    assert Costs.from_json(path) == knee
+    path.write_text(json.dumps(_doc()))  # a file written before the knee existed: no knee
+    assert Costs.from_json(path) == Costs()
+
+
+@pytest.mark.parametrize("doc, match", [
+    (_doc(prefill_knee_tokens=512), "unknown \\['prefill_knee_tokens'\\]"),  # version 2 had no knee
+    (_doc(version=3), "missing \\['prefill_knee_tokens'\\]"),
+    (_doc(version=3, prefill_knee_tokens=-5), "prefill_knee_tokens must be an integer >= 0"),
+    (_doc(version=4, prefill_knee_tokens=0), "not a shardline-disagg-costs file of version 2 or 3"),
+])
+def test_from_json_checks_the_knee_by_version(tmp_path: Path, doc: object, match: str) -> None:
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ShardlineError, match=match):
+        Costs.from_json(path)
 
 
 def test_default_costs_match_the_benchmarks_they_come_from() -> None:

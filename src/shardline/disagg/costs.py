@@ -2,8 +2,11 @@
 
 The model (all terms >= 0, fitted by least squares from measured steps, `Costs.fit`):
 - a prefill chunk of n positions whose cache already holds c tokens:
-    prefill_base_s + prefill_token_s * n + prefill_token_ctx_s * n * c
-  (a fixed cost per step, each position's own work, and its attention over the cache);
+    prefill_base_s + prefill_token_s * m + prefill_token_ctx_s * m * c,  m = max(n, prefill_knee_tokens)
+  (a fixed cost per step, each position's own work, and its attention over the cache). The knee
+  (0, the default: off) is an accelerator's saturation point: below it a chunk leaves the device
+  underused and takes as long as a chunk of the knee (TetriInfer's premise for its fixed 512-token
+  chunks of OPT-13B on a V100; a CPU has no such knee, so its fits leave it off);
 - a decode step of R rows, each attending over c positions:
     decode_base_s + decode_row_s * R + decode_row_ctx_s * R * c
   (the weights streamed once per call whatever the rows, then each row's arithmetic and KV);
@@ -52,7 +55,10 @@ from shardline.disagg.files import read_json, write_text_atomic
 from shardline.errors import ShardlineError
 
 FORMAT = "shardline-disagg-costs"
-VERSION = 2  # 2: merge_bytes_per_s and drop_bytes_per_s
+# 2: merge_bytes_per_s and drop_bytes_per_s; 3: prefill_knee_tokens. A file whose knee is off is
+# still written as version 2 without that field, byte for byte what older readers read.
+VERSION = 3
+KNEE_SINCE = 3  # the version that added prefill_knee_tokens (absent, and so 0, in older files)
 MAX_FILE_BYTES = 1 << 20  # a costs file is a few hundred bytes
 DEFAULT_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # layers x (k, v) x KV heads x head dim x f32
 DEFAULT_SOURCE = "rough figures from BENCHMARKS.md (costs.py docstring), not a calibration"
@@ -77,6 +83,7 @@ class Costs:
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
     kv_tokens: int = 30 * 8192
     source: str = DEFAULT_SOURCE  # where the figures came from: a table's readers need it
+    prefill_knee_tokens: int = 0  # a chunk shorter than this costs as one this long; 0: no knee
 
     def __post_init__(self) -> None:
         for name in _FLOATS:
@@ -87,6 +94,9 @@ class Costs:
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 raise ShardlineError(f"costs: {name} must be an integer >= 1, got {v!r:.40}")
+        knee = self.prefill_knee_tokens
+        if type(knee) is not int or knee < 0:
+            raise ShardlineError(f"costs: prefill_knee_tokens must be an integer >= 0, got {knee!r:.40}")
         if not isinstance(self.source, str) or len(self.source) > 1000:
             raise ShardlineError("costs: source must be a string of at most 1000 characters")
         # Every step takes time: simulated time then advances with every step (no zero-time loop).
@@ -97,9 +107,11 @@ class Costs:
                 raise ShardlineError(f"costs: {name} must be > 0")
 
     def prefill_s(self, tokens: int, context: int) -> float:
-        """A chunk of `tokens` positions (padding included) after `context` cached tokens."""
+        """A chunk of `tokens` positions (padding included) after `context` cached tokens; one
+        below the knee costs as a chunk of the knee (module docstring)."""
         _counts("prefill", tokens, context)
-        return self.prefill_base_s + self.prefill_token_s * tokens + self.prefill_token_ctx_s * tokens * context
+        m = max(tokens, self.prefill_knee_tokens)
+        return self.prefill_base_s + self.prefill_token_s * m + self.prefill_token_ctx_s * m * context
 
     def decode_s(self, rows: int, context: int) -> float:
         """A decode step of `rows` rows, each attending over `context` positions."""
@@ -147,11 +159,17 @@ class Costs:
                    decode_base_s=d[0], decode_row_s=d[1], decode_row_ctx_s=d[2],
                    transfer_latency_s=t[0], transfer_bytes_per_s=1.0 / t[1],
                    kv_bytes_per_token=kv_bytes_per_token, kv_tokens=kv_tokens,
+                   prefill_knee_tokens=0,  # a linear fit has no knee (a CPU shows none)
                    source=source or f"least-squares fit of {n} measured samples")
 
     def to_json(self, path: Path) -> None:
-        """Written atomically: a temporary file in the same folder, then renamed over `path`."""
-        doc = {"format": FORMAT, "version": VERSION, **asdict(self)}
+        """Written atomically: a temporary file in the same folder, then renamed over `path`.
+        Without a knee, as version 2 (no prefill_knee_tokens field), which older readers take."""
+        body = asdict(self)
+        version = VERSION if self.prefill_knee_tokens else KNEE_SINCE - 1
+        if version < KNEE_SINCE:
+            del body["prefill_knee_tokens"]
+        doc = {"format": FORMAT, "version": version, **body}
         write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
 
     @classmethod
@@ -179,12 +197,14 @@ def _finite(x: object) -> bool:
 
 
 def _fields(doc: object) -> dict[str, Any]:
-    """Exactly the Costs fields, each present (values are checked by Costs itself)."""
+    """Exactly the Costs fields of the file's version, each present (values are checked by Costs
+    itself); a version 2 file has no knee (its default, 0, applies)."""
     if not isinstance(doc, dict):
         raise ShardlineError("not a JSON object")
-    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-        raise ShardlineError(f"not a {FORMAT} file of version {VERSION}")
-    names = {f.name for f in fields(Costs)}
+    version = doc.get("version")
+    if doc.get("format") != FORMAT or type(version) is not int or version not in (KNEE_SINCE - 1, VERSION):
+        raise ShardlineError(f"not a {FORMAT} file of version {KNEE_SINCE - 1} or {VERSION}")
+    names = {f.name for f in fields(Costs)} - ({"prefill_knee_tokens"} if version < KNEE_SINCE else set())
     missing, extra = names - doc.keys(), doc.keys() - names - {"format", "version"}
     if missing or extra:
         raise ShardlineError(f"fields missing {sorted(missing)}, unknown {sorted(extra)[:5]}")

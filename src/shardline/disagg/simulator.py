@@ -20,7 +20,11 @@ Time model, common to both modes:
 
 Coupled serving (the baseline, the real engine's policy, serving/scheduler.py): a new request goes
 to the instance with the fewest active + queued requests (the lowest index on a tie); an instance
-admits up to `max_streams` (the rest wait, first come first served). Each iteration plans what the
+admits up to `max_streams` (the rest wait, first come first served), and only while the head's
+prompt fits the KV tokens it has (`Costs.kv_tokens`) beside what its admitted requests hold (a
+prefilling one its prompt, a decoding one its context): the vanilla admission a decode instance
+uses, so both modes run on the same memory. As there, a stream outgrowing the capacity is never
+evicted, and how far past it went is reported (`kv_overflow_peak`). Each iteration plans what the
 real `Scheduler.plan()` submits at once: one step of every decode group, then one chunk of each of
 the `max_prefills` oldest prompts; its steps run in that order, and the next iteration is planned
 when the last ends. So a long prompt's chunks sit between a running stream's tokens: the
@@ -313,6 +317,8 @@ class _Coupled(Server):
         self.queue: deque[Req] = deque()  # not admitted yet (the stream limit)
         self.prefilling: list[Req] = []  # admitted, in admission order: the oldest prefill first
         self.groups = Groups(cfg.groups, cfg.max_rows)
+        self.decoding: list[Req] = []  # prefilled, in a decode group
+        self.kv_overflow_peak = 0  # most KV tokens held past the capacity at once
 
     def load(self) -> int:
         return len(self.queue) + len(self.prefilling) + self.groups.members()
@@ -322,16 +328,42 @@ class _Coupled(Server):
         self._admit()
         self.wake()
 
+    def _held(self) -> int:
+        """KV tokens the admitted requests hold: a prefilling prompt's whole KV is reserved."""
+        return sum(r.prompt for r in self.prefilling) + sum(r.context for r in self.decoding)
+
     def _admit(self) -> None:
         while self.queue and len(self.prefilling) + self.groups.members() < self.cfg.max_streams:
+            head = self.queue[0]
+            if head.prompt > self.costs.kv_tokens - self._held():
+                if not self.prefilling and not self.decoding:
+                    raise ShardlineError(f"simulator: request {head.spec.index} can never start on {self.name}: "
+                                         f"its prompt of {head.prompt} tokens does not fit its "
+                                         f"{self.costs.kv_tokens} KV tokens")
+                return
             self.prefilling.append(self.queue.popleft())
 
     def next_plan(self) -> list[Step]:
-        decodes = [decode_step(self.costs, group, self._ended) for group in self.groups.ready()]
+        decodes = [self._decode(group) for group in self.groups.ready()]
         return decodes + [self._chunk(r) for r in self.prefilling[: self.cfg.max_prefills]]
+
+    def _decode(self, group: Group) -> Step:
+        step = decode_step(self.costs, group, self._ended)
+
+        def start() -> tuple[float, Finish]:
+            seconds, finish = step()
+
+            def done(t: float) -> None:
+                finish(t)
+                self.kv_overflow_peak = max(self.kv_overflow_peak, self._held() - self.costs.kv_tokens)
+
+            return seconds, done
+
+        return start
 
     def _ended(self, r: Req) -> None:
         self.groups.leave(r)
+        self.decoding.remove(r)
         self._admit()
 
     def _chunk(self, r: Req) -> Step:
@@ -348,6 +380,7 @@ class _Coupled(Server):
                     self._admit()
                 else:
                     self.groups.join(r)
+                    self.decoding.append(r)
 
             return seconds, finish
 
@@ -366,4 +399,4 @@ def simulate_coupled(specs: Sequence[RequestSpec], costs: Costs, cfg: CoupledCon
     for r in reqs:
         loop.at(r.spec.arrival_s, partial(arrive, r))
     loop.run()
-    return result(reqs, instances)
+    return result(reqs, instances, max(0, *(x.kv_overflow_peak for x in instances)))
