@@ -21,6 +21,7 @@ from shardline.config import RunConfig
 from shardline.errors import ShardlineError, StepRefused
 from shardline.model.manifest import StageEntry
 from shardline.stage.cache import StepInputs
+from shardline.stage.resident import released_while
 from shardline.stage.zero_points import round_zero_points, split_zero_points
 
 _BEAMS = [np.arange(b, dtype=np.int32) for b in range(65)]  # identity Gathers, made once
@@ -78,6 +79,18 @@ class StageRunner:
         self.vocab = vocab
         self._out = self.compiled.output(0)
         self._keys: dict[Key, _Held] = {}
+        with released_while(folder / entry.bin):  # resident.py: why
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One token through a scratch request: the plugin makes its copy of the weights here
+        (seconds for an 8B-class stage), not in a client's first step."""
+        x = (np.zeros((1, 1), np.int64) if self.hidden is None else np.zeros((1, 1, self.hidden), np.float32))
+        feed = {self._input: x, "attention_mask": np.ones((1, 1), np.int64), "position_ids": np.zeros((1, 1), np.int64),
+                "beam_idx": _BEAMS[1]}
+        if self.entry.has_head:
+            feed["logits_index"] = np.zeros((1, 1), np.int64)
+        self.compiled.create_infer_request().infer(feed, share_inputs=False)
 
     def open(self, key: Key) -> None:
         if key in self._keys:
