@@ -15,6 +15,7 @@ logit flips on any perturbation); teacher-forced agreement is the steadier figur
     python bench/quality.py            # 8 prompts, 64 tokens, all precisions
     python bench/quality.py --quick    # 2 prompts, 32 tokens, fp32 and gguf
     python bench/quality.py --weights gguf --modes exact --kv f32,f16,u8   # the KV cache's precisions
+    python bench/quality.py --weights gguf,gguf-rb64,gguf-rb192 --modes exact,fast   # `export --reblock G`
 
 With `--kv`, each run precision is also run with each KV cache precision. A prompt fed in one
 step attends to its own keys and values before the cache stores them, so there the text's
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from itertools import count
@@ -82,13 +84,16 @@ TEXT = (
 
 
 def shard_folder(work: Path, weights: str) -> Path:
-    """A 1-stage export (named as bench/parity.py names its own, so either script reuses the other's)."""
+    """A 1-stage export (named as bench/parity.py names its own, so either script reuses the other's).
+    `gguf-rbG`: the GGUF's blocks re-blocked into groups of G (`export --reblock G`)."""
     from shardline.export.exporter import export
 
     folder = work / f"smollm2-135m-{weights}-1stages-{EXPORT_TAG}"
     if not (folder / "manifest.json").is_file():
         print(f"exporting {folder} ...", file=sys.stderr)
-        export(ExportConfig(out=folder, stages=1, weights=weights, isolate=False, progress=False))
+        base, _, group = weights.partition("-rb")
+        export(ExportConfig(out=folder, stages=1, weights=base, reblock=int(group) if group else None,
+                            isolate=False, progress=False))
     return folder
 
 
@@ -153,8 +158,8 @@ def main() -> int:
     weights = ["fp32", "gguf"] if args.quick else args.weights.split(",")
     if args.tokens < 1:
         p.error("--tokens must be at least 1")
-    if bad := [w for w in weights if w not in WEIGHTS]:
-        p.error(f"unknown weights {bad}; choose from {', '.join(WEIGHTS)}")
+    if bad := [w for w in weights if w not in WEIGHTS and not re.fullmatch(r"gguf-rb\d+", w)]:
+        p.error(f"unknown weights {bad}; choose from {', '.join(WEIGHTS)} or gguf-rbG (re-blocked into groups of G)")
     prompts, n = (PROMPTS[:2], min(args.tokens, 32)) if args.quick else (PROMPTS, args.tokens)
     args.work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]

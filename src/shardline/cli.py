@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="gguf: the GGUF file's own weights (its default); int8/int4 (NNCF), fp16, fp32: "
                         "re-quantized or widened (a Hugging Face folder's default: int8)")
     e.add_argument("--group-size", type=int, default=64, help="int4 group size (must divide hidden size)")
+    e.add_argument("--reblock", type=int, metavar="G",
+                   help="with --weights gguf: re-quantize the file's blocks into groups of G (e.g. 128), which the "
+                        "CPU's int8 kernels run faster; changes the weights (opt-in; BENCHMARKS.md, issue 22)")
     e.add_argument("--no-isolate", action="store_true", help="export all stages in this process")
     e.add_argument("--truncate", type=int, metavar="N",
                    help="keep only the first N decoder layers, then the final norm and head (a self-speculation draft)")
@@ -326,6 +329,7 @@ def _export(args: argparse.Namespace) -> int:
         out=args.out, model=args.model, stages=args.stages, layers=args.layers, balance=args.balance,
         weights=args.weights,
         group_size=args.group_size, isolate=not args.no_isolate, truncate=args.truncate, context=args.context,
+        reblock=args.reblock,
     )
     out = export(cfg)
     print(out)

@@ -35,6 +35,9 @@ class ExportConfig:
     # draft. The upper bound (the model's layer count) is checked by the exporter.
     truncate: int | None = None
     context: int | None = None  # the longest sequence the export serves (default: the model's own)
+    # Under gguf: matmul weights re-quantized into groups of this size (export/reblock.py: faster
+    # int8 kernels, changed weights; an opt-in). None: the file's own blocks.
+    reblock: int | None = None
 
     def __post_init__(self) -> None:
         if self.weights is None:
@@ -51,6 +54,13 @@ class ExportConfig:
             raise ShardlineError(f"--truncate must be at least 1 (layers kept), got {self.truncate}")
         if self.context is not None and self.context < 1:
             raise ShardlineError(f"--context must be at least 1 token, got {self.context}")
+        if self.reblock is not None:
+            if self.weights != "gguf":
+                raise ShardlineError(f"--reblock re-quantizes a GGUF's own blocks: it needs --weights gguf, "
+                                     f"not {self.weights}")
+            if not 16 <= self.reblock <= 1 << 16 or self.reblock % 16:
+                raise ShardlineError(f"--reblock takes a group size that is a multiple of 16 (e.g. 128), "
+                                     f"got {self.reblock}")
 
     @property
     def precision(self) -> str:

@@ -21,14 +21,18 @@ def test_the_big_model_bench_runs_small_and_reports_every_figure(tmp_path: Path)
                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     figures = json.loads(run.stdout.strip().splitlines()[-1])
-    assert list(figures)[:8] == ["one_stage_over_llama_cpp", "one_stage_fast_over_llama_cpp", "four_over_one_stage",
-                                 "four_over_llama_rpc", "streams4_over_1", "verify5_over_1",
-                                 "worker_rss_over_model_max", "one_stage_over_bound"]
-    assert figures["one_stage_over_llama_cpp"] is None and figures["quick"] is True
-    assert set(figures["tok_s"]) == {"shardline 1 stage exact", "shardline 1 stage fast", "shardline 4 processes"}
-    assert all(v > 0 for v in figures["tok_s"].values())
-    assert len(figures["worker_peak_rss_mb"]) == 3 and all(r > 0 for r in figures["worker_peak_rss_mb"])
+    assert list(figures)[:10] == ["one_stage_fast_over_llama_cpp", "one_stage_exact_over_llama_cpp",
+                                  "four_over_one_stage_fast", "four_over_one_stage_exact", "four_fast_over_llama_rpc",
+                                  "streams4_over_1_fast", "verify5_over_1_fast", "verify5_over_1_exact",
+                                  "worker_rss_over_model_max", "one_stage_fast_over_bound"]
+    assert figures["one_stage_fast_over_llama_cpp"] is None and figures["quick"] is True
+    runs = {f"shardline {n} {p}" for n in ("1 stage", "4 processes") for p in ("exact", "fast")}
+    assert set(figures["tok_s"]) == runs and all(v > 0 for v in figures["tok_s"].values())
+    fours = {f"shardline 4 processes {p}" for p in ("exact", "fast")}
+    assert set(figures["worker_peak_rss_mb"]) == fours
+    assert all(len(r) == 3 and min(r) > 0 for r in figures["worker_peak_rss_mb"].values())
     assert len(figures["export_4_stages"]) == 4 and len(figures["export_1_stage"]) == 1
-    assert set(figures["verify_over_one"]) == {"1", "2", "3", "4"} and set(figures["aggregate_tok_s"]) == {"1", "2"}
-    assert "shardline 4 processes" in run.stdout and "verify step / one-token step" in run.stdout
+    assert all(set(v) == {"1", "2", "3", "4"} for v in figures["verify_over_one"].values())
+    assert all(set(v) == {"1", "2"} for v in figures["aggregate_tok_s"].values())
+    assert "shardline 4 processes fast" in run.stdout and "verify step / one-token step" in run.stdout
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before

@@ -25,6 +25,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset15 as ops
 
+from shardline.export.reblock import Reblocked
 from shardline.model.quant import GroupQuant, HalfFloat, pack_codes, repack_codes
 
 _OV_CODES = {"u2": ov.Type.u2, "u4": ov.Type.u4, "u8": ov.Type.u8, "i8": ov.Type.i8}
@@ -63,6 +64,21 @@ def group_constant(q: GroupQuant, name: str, keep: list[np.ndarray], gather: boo
         x = ops.subtract(x, zero).output(0)
     deq = ops.multiply(x, scale)
     return ops.reshape(deq, _i64(q.rows, q.cols), False).output(0)
+
+
+def reblocked_constant(r: Reblocked, name: str, keep: list[np.ndarray]) -> ov.Output:
+    """A re-blocked matrix (export/reblock.py) as Reshape(Multiply(Subtract(Convert(codes),
+    Convert(zero)), Convert(scale))): integer zero points of the codes' type and f16 scales, the
+    pattern the plugin runs with int8 activations."""
+    kind = ov.Type.u4 if r.bits == 4 else ov.Type.u8
+    codes = _shared(r.packed, [r.rows, r.groups, r.group], kind, keep, name + ".codes")
+    zero_bits = r.bits if r.zero.size % 2 == 0 else 8  # u4 packs pairs
+    zero = _shared(pack_codes(r.zero.reshape(-1), zero_bits), [r.rows, r.groups, 1],
+                   kind if zero_bits == r.bits else ov.Type.u8, keep, name + ".zp")
+    scale = _shared(r.scale, [r.rows, r.groups, 1], ov.Type.f16, keep, name + ".scale")
+    x = ops.subtract(ops.convert(codes, ov.Type.f32), ops.convert(zero, ov.Type.f32))
+    deq = ops.multiply(x, ops.convert(scale, ov.Type.f32))
+    return ops.reshape(deq, _i64(r.rows, r.cols), False).output(0)
 
 
 def _flat_groups(q: GroupQuant) -> np.ndarray | None:

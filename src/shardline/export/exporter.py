@@ -65,19 +65,20 @@ def export(cfg: ExportConfig) -> Path:
         source.tokenizer_files(tmp)  # first: cheap, and it fails fast on an incomplete model folder
         entries = _export_stages(cfg, source.path, arch, plans, tmp)
         if cfg.progress and cfg.precision == "gguf":
-            print(f"kept as the file stores them: {_kept(entries)}", file=sys.stderr)
+            how = f"re-blocked into groups of {cfg.reblock}" if cfg.reblock else "kept as the file stores them"
+            print(f"{how}: {_kept(entries)}", file=sys.stderr)
         file_sha256 = source.sha256()
         manifest = Manifest(
             source={"path": str(source.path), "format": source.format,
-                    "sha256": _model_identity(file_sha256, source.arch, arch)},
+                    "sha256": _model_identity(file_sha256, source.arch, arch, cfg.reblock)},
             arch=arch,
             weights=cfg.precision,
-            group_size=cfg.group_size if cfg.precision == "int4" else None,
+            group_size=cfg.group_size if cfg.precision == "int4" else cfg.reblock,
             stages=entries,
             files=hash_files(tmp),
             versions={"shardline": shardline.__version__, "openvino": ov.get_version(),
                       "python": sys.version.split()[0]},
-            extra=_truncation(file_sha256, source.arch, arch),
+            extra=_truncation(file_sha256, source.arch, arch) | ({"reblocked": cfg.reblock} if cfg.reblock else {}),
         )
         (tmp / MANIFEST).write_text(manifest.to_json())
         os.replace(tmp, out)
@@ -123,13 +124,14 @@ def _truncated(full: Arch, n: int) -> Arch:
     return full.truncated(n)
 
 
-def _model_identity(file_sha256: str, full: Arch, arch: Arch) -> str:
+def _model_identity(file_sha256: str, full: Arch, arch: Arch, reblock: int | None = None) -> str:
     """The manifest's model hash. A truncated export is another model (its head reads layer N's
-    output): its hash differs from the full model's, so that workers holding stages of one are
-    never chained with a coordinator of the other."""
-    if arch.n_layers == full.n_layers:
-        return file_sha256
-    return hashlib.sha256(f"{file_sha256}:first{arch.n_layers}".encode()).hexdigest()
+    output), and so is a re-blocked one (other weights): its hash differs from the full model's,
+    so that workers holding stages of one are never chained with a coordinator of the other."""
+    identity = file_sha256 if arch.n_layers == full.n_layers else f"{file_sha256}:first{arch.n_layers}"
+    if reblock:
+        identity += f":reblock{reblock}"
+    return identity if identity == file_sha256 else hashlib.sha256(identity.encode()).hexdigest()
 
 
 def _truncation(file_sha256: str, full: Arch, arch: Arch) -> dict[str, object]:
@@ -154,7 +156,7 @@ def _export_stages(cfg: ExportConfig, model: Path, arch: Arch, plans: list[Stage
                    tmp: Path) -> list[StageEntry]:
     from tqdm import tqdm
 
-    jobs = [(model, arch, plan, cfg.precision, cfg.group_size, tmp) for plan in plans]
+    jobs = [(model, arch, plan, cfg.precision, cfg.group_size, cfg.reblock, tmp) for plan in plans]
     entries = []
     with tqdm(total=len(plans), desc="export", unit="stage", disable=not cfg.progress, file=sys.stderr) as bar:
         if cfg.isolate:
@@ -171,11 +173,12 @@ def _export_stages(cfg: ExportConfig, model: Path, arch: Arch, plans: list[Stage
     return entries
 
 
-def _export_one(model: Path, arch: Arch, plan: StagePlan, weights: str, group_size: int, tmp: Path) -> StageEntry:
+def _export_one(model: Path, arch: Arch, plan: StagePlan, weights: str, group_size: int, reblock: int | None,
+                tmp: Path) -> StageEntry:
     """`arch` is the exported model's (the source's, or its first layers with --truncate)."""
     source = open_source(model)
     base = _rss("VmRSS")  # the process before it reads a weight (interpreter, OpenVINO, the header)
-    w = Weights(source, weights)
+    w = Weights(source, weights, reblock)
     graph = make_stateful(build_stage(arch, plan, w))
     graph = compress(graph, weights, group_size)
     xml = tmp / f"{plan.name}.xml"

@@ -18,7 +18,8 @@ import openvino as ov
 import openvino.opset15 as ops
 
 from shardline.errors import ShardlineError
-from shardline.export.decompress import group_constant, half_constant
+from shardline.export.decompress import group_constant, half_constant, reblocked_constant
+from shardline.export.reblock import fits, reblock
 from shardline.model.quant import GroupQuant, HalfFloat, Stored, stack
 from shardline.model.source import ModelSource
 
@@ -40,13 +41,16 @@ class Linear:
 class Weights:
     """Hands out graph constants by Hugging Face tensor name, creating each at most once."""
 
-    def __init__(self, source: ModelSource, precision: str) -> None:
+    def __init__(self, source: ModelSource, precision: str, reblock: int | None = None) -> None:
+        """`reblock`: under gguf, matmul weights re-quantized into groups of that size
+        (export/reblock.py: an opt-in that changes them); None keeps the file's blocks."""
         if precision not in PRECISIONS:
             raise ShardlineError(f"unknown weight precision {precision!r}; choose from {', '.join(PRECISIONS)}")
         if precision == "gguf" and source.format != "gguf":
             raise ShardlineError("--weights gguf needs a GGUF model")
         self.source = source
         self.precision = precision
+        self.reblock = reblock
         self.kept: Counter[str] = Counter()  # stored type -> matrices (under gguf)
         self.kept_bytes: Counter[str] = Counter()
         self._made: dict[str, ov.Output] = {}
@@ -109,6 +113,10 @@ class Weights:
         return self._constant(w, name)
 
     def _stored_constant(self, s: Stored, name: str, gather: bool, count: int) -> ov.Output:
+        if self.reblock and isinstance(s, GroupQuant) and not gather and fits(s, self.reblock):
+            r = reblock(s, self.reblock)
+            self._count(r.kind, r.nbytes, count)
+            return reblocked_constant(r, name, self.keep)
         self._count(s.kind, s.nbytes, count)
         if isinstance(s, HalfFloat):
             return half_constant(s, name, self.keep)

@@ -22,7 +22,7 @@ from shardline.errors import ShardlineError, StepRefused
 from shardline.model.manifest import StageEntry
 from shardline.stage.cache import StepInputs
 from shardline.stage.resident import released_while
-from shardline.stage.zero_points import round_zero_points, split_zero_points
+from shardline.stage.zero_points import round_zero_points, split_zero_points, uniform_group
 
 _BEAMS = [np.arange(b, dtype=np.int32) for b in range(65)]  # identity Gathers, made once
 Key = Hashable
@@ -62,12 +62,14 @@ class StageRunner:
         core = core or ov.Core()
         try:
             model = core.read_model(folder / entry.xml)
-            if run.device.upper().startswith("CPU"):  # Q4_1 matmuls then take int8 activations (zero_points.py)
-                if run.precision == "fast":
-                    split_zero_points(model)
-                elif run.precision == "rounded":
-                    round_zero_points(model)
-            self.compiled = core.compile_model(model, run.device, run.ov_properties())
+            props = run.ov_properties()
+            if run.device.upper().startswith("CPU") and run.precision in ("fast", "rounded"):
+                # fractional zero points apart (or rounded) so that activations may be int8,
+                # quantized in groups of the weights' own when they all share one (zero_points.py)
+                (split_zero_points if run.precision == "fast" else round_zero_points)(model)
+                if (group := uniform_group(model)) is not None:
+                    props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = str(group)
+            self.compiled = core.compile_model(model, run.device, props)
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             kv = f" with a {run.kv} KV cache" if run.kv_precision else ""

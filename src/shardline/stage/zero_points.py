@@ -82,6 +82,34 @@ def round_zero_points(model: ov.Model) -> int:
     return done
 
 
+def uniform_group(model: ov.Model) -> int | None:
+    """The group size every compressed matmul's weights share (their codes [rows, groups, G]),
+    or None when they differ or there are none. The plugin's int8 quantization of activations
+    runs best in groups of the weights' own (`fast`: bench/kernel_rates.py; a re-blocked export
+    in groups of 128 took 196 ms a token with the plugin's default of 32, 138 ms with 128)."""
+    sizes = set()
+    for node in model.get_ordered_ops():
+        if node.get_type_name() == "MatMul" and node.get_attributes().get("transpose_b"):
+            codes = _codes_of(node.input_value(1).get_node())
+            if codes is not None:
+                sizes.add(int(codes.get_partial_shape()[2].get_length()))
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _codes_of(reshape: ov.Node) -> ov.Output | None:
+    """The codes constant under Reshape(Multiply(Subtract?(Convert(codes), z), s)), if 3-D."""
+    if reshape.get_type_name() != "Reshape":
+        return None
+    node = reshape.input_value(0).get_node()
+    for kind in ("Multiply", "Subtract"):
+        if node.get_type_name() == kind:
+            node = node.input_value(0).get_node()
+    if node.get_type_name() != "Convert" or node.input_value(0).get_node().get_type_name() != "Constant":
+        return None
+    codes = node.input_value(0)
+    return codes if codes.get_partial_shape().rank.get_length() == 3 else None
+
+
 def _matmuls(model: ov.Model) -> list[tuple[ov.Node, _Q4]]:
     found = []
     for node in model.get_ordered_ops():
