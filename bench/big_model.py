@@ -6,9 +6,13 @@ FFN 14336, vocabulary 128256, rope_freqs; attn_v and ffn_down Q6_K on llama.cpp'
 layers, output Q6_K, the rest Q4_K): it measures memory and speed, not answers. Reported:
 
 - export time and peak RSS of each stage process (1 and 4 stages), against each shard;
-- decode tok/s and time to first token: shardline 1 stage (exact, fast), shardline 4 stages
-  (stage 0 in a coordinator process, stages 1-3 on `shardline worker`s, mutual TLS), llama.cpp
-  alone (llama-bench, its defaults: repacked kernels) and llama.cpp RPC (4 ggml-rpc-servers on
+- decode tok/s and time to first token (a warm server's: each stage repacks its weights at load),
+  each in `exact`, `fast` (int8 activations in the compressed matmuls, as llama.cpp's) and `fast`
+  on an export re-blocked into groups of 128 (`--reblock 128`: an opt-in that changes the weights,
+  the layout the plugin's int8 kernels stream fastest; bench/kernel_rates.py): shardline
+  1 stage, shardline 4 stages (`--balance`d: the head counted as the layers it weighs; stage 0 in
+  a coordinator process, stages 1-3 on `shardline worker`s, mutual TLS), llama.cpp alone
+  (llama-bench, its defaults: repacked kernels) and llama.cpp RPC (4 ggml-rpc-servers on
   loopback, all layers on them, layer split); each process's peak RSS;
 - aggregate decode at 1, 2, 4, 8 streams in one decode group on the 4-process pipeline;
 - a verify step of K+1 positions against a one-token step, K = 1..8, on 1 stage;
@@ -51,6 +55,10 @@ from tests.gguf_vocab import NORMAL, Vocab, byte_level_vocab  # noqa: E402
 from tests.ggufs import FileSpec, write  # noqa: E402
 
 GREEDY = SamplingParams()
+# (name, run precision, re-blocked): fast is int8 activations in the compressed matmuls, as llama.cpp's
+# are (Q8_K); "re-blocked" is `export --reblock REBLOCK`, an opt-in that changes the weights.
+VARIANTS = (("exact", "exact", False), ("fast", "fast", False), ("fast re-blocked", "fast", True))
+REBLOCK = 128
 TOOLS = Path(__file__).with_name("llama_cpp_tools.sh")
 
 
@@ -85,30 +93,34 @@ def build(args: argparse.Namespace) -> tuple[Path, float]:
     return path, time.perf_counter() - start
 
 
-def export_stages(model: Path, stages: int, args: argparse.Namespace) -> tuple[Path, float]:
+def export_stages(model: Path, stages: int, args: argparse.Namespace, reblock: bool = False) -> tuple[Path, float]:
     from shardline.export.exporter import export
 
-    out = args.work / f"{model.stem}-{stages}stage"
+    balance = stages > 1  # the head counted as the layers it weighs: the last stage is not the largest
+    out = args.work / f"{model.stem}-{stages}stage{'-balanced' if balance else ''}{f'-rb{REBLOCK}' if reblock else ''}"
     start = time.perf_counter()
     if not (out / "manifest.json").exists():
         shutil.rmtree(out, ignore_errors=True)
-        export(ExportConfig(out=out, model=model, stages=stages, isolate=True, progress=False))
+        export(ExportConfig(out=out, model=model, stages=stages, balance=balance, isolate=True, progress=False,
+                            reblock=REBLOCK if reblock else None))
     return out, time.perf_counter() - start
 
 
 def bandwidth_gb_s(threads: int) -> float:
-    """Read bandwidth of this machine: summing a 1 GiB array in `threads` slices at once
-    (numpy releases the GIL in the sum), best of 3."""
+    """Read bandwidth of this machine: a 1 GiB array read in `threads` slices at once (numpy
+    releases the GIL), best of 3 for each of two read kernels (a float sum and an int64 max: on
+    a fast core the sum's arithmetic, not memory, can be its limit), the best of all."""
     from concurrent.futures import ThreadPoolExecutor
 
     a = np.ones(1 << 28, np.float32)
     parts = np.array_split(a, threads)
     best = float("inf")
     with ThreadPoolExecutor(threads) as pool:
-        for _ in range(3):
-            start = time.perf_counter()
-            list(pool.map(np.sum, parts))
-            best = min(best, time.perf_counter() - start)
+        for read in (np.sum, lambda x: x.view(np.int64).max()):
+            for _ in range(3):
+                start = time.perf_counter()
+                list(pool.map(read, parts))
+                best = min(best, time.perf_counter() - start)
     return a.nbytes / best / 1e9
 
 
@@ -176,15 +188,17 @@ def one_stage_run(folder: str, precision: str, args: dict[str, Any], out: Any) -
     with LocalPipeline(Path(folder), RunConfig(precision=precision, threads=args["threads"],
                                                context=args["context"])) as pipe:
         ttft, tok_s = _timed_stream(pipe, args["prompt"], args["tokens"])
-        verify = _verify_costs(pipe, args["verify_k"]) if precision == "exact" else {}
+        verify = _verify_costs(pipe, args["verify_k"])
     out.put({"ttft_s": ttft, "tok_s": tok_s, "verify": verify, "peak_rss_mb": peak_rss_mb()})
 
 
-def four_stage_run(folder: str, addrs: list[str], creds: str, args: dict[str, Any], out: Any) -> None:
+def four_stage_run(folder: str, precision: str, addrs: list[str], creds: str, args: dict[str, Any], out: Any) -> None:
+    from shardline.config import default_activations
     from shardline.pipeline.remote import RemotePipeline
     from shardline.wire.tls import Credentials
 
-    pipe = RemotePipeline(Path(folder), addrs, RunConfig(threads=args["threads"], context=args["context"]), "f32",
+    run = RunConfig(precision=precision, threads=args["threads"], context=args["context"])
+    pipe = RemotePipeline(Path(folder), addrs, run, default_activations(precision),
                           credentials=Credentials.load(Path(creds)))
     try:
         ttft, tok_s = _timed_stream(pipe, args["prompt"], args["tokens"])
@@ -234,7 +248,7 @@ class RpcServer:
         self.proc.wait(timeout=60)
 
 
-def shardline_four(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
+def shardline_four(folder: Path, precision: str, args: argparse.Namespace) -> dict[str, Any]:
     from shardline.cluster.keygen import keygen
 
     creds = args.work / "credentials"
@@ -243,10 +257,11 @@ def shardline_four(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
         keygen(creds, 4)
     workers = [Proc(["worker", "--shards", str(folder), "--stage", str(i), "--listen", "127.0.0.1:0",
                      "--credentials", str(creds / f"node-{i}"), "--threads", str(args.threads),
-                     "--context", str(args.context)], "listening on ", timeout_s=1800) for i in (1, 2, 3)]
+                     "--context", str(args.context), "--precision", precision], "listening on ", timeout_s=1800)
+               for i in (1, 2, 3)]
     try:
         addrs = [w.line.split()[-1] for w in workers]
-        row = in_child(four_stage_run, str(folder), addrs, str(creds / "node-0"), child_args(args))
+        row = in_child(four_stage_run, str(folder), precision, addrs, str(creds / "node-0"), child_args(args))
         row["worker_peak_rss_mb"] = [peak_rss_mb(w.proc.pid) for w in workers]
     finally:
         for w in workers:
@@ -327,64 +342,82 @@ def main() -> int:
 
     model, build_s = build(args)
     file_mb = model.stat().st_size / 2**20
-    one, one_s = export_stages(model, 1, args)
-    four, four_s = export_stages(model, 4, args)
     say = lambda what: print(what, file=sys.stderr, flush=True)  # noqa: E731
-    say(f"file {file_mb:.0f} MiB in {build_s:.0f} s; exports {one_s:.0f} s (1 stage), {four_s:.0f} s (4 stages)")
+    exports, times = {}, {"build_s": build_s}
+    for reblocked in (False, True):
+        for stages in (1, 4):
+            exports[stages, reblocked], times[f"export_{stages}{'_rb' if reblocked else ''}_s"] = export_stages(
+                model, stages, args, reblocked)
+    say(f"file {file_mb:.0f} MiB; exports {times}")
     gb_s = bandwidth_gb_s(args.threads)
     rows: dict[str, dict[str, Any]] = {}
-    rows["shardline 1 stage exact"] = in_child(one_stage_run, str(one), "exact", child_args(args))
-    say("1 stage exact done")
-    rows["shardline 1 stage fast"] = in_child(one_stage_run, str(one), "fast", child_args(args))
-    rows["shardline 4 processes"] = shardline_four(four, args)
-    say("4 processes done")
+    for name, precision, reblocked in VARIANTS:
+        one, four = exports[1, reblocked], exports[4, reblocked]
+        rows[f"shardline 1 stage {name}"] = in_child(one_stage_run, str(one), precision, child_args(args))
+        rows[f"shardline 4 processes {name}"] = shardline_four(four, precision, args)
+        say(f"shardline {name} done")
     if bin_dir is not None:
         rows["llama.cpp alone"] = llama_bench(bin_dir, model, args, [])
         if not args.no_rpc:
             rows["llama.cpp RPC x4"] = llama_rpc(bin_dir, model, args)
-    report(args, model, file_mb, gb_s, rows, {"build_s": build_s, "export_1_s": one_s, "export_4_s": four_s},
-           stage_rows(one), stage_rows(four))
+    report(args, model, file_mb, gb_s, rows, times, {k: stage_rows(f) for k, f in exports.items()})
     return 0
 
 
+def over(rows: dict[str, dict[str, Any]], a: str, b: str) -> float | None:
+    return rows[a]["tok_s"] / rows[b]["tok_s"] if a in rows and b in rows else None
+
+
+def slug(name: str) -> str:
+    return name.replace(" re-blocked", "_reblocked")
+
+
 def report(args: argparse.Namespace, model: Path, file_mb: float, gb_s: float, rows: dict[str, dict[str, Any]],
-           times: dict[str, float], one: list[dict[str, float]], four: list[dict[str, float]]) -> None:
-    per_token_gb = sum(r["shard_mb"] for r in one) * 2**20 / 1e9  # every weight is read once per token
-    print(f"{model.name}: {file_mb:.0f} MiB; memory bandwidth {gb_s:.1f} GB/s ({args.threads} threads): "
-          f"bound {gb_s / per_token_gb:.2f} tok/s at {per_token_gb:.2f} GB a token")
-    print(f"export: 1 stage {times['export_1_s']:.0f} s, peak RSS {one[0]['export_peak_rss_mb']:.0f} MB for a "
-          f"{one[0]['shard_mb']:.0f} MB shard; 4 stages {times['export_4_s']:.0f} s, peak RSS "
-          + ", ".join(f"{r['export_peak_rss_mb']:.0f}/{r['shard_mb']:.0f}" for r in four) + " MB (RSS/shard)")
-    print(f"{'system':<26}{'decode tok/s':>13}{'TTFT s':>9}{'peak RSS MB':>14}")
+           times: dict[str, float], stages: dict[tuple[int, bool], list[dict[str, float]]]) -> None:
+    file_gb = file_mb * 2**20 / 1e9
+    size_gb = {rb: sum(r["shard_mb"] for r in stages[1, rb]) * 2**20 / 1e9 for rb in (False, True)}
+    print(f"{model.name}: {file_mb:.0f} MiB; memory bandwidth {gb_s:.1f} GB/s ({args.threads} threads): bound "
+          f"{gb_s / size_gb[False]:.2f} tok/s for shardline ({size_gb[False]:.2f} GB a token; re-blocked "
+          f"{gb_s / size_gb[True]:.2f} at {size_gb[True]:.2f} GB), {gb_s / file_gb:.2f} for llama.cpp "
+          f"({file_gb:.2f} GB)")
+    for (n, rb), rs in stages.items():
+        print(f"export {n} stage(s){' re-blocked' if rb else ''}: "
+              f"{times[f'export_{n}' + ('_rb' if rb else '') + '_s']:.0f} s, peak RSS/shard "
+              + ", ".join(f"{r['export_peak_rss_mb']:.0f}/{r['shard_mb']:.0f}" for r in rs) + " MB")
+    print(f"{'system':<36}{'decode tok/s':>13}{'TTFT s':>9}{'peak RSS MB':>14}")
     for name, r in rows.items():
-        rss = r["peak_rss_mb"]
         extra = r.get("worker_peak_rss_mb") or r.get("server_peak_rss_mb") or []
-        print(f"{name:<26}{r['tok_s']:>13.2f}{r['ttft_s']:>9.2f}{rss:>14.0f}"
+        print(f"{name:<36}{r['tok_s']:>13.2f}{r['ttft_s']:>9.2f}{r['peak_rss_mb']:>14.0f}"
               + (f"  + {', '.join(f'{x:.0f}' for x in extra)}" if extra else ""))
-    four_row = rows["shardline 4 processes"]
-    agg = four_row["aggregate"]
-    print("aggregate decode, 4 processes: " + ", ".join(f"{n} streams {v:.2f} tok/s" for n, v in agg.items()))
-    verify = rows["shardline 1 stage exact"]["verify"]
-    print("verify step / one-token step, 1 stage: " + ", ".join(f"K={k} {v:.2f}" for k, v in verify.items()))
-    one_tok = rows["shardline 1 stage exact"]["tok_s"]
-    model_mb = sum(r["shard_mb"] for r in one)
-    figures: dict[str, Any] = {
-        "one_stage_over_llama_cpp": one_tok / rows["llama.cpp alone"]["tok_s"] if "llama.cpp alone" in rows else None,
-        "one_stage_fast_over_llama_cpp": (rows["shardline 1 stage fast"]["tok_s"] / rows["llama.cpp alone"]["tok_s"]
-                                          if "llama.cpp alone" in rows else None),
-        "four_over_one_stage": four_row["tok_s"] / one_tok,
-        "four_over_llama_rpc": (four_row["tok_s"] / rows["llama.cpp RPC x4"]["tok_s"]
-                                if "llama.cpp RPC x4" in rows else None),
-        "streams4_over_1": agg[4] / agg[1] if 4 in agg and 1 in agg else None,
-        "verify5_over_1": verify.get(4),
-        "worker_rss_over_model_max": max(four_row["worker_peak_rss_mb"]) / model_mb,
-        "one_stage_over_bound": one_tok / (gb_s / per_token_gb),
+    figures: dict[str, Any] = {}
+    for name, _, rb in VARIANTS:
+        one, four = rows[f"shardline 1 stage {name}"], rows[f"shardline 4 processes {name}"]
+        print(f"aggregate decode, 4 processes, {name}: "
+              + ", ".join(f"{n} streams {v:.2f} tok/s" for n, v in four["aggregate"].items()))
+        print(f"verify step / one-token step, 1 stage, {name}: "
+              + ", ".join(f"K={k} {v:.2f}" for k, v in one["verify"].items()))
+        agg, model_mb = four["aggregate"], size_gb[rb] * 1e9 / 2**20
+        v = slug(name)
+        figures |= {
+            f"one_stage_{v}_over_llama_cpp": over(rows, f"shardline 1 stage {name}", "llama.cpp alone"),
+            f"four_over_one_stage_{v}": over(rows, f"shardline 4 processes {name}", f"shardline 1 stage {name}"),
+            f"four_{v}_over_llama_rpc": over(rows, f"shardline 4 processes {name}", "llama.cpp RPC x4"),
+            f"streams4_over_1_{v}": agg[4] / agg[1] if 4 in agg and 1 in agg else None,
+            f"verify5_over_1_{v}": one["verify"].get(4),
+            f"worker_rss_over_model_{v}": max(four["worker_peak_rss_mb"]) / model_mb,
+            f"one_stage_{v}_over_bound": one["tok_s"] / (gb_s / size_gb[rb]),
+        }
+    figures |= {
+        "llama_cpp_over_bound": (rows["llama.cpp alone"]["tok_s"] / (gb_s / file_gb) if "llama.cpp alone" in rows
+                                 else None),
         "tok_s": {k: r["tok_s"] for k, r in rows.items()}, "ttft_s": {k: r["ttft_s"] for k, r in rows.items()},
         "peak_rss_mb": {k: r["peak_rss_mb"] for k, r in rows.items()},
-        "worker_peak_rss_mb": four_row["worker_peak_rss_mb"], "aggregate_tok_s": agg, "verify_over_one": verify,
-        "export_1_stage": one, "export_4_stages": four, "times_s": times, "bandwidth_gb_s": gb_s,
-        "file_mb": file_mb, "layers": args.layers, "threads": args.threads, "tokens": args.tokens,
-        "prompt": args.prompt, "quick": args.quick,
+        "worker_peak_rss_mb": {k: r["worker_peak_rss_mb"] for k, r in rows.items() if "worker_peak_rss_mb" in r},
+        "aggregate_tok_s": {k: r["aggregate"] for k, r in rows.items() if "aggregate" in r},
+        "verify_over_one": {k: r["verify"] for k, r in rows.items() if "verify" in r},
+        "exports": {f"{n}{'_rb' if rb else ''}": rs for (n, rb), rs in stages.items()}, "times_s": times,
+        "bandwidth_gb_s": gb_s, "file_mb": file_mb, "layers": args.layers, "threads": args.threads,
+        "tokens": args.tokens, "prompt": args.prompt, "reblock": REBLOCK, "quick": args.quick,
     }
     print(json.dumps(figures))
 

@@ -38,6 +38,9 @@ and the fitted costs written atomically to --out.
     python bench/calibrate.py --quick                  # smoke run, under a minute
     python bench/quiet.py && python bench/calibrate.py # the calibration (a few minutes)
     python bench/calibrate.py --out /tmp/costs.json
+    python bench/calibrate.py --shards ~/.cache/shardline/bench-big-model/big-32L-1stage --precision fast \
+        --chunks 16,64,128 --prefill-contexts 0,512,1024 --rows 1,2,4 --decode-contexts 64,512,1024 \
+        --transfer-tokens 64,256,1024 --reps 3 --steps 6 --warm 2 --out /tmp/costs-8b.json   # an 8B-class export
 
 The last line on stdout is one JSON object: max and median relative fit error per kind first,
 then the fitted coefficients, then the measured medians.
@@ -332,6 +335,8 @@ def main() -> int:
     ap.add_argument("--max-wait", type=float, default=600.0, help="seconds to wait for a quiet machine")
     ap.add_argument("--stages", type=int, default=0,
                     help="calibrate a gguf export of this many stages (under --work); 0: the default export")
+    ap.add_argument("--shards", type=Path, help="calibrate this export folder instead (big_model.py's 8B-class one)")
+    ap.add_argument("--precision", default="exact", choices=("exact", "fast"), help="the stages' precision")
     ap.add_argument("--threads", type=int, help="OpenVINO threads per stage (default: the plugin's)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/shardline-bench"))
     ap.add_argument("--quick", action="store_true",
@@ -354,8 +359,11 @@ def main() -> int:
 
     quiet, load = wait_quiet(max_wait_s=args.max_wait)
     began = time.perf_counter()
-    folder = shard_folder(args.work, args.stages) if args.stages else default_shards(progress=False)
-    run_cfg = RunConfig(threads=args.threads)
+    if args.shards is not None:
+        folder = args.shards
+    else:
+        folder = shard_folder(args.work, args.stages) if args.stages else default_shards(progress=False)
+    run_cfg = RunConfig(precision=args.precision, threads=args.threads)
     lengths = ({c - 1 for c in p_contexts if c} | set(t_lengths)
                | {decode_base(c, args.warm, args.steps, max(rows)) for c in d_contexts})
     ids = ids_for(folder, max([*lengths, *(c + max(chunks) for c in p_contexts)]))

@@ -21,18 +21,20 @@ def test_the_big_model_bench_runs_small_and_reports_every_figure(tmp_path: Path)
                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     figures = json.loads(run.stdout.strip().splitlines()[-1])
-    assert list(figures)[:10] == ["one_stage_fast_over_llama_cpp", "one_stage_exact_over_llama_cpp",
-                                  "four_over_one_stage_fast", "four_over_one_stage_exact", "four_fast_over_llama_rpc",
-                                  "streams4_over_1_fast", "verify5_over_1_fast", "verify5_over_1_exact",
-                                  "worker_rss_over_model_max", "one_stage_fast_over_bound"]
+    variants = ("exact", "fast", "fast_reblocked")
+    firsts = [f"{k}_{v}" if k.startswith(("streams4", "verify5", "worker_rss")) else k.replace("{v}", v)
+              for v in variants for k in ("one_stage_{v}_over_llama_cpp", "four_over_one_stage_{v}",
+                                          "four_{v}_over_llama_rpc", "streams4_over_1", "verify5_over_1",
+                                          "worker_rss_over_model", "one_stage_{v}_over_bound")]
+    assert list(figures)[:len(firsts)] == firsts
     assert figures["one_stage_fast_over_llama_cpp"] is None and figures["quick"] is True
-    runs = {f"shardline {n} {p}" for n in ("1 stage", "4 processes") for p in ("exact", "fast")}
+    names = ("exact", "fast", "fast re-blocked")
+    runs = {f"shardline {n} {p}" for n in ("1 stage", "4 processes") for p in names}
     assert set(figures["tok_s"]) == runs and all(v > 0 for v in figures["tok_s"].values())
-    fours = {f"shardline 4 processes {p}" for p in ("exact", "fast")}
-    assert set(figures["worker_peak_rss_mb"]) == fours
+    assert set(figures["worker_peak_rss_mb"]) == {f"shardline 4 processes {p}" for p in names}
     assert all(len(r) == 3 and min(r) > 0 for r in figures["worker_peak_rss_mb"].values())
-    assert len(figures["export_4_stages"]) == 4 and len(figures["export_1_stage"]) == 1
+    assert {k: len(v) for k, v in figures["exports"].items()} == {"1": 1, "4": 4, "1_rb": 1, "4_rb": 4}
     assert all(set(v) == {"1", "2", "3", "4"} for v in figures["verify_over_one"].values())
     assert all(set(v) == {"1", "2"} for v in figures["aggregate_tok_s"].values())
-    assert "shardline 4 processes fast" in run.stdout and "verify step / one-token step" in run.stdout
+    assert "shardline 4 processes fast re-blocked" in run.stdout and "verify step / one-token step" in run.stdout
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
