@@ -218,11 +218,12 @@ def ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None  # nothing met the SLO under the baseline: no ratio
 
 
-def fleet(kinds: list[str], sizes: list[int], per_instance: int, costs: Costs, load: float) -> None:
+def fleet(kinds: list[str], sizes: list[int], per_instance: int, costs: Costs, load: float, slo: Slo = SLO) -> None:
     """Simulated only: N coupled instances against N/2 prefill + N/2 decode (the split is fixed
     before anything is tuned), the same requests (per_instance x N of them, the rate scaled by
     N / 2); then the best split of N/4, N/2 and 3N/4 prefill instances by Mixed-free goodput."""
-    print(f"\nSIMULATED fleets ({per_instance} requests per instance, load {load}; SLO as above)")
+    print(f"\nSIMULATED fleets ({per_instance} requests per instance, load {load}; SLO TTFT <= {slo.ttft_s} s, "
+          f"TPOT <= {slo.tpot_s} s)")
     print(f"{'N':>3} {'class':<6} {'system':<14}" + "".join(f"{f:>14}" for f in FIGS))
     out: dict[str, dict[str, float | None]] = {}
     for n in sizes:
@@ -234,7 +235,7 @@ def fleet(kinds: list[str], sizes: list[int], per_instance: int, costs: Costs, l
                 cfg = DisaggConfig(prefill=p, decode=n - p, pad_chunks=False, admission=Admission.VANILLA,
                                    max_streams=STREAMS)
                 rows[f"disagg {p}:{n - p}"] = simulate_disaggregated(specs, costs, ORACLE, cfg)
-            sums = {name: r.summary(SLO).as_dict() for name, r in rows.items()}
+            sums = {name: r.summary(slo).as_dict() for name, r in rows.items()}
             for name, m in sums.items():
                 print(f"{n:>3} {kind:<6} {name:<14}" + "".join(f"{m[f]:>14.3f}" for f in FIGS))
             half = sums[f"disagg {n // 2}:{n - n // 2}"]
@@ -260,6 +261,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/shardline-bench"))
     ap.add_argument("--max-wait", type=float, default=1200.0, help="seconds to wait for a quiet machine")
     ap.add_argument("--fleet", default="", help="simulate only, fleets of these sizes (e.g. 8,16,64)")
+    ap.add_argument("--slo", default="", metavar="TTFT,TPOT", help="with --fleet: goodput's latency target in "
+                                                                     f"seconds (default {SLO.ttft_s},{SLO.tpot_s})")
     ap.add_argument("--quick", action="store_true", help="smoke: LPLD and HPLD, 6 requests, 1 repeat, no wait")
     args = ap.parse_args()
     if args.quick:
@@ -272,7 +275,8 @@ def main() -> int:
         sizes = [int(x) for x in args.fleet.split(",")]
         if min(sizes) < 2:
             ap.error("--fleet sizes must be >= 2")
-        fleet(kinds, sizes, args.requests, costs, args.load)
+        ttft, tpot = (float(x) for x in args.slo.split(",")) if args.slo else (SLO.ttft_s, SLO.tpot_s)
+        fleet(kinds, sizes, args.requests, costs, args.load, Slo(ttft_s=ttft, tpot_s=tpot))
         return 0
     quiet, load = wait_quiet(max_wait_s=args.max_wait)
     folder = shard_folder(args.work, 1)
