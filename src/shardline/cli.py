@@ -16,6 +16,7 @@ from shardline.config import (
     PRECISIONS,
     WEIGHTS,
     ExportConfig,
+    PacingConfig,
     RecoveryConfig,
     RunConfig,
     SamplingConfig,
@@ -107,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                    help="prompt tokens per prefill step; chunks interleave with running streams' decode steps")
     s.add_argument("--max-prefills", type=int, default=2, help="prompts prefilling at once (oldest first)")
+    s.add_argument("--prefill-budget", type=float, default=PacingConfig.budget, metavar="STEPS",
+                   help="while streams decode, one prompt chunk takes at most this many of their step times "
+                        f"(default {PacingConfig.budget:g}: a gap of about two steps)")
+    s.add_argument("--prefill-share", type=float, default=PacingConfig.share, metavar="S",
+                   help="while streams decode, prefill gets at most this share of the pipeline's time, and always "
+                        f"some (default {PacingConfig.share:g}: running streams keep at least half their pace)")
     s.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get 413")
     key = s.add_mutually_exclusive_group()
     key.add_argument("--api-key", help="require 'Authorization: Bearer KEY' of /v1 requests (401 otherwise)")
@@ -366,7 +373,8 @@ def _serve(args: argparse.Namespace) -> int:
                       cors_origins=tuple(args.cors_origin),
                       disaggregate=disaggregation(args.disaggregate) if args.disaggregate else None,
                       admission=args.admission, prefill_policy=args.prefill_policy, flip=args.flip,
-                      length_predictor=args.length_predictor, kv_transfer=args.kv_transfer)
+                      length_predictor=args.length_predictor, kv_transfer=args.kv_transfer,
+                      pacing=PacingConfig(budget=args.prefill_budget, share=args.prefill_share))
     run = _run(args)
     if cfg.disaggregate and args.draft:
         raise ShardlineError("--disaggregate runs without speculation: it cannot be combined with --draft yet")

@@ -257,6 +257,21 @@ class RecoveryConfig:
 
 
 @dataclass(frozen=True)
+class PacingConfig:
+    """Prefill while streams decode (serving/pacing.py): one chunk takes at most `budget` of their
+    step times, and prefill at most `share` of the pipeline's time."""
+
+    budget: float = 1.0
+    share: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 < self.budget <= 100:
+            raise ShardlineError(f"--prefill-budget must be in (0, 100] decode steps, got {self.budget}")
+        if not 0 < self.share < 1:
+            raise ShardlineError(f"--prefill-share must be in (0, 1), got {self.share}")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -274,6 +289,9 @@ class ServeConfig:
     # (the default is the knee measured by bench/prefill.py, BENCHMARKS.md).
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     max_prefills: int = 2  # prompts prefilling at once, oldest first
+    # While streams decode, chunks sized to a time budget and prefill's share of the time
+    # (serving/pacing.py); None: every chunk `prefill_chunk` tokens (the old policy, for benchmarks).
+    pacing: PacingConfig | None = field(default_factory=PacingConfig)
     max_body_bytes: int = 2 << 20  # larger request bodies get 413
     api_key: str | None = field(default=None, repr=False)  # /v1 requests must bear it (api/auth.py)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)  # after a worker dies or hangs

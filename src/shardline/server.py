@@ -89,7 +89,8 @@ def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None = None
 
 def scheduling(cfg: ServeConfig, stages: int, remote: bool, spec: SpeculationConfig | None = None) -> SchedulerConfig:
     return SchedulerConfig(chunk=cfg.prefill_chunk, groups=decode_groups(cfg.decode_groups, stages, remote),
-                           max_prefills=cfg.max_prefills, compact_at=(spec or SpeculationConfig()).compact_at)
+                           max_prefills=cfg.max_prefills, compact_at=(spec or SpeculationConfig()).compact_at,
+                           pacing=cfg.pacing)
 
 
 def open_drafts(spec: SpeculationConfig, target: Manifest, run: RunConfig) -> tuple[Drafts | None, Manifest | None]:

@@ -192,7 +192,14 @@ def test_cancelled_stream_frees_its_stream(server: Server, client: openai.OpenAI
 
 
 def test_metrics_report_latencies_queue_and_stage_time(server: Server, client: openai.OpenAI) -> None:
-    _chat(client, CHAT_PROMPTS[0])
+    gaps = server.metric("shardline_token_gap_seconds_count")
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CHAT_PROMPTS[0]}],
+                                            max_tokens=8, temperature=0)
+    assert answer.usage is not None
+    # every gap between two of its tokens, whatever else ran
+    assert server.metric("shardline_token_gap_seconds_count") >= gaps + answer.usage.completion_tokens - 1
+    for phase in ("prefill", "decode"):  # prefill against decode time, per stage
+        assert server.metric(f'shardline_stage_graph_seconds_sum{{phase="{phase}",stage="0"}}') > 0
     assert server.metric("shardline_time_to_first_token_seconds_count") >= 1
     assert server.metric("shardline_time_per_output_token_seconds_count") >= 1
     assert server.metric("shardline_e2e_request_latency_seconds_count") >= 1

@@ -136,6 +136,33 @@ def test_a_long_prompt_does_not_hold_running_streams(pipe: LocalPipeline, prompt
         eng.stop()
 
 
+def test_paced_chunks_change_no_token(pipe: LocalPipeline, prompts: list[list[int]]) -> None:
+    """A 600-token prompt prefilled while two streams decode goes in chunks the pacing sizes from
+    its measured costs (serving/pacing.py: sizes that vary with the context and the streams'
+    pace), and its greedy tokens, and the running streams', are those of each alone."""
+    long = (prompts[1] * 30)[:600]
+    eng = Engine(pipe, Limits(4, 2), 8192, SchedulerConfig(chunk=128, groups=1))
+    sizes: list[int] = []
+    plan = eng.scheduler._chunk
+
+    def spy(s, n):  # type: ignore[no-untyped-def]
+        sizes.append(n) if s.prompt == long else None
+        return plan(s, n)
+
+    eng.scheduler._chunk = spy  # type: ignore[method-assign]
+    try:
+        running = [_submit(eng, prompts[k], n=60) for k in (0, 2)]
+        while min(len(c.events) for _, c in running) < 5:
+            time.sleep(0.005)
+        _, paced = _submit(eng, long, n=12)
+        assert paced.done.wait(300) and all(c.done.wait(300) for _, c in running)
+    finally:
+        eng.stop()
+    assert sum(sizes) == 600 and len(set(sizes)) > 2, sizes  # paced: several sizes, not 128s
+    assert paced.tokens == greedy_ours(pipe, long, 12)[0]
+    assert [c.tokens for _, c in running] == [greedy_ours(pipe, prompts[k], 60)[0] for k in (0, 2)]
+
+
 def test_seeded_sampling_does_not_depend_on_batching_chunks_or_split(
         shards: Callable[..., Path], pipe: LocalPipeline, prompts: list[list[int]]) -> None:
     """The same request gives the same tokens alone or in a group, whole or chunked, on one

@@ -58,3 +58,14 @@ def test_a_dead_worker_and_an_idle_server() -> None:
     assert all(h["wire_ms"] is None for h in f["hops"]) and f["speculation"]["acceptance"] is None
     alone = fleet_state(replace(BASE, placement=[Placed(0, 29, "this process")], stage_layers=[(0, 29)]))
     assert alone["hops"] == [] and alone["stages"][0]["graph_ms_per_token"] == 2.0  # its one stage: key 0
+
+
+def test_prefill_holding_decoding_streams_back_is_said() -> None:
+    """BASE: 0.5 s of prefill graph time against 0.036 s of decode, while streams decode."""
+    f = fleet_state(BASE)
+    assert f["prefill"] == {"share": 0.933, "holding_decode": True, "prefill_s": 0.5, "decode_s": 0.036}
+    light = fleet_state(replace(BASE, steps=BASE.steps[:2] + [(101.5, Timing("prefill", 0.01, {0: 0.01}, 0, 0, 0,
+                                                                                         0, 0.0), 1)]))
+    assert light["prefill"]["holding_decode"] is False and light["prefill"]["share"] == round(0.01 / 0.046, 3)
+    alone = fleet_state(replace(BASE, steps=[BASE.steps[2]]))  # prompts only: nothing decodes, nothing held
+    assert alone["prefill"] == {"share": 1.0, "holding_decode": False, "prefill_s": 0.5, "decode_s": 0.0}

@@ -55,6 +55,7 @@ def fleet_state(r: Readings) -> dict[str, Any]:
         # Wire time is measured per step over every hop (timing.py); a hop's share is its mean.
         "hops": [{"from": i, "to": i + 1, "wire_ms": _ms(sum(wire) / len(wire) / hops) if wire else None}
                  for i in range(hops)],
+        "prefill": _prefill(r.steps, bool(decode)),
         "speculation": {"drafted": r.drafted, "accepted": r.accepted,
                         "acceptance": round(r.accepted / r.drafted, 3) if r.drafted else None},
         "memory_mb": round(r.rss_bytes / 2**20, 1),
@@ -73,6 +74,21 @@ def _stage(i: int, p: Placed, r: Readings, decode: list[tuple[float, Timing, int
             "graph_ms_per_token": _ms(graph / tokens) if tokens else None,
             # the streams' KV on this stage's layers, at this process's KV dtype (a worker's may differ)
             "kv_mb": round(r.kv_slots * layers * r.kv_token_bytes_per_layer / 2**20, 2)}
+
+
+HOLDING = 0.5  # prefill's share of the graph time past which it holds running streams back
+
+
+def _prefill(steps: list[tuple[float, Timing, int]], decoding: bool) -> dict[str, Any]:
+    """Prefill's share of the stages' graph time in the window, and whether it holds decoding
+    streams back (more than half of the time went to prompts while streams decoded)."""
+    by_phase = {"prefill": 0.0, "decode": 0.0}
+    for _, timing, _ in steps:
+        by_phase[timing.phase] = by_phase.get(timing.phase, 0.0) + sum(timing.graph_s.values())
+    total = by_phase["prefill"] + by_phase["decode"]
+    share = by_phase["prefill"] / total if total else 0.0
+    return {"share": round(share, 3), "holding_decode": decoding and share > HOLDING,
+            "prefill_s": round(by_phase["prefill"], 3), "decode_s": round(by_phase["decode"], 3)}
 
 
 def _ms(seconds: float) -> float:

@@ -65,6 +65,7 @@ class Generation:
     completion_tokens: int = 0
     start: float = field(default_factory=time.perf_counter)
     first: float | None = None
+    last: float | None = None  # its latest token (the gap histogram's)
 
     def _request(self) -> Request:
         b = self.body
@@ -125,7 +126,10 @@ class Generation:
                     yield visible.end(finish)
                     return
                 self.completion_tokens += 1
-                self.first = self.first or time.perf_counter()
+                now = time.perf_counter()
+                if self.last is not None:
+                    self.metrics.gap.observe(now - self.last)
+                self.first, self.last = self.first or now, now
                 piece = visible.push(ev.token, ev.logprob, ev.top)
                 if piece is not None:
                     finish = piece.finish or finish

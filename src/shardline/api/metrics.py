@@ -24,6 +24,11 @@ class ServerMetrics:
                               buckets=_LATENCY, registry=r)
         self.e2e = Histogram("shardline_e2e_request_latency_seconds", "request arrival to last token",
                              buckets=_LATENCY, registry=r)
+        # Every gap between two tokens of a running stream (its pauses, which a mean hides: a long
+        # prompt arriving shows up here). Prefill against decode time: shardline_stage_graph_seconds
+        # by phase (pipeline/metrics.py).
+        self.gap = Histogram("shardline_token_gap_seconds", "time between consecutive tokens of a stream",
+                             buckets=_LATENCY, registry=r)
         self.requests = Counter("shardline_requests", "finished requests", ["endpoint", "finish_reason"],
                                 registry=r)
         self.prompt_tokens = Counter("shardline_prompt_tokens", "prompt tokens admitted", registry=r)

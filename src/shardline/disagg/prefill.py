@@ -94,7 +94,7 @@ class PrefillEngine(Engine):
         self._batch_left = 0  # tickets at the head of the queue that form the current batch
         self._exports: deque[_Export] = deque()  # engine thread only
         # No decode groups: a stream never decodes here. One prompt at a time, in policy order.
-        scheduling = SchedulerConfig(chunk=chunk, groups=0, max_prefills=1)
+        scheduling = SchedulerConfig(chunk=chunk, groups=0, max_prefills=1, pacing=None)  # fixed chunks (TetriInfer)
         super().__init__(pipe, limits, max_context, scheduling, None, replays)
 
     def load(self) -> PrefillLoad:

@@ -120,6 +120,7 @@ class Engine:
         # moment a ticket leaves the queue, so a ticket between the queue and the scheduler
         # still counts when a caller checks whether there is room.
         self._taken = 0
+        self._observed: object = None  # the last step timing the scheduler was told of (rows share one)
         self._ids = count()
         self._running = True
         self.failed: str | None = None  # why the engine thread stopped, if it did (then unhealthy)
@@ -277,6 +278,9 @@ class Engine:
         if stream is None:
             return
         stream.in_flight = False
+        if outcome.timing is not None and outcome.timing is not self._observed:
+            self._observed = outcome.timing
+            self.scheduler.observe(stream, outcome.timing)
         try:
             if outcome.lost:
                 return self._lost(stream, outcome.error)

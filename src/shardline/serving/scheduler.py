@@ -3,10 +3,12 @@
 Each call of `plan()` looks at every running stream and returns the steps to submit now:
 - decode: each decode group whose members all have their next token launches one batched
   step (joiners merged in first); with no groups, each such stream steps on its own;
-- prefill: prompts go in fixed-size chunks, the oldest `max_prefills` prompts at a time,
-  each with one chunk in flight. A chunk waits behind at most one step of each running
-  decode group at stage 0, so running streams keep their pace while a long prompt arrives
-  (whole-prompt prefill held every stream for the whole prompt: BENCHMARKS.md, prefill).
+- prefill: prompts go in chunks, the oldest `max_prefills` prompts at a time, each with one
+  chunk in flight. With nothing decoding a chunk is `chunk` tokens; while streams decode, its
+  size and how often one runs come from `pacing` (pacing.py: a time budget per chunk from costs
+  learned online, and prefill's share of the time), so running streams keep their pace while
+  a long prompt arrives, whatever its context. `pacing=None` keeps fixed chunks (the old
+  policy, which let a 128-token chunk at a long context stall streams for ~0.5 s).
 
 Every stream has at most one step in flight, so a stream's steps reach each stage in order.
 When a stream ends, `remove` frees its own key and, if it leaves a group empty, the group's:
@@ -15,13 +17,15 @@ When a stream ends, `remove` frees its own key and, if it leaves a group empty, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK
+from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK, PacingConfig
 from shardline.errors import ShardlineError
 from shardline.pipeline.plan import Step, decode, prefill
+from shardline.pipeline.timing import Timing
 from shardline.serving.drafters import Proposal
 from shardline.serving.groups import MAX_ROWS, Groups
+from shardline.serving.pacing import Pacing
 from shardline.serving.speculation import drafted
 from shardline.serving.stream import Stream
 
@@ -33,6 +37,8 @@ class SchedulerConfig:
     max_rows: int = MAX_ROWS  # rows per group
     max_prefills: int = 2  # prompts prefilling at once (oldest first)
     compact_at: int = COMPACT_AT  # masked slots of a stream's cache that a decode step compacts
+    # Chunk sizes while streams decode (pacing.py); None: every chunk `chunk` tokens (the old policy)
+    pacing: PacingConfig | None = field(default_factory=PacingConfig)
 
     def __post_init__(self) -> None:
         if self.chunk < 1 or self.groups < 0 or self.max_rows < 1 or self.max_prefills < 1 or self.compact_at < 1:
@@ -43,6 +49,7 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig | None = None) -> None:
         self.cfg = cfg or SchedulerConfig()
         self.groups = Groups(self.cfg.groups, self.cfg.max_rows)
+        self.pacing = Pacing(self.cfg.pacing, self.cfg.chunk) if self.cfg.pacing else None
         self.streams: dict[int, Stream] = {}  # running, in admission order
         self._releases: list[int] = []
 
@@ -98,10 +105,30 @@ class Scheduler:
 
     def _prefills(self) -> list[Step]:
         waiting = [s for s in self.streams.values() if s.prefilling][: self.cfg.max_prefills]
-        return [self._chunk(s) for s in waiting if not s.in_flight]
+        ready = [s for s in waiting if not s.in_flight]
+        if self.pacing is None:
+            sizes = [self.cfg.chunk] * len(ready)
+        else:
+            decoding = any(not s.prefilling for s in self.streams.values())
+            sizes = self.pacing.sizes([(len(s.prefix()) - s.prefilled, s.prefilled) for s in ready], decoding,
+                                      prefilling=bool(waiting))
+        return [self._chunk(s, n) for s, n in zip(ready, sizes, strict=True) if n]
 
-    def _chunk(self, s: Stream) -> Step:
+    def _chunk(self, s: Stream, n: int) -> Step:
         start, source = s.prefilled, s.prefix()
-        s.prefilled = min(len(source), start + self.cfg.chunk)
+        s.prefilled = min(len(source), start + n)
+        s.chunk = (s.prefilled - start, start)
         return prefill(s.id, s.book, source[start : s.prefilled], s.params, first=start == 0,
                        last=not s.prefilling, want_logits=s.want_logits)
+
+    def observe(self, stream: Stream, timing: Timing) -> None:
+        """What one step of `stream` cost (its graph seconds over every stage), for the pacing."""
+        if self.pacing is None:
+            return
+        seconds = sum(timing.graph_s.values())
+        if timing.phase == "prefill" and stream.chunk is not None and stream.chunk[1] > 0:
+            # not a prompt's first chunk: that one also opens the stream's request on every
+            # stage (measured 2-5x a later chunk's time), which no later chunk pays
+            self.pacing.chunk_done(*stream.chunk, seconds)
+        elif timing.phase == "decode":
+            self.pacing.decode_step(timing.total_s, seconds)

@@ -30,6 +30,7 @@ class Stream:
     owner: Any = None  # the engine's handle on the request (its Ticket)
     book: KVBook = field(default_factory=KVBook)
     prefilled: int = 0  # tokens of `prefix()` sent to the stages
+    chunk: tuple[int, int] | None = None  # its last prompt chunk: (tokens, tokens cached before it)
     generated: list[int] = field(default_factory=list)  # chosen so far; the last is fed next
     in_flight: bool = False  # a step of it is between submit and outcome
     spec: Speculation | None = None  # its drafter and drafts, when it speculates

@@ -39,6 +39,10 @@ function render(f) {
   $("streams").textContent = `${f.streams.active} / ${f.streams.max}`;
   $("waiting").textContent = f.streams.waiting;
   $("groups").textContent = f.streams.decode_groups;
+  // prefill's share of the stages' time; past half while streams decode, it holds them back
+  $("prefill").textContent = `${Math.round(100 * f.prefill.share)}%`
+    + (f.prefill.holding_decode ? " — holding decoding streams back" : "");
+  $("prefill").classList.toggle("error", f.prefill.holding_decode);
   $("acceptance").textContent = f.speculation.acceptance === null ? "–"
     : `${Math.round(100 * f.speculation.acceptance)}% of ${f.speculation.drafted}`;
   $("memory").textContent = `${f.memory_mb} MB`;

@@ -1,0 +1,155 @@
+"""How much of a prompt the next chunk takes while other streams decode (no stutter).
+
+A prompt chunk runs between two decode steps of every running stream at each stage it crosses,
+so its time is a gap in their tokens. At a long context a fixed 128-token chunk costs 0.4-0.9 s
+of attention on 2 cores against a ~20 ms decode step (BENCHMARKS.md, prefill): running streams
+stalled for 30-50 steps at a time. Two rules bound that (Sarathi-Serve's token budget per
+iteration, in time rather than tokens, since attention's cost grows with the context):
+
+- budget: while streams decode, one chunk takes at most `budget` times their step time, so the
+  longest gap it adds is about that; its size in tokens comes from a cost model of chunks fitted
+  online to the chunks run so far (`ChunkCosts`), at the prompt's current context;
+- share: prefill gets at most `share` of the pipeline's time. Measured where it matters, in the
+  running streams' pace: while their decode steps come back more than 1 / (1 - share) times
+  slower than when nothing prefilled, no chunk is planned; they catch up within a step or two,
+  and the next chunk goes. So prefill always moves: a prompt gets a chunk (at least one token)
+  every few decode steps, and finishes within about its idle prefill time / share, plus the
+  chunks' own overhead (small chunks pay a step's fixed cost each: BENCHMARKS.md, issue 23).
+
+With nothing decoding, prefill runs at the full chunk size. Pure: the engine reports what steps
+cost (their outcomes' timings), the scheduler asks for chunk sizes; tested with made-up seconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import combinations
+
+import numpy as np
+
+from shardline.config import PacingConfig
+
+MIN_CHUNK = 1  # tokens: a chunk past its budget is still one token (at a long context, one token is costly)
+SAMPLES = 48  # chunks the cost model is fitted on (the latest)
+SMOOTH = 0.2  # weight of a new decode step time in its running averages
+WINDOW = 8  # decode steps over which the pace while prompts prefill is read (the share over a few steps)
+
+
+class ChunkCosts:
+    """seconds(n, c) = base + per_token * n + per_token_ctx * n * c for a chunk of n tokens after
+    c cached ones (disagg/costs.py's prefill form), least squares with every term >= 0 over the
+    latest SAMPLES chunks; None until one is seen."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[int, int, float]] = deque(maxlen=SAMPLES)
+        self._coef: np.ndarray | None = None
+
+    def observe(self, n: int, c: int, seconds: float) -> None:
+        if n >= 1 and c >= 0 and seconds > 0:
+            self._samples.append((n, c, seconds))
+            self._coef = None
+
+    def seconds(self, n: int, c: int) -> float | None:
+        coef = self._fit()
+        return None if coef is None else float(coef @ (1.0, n, n * c))
+
+    def tokens_within(self, seconds: float, c: int, cap: int) -> int:
+        """The most tokens (up to `cap`) whose chunk after `c` fits `seconds`, but never fewer than
+        pay for the chunk's fixed cost once over (a chunk of fewer is mostly overhead: on these
+        CPUs a step's fixed cost is about a decode step's, so a prompt fed by 1-token chunks
+        would crawl), nor fewer than MIN_CHUNK."""
+        coef = self._fit()
+        if coef is None:
+            return min(cap, MIN_CHUNK)  # nothing known yet: a small chunk, which teaches the model
+        per_token = coef[1] + coef[2] * c
+        if per_token <= 0:
+            return cap
+        n = int((seconds - coef[0]) / per_token + 1e-9)
+        floor = max(MIN_CHUNK, int(np.ceil(coef[0] / per_token)))
+        return min(cap, max(n, floor))
+
+    def _fit(self) -> np.ndarray | None:
+        if self._coef is None and self._samples:
+            x = np.array([(1.0, n, n * c) for n, c, _ in self._samples])
+            y = np.array([s for _, _, s in self._samples])
+            self._coef = _nonnegative_fit(x, y)
+        return self._coef
+
+
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares over the subsets of the columns that keep the per-token one (a chunk's cost
+    grows with its tokens) and whose solution is >= 0; the best one, the smallest on a tie (a
+    few samples of one size fit a per-token cost alone)."""
+    best, best_err = np.zeros(x.shape[1]), float("inf")
+    others = [i for i in range(x.shape[1]) if i != 1]
+    for k in range(len(others) + 1):
+        for extra in combinations(others, k):
+            cols = sorted((1, *extra))
+            sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+            if (sol < 0).any():
+                continue
+            err = float(((x[:, cols] @ sol - y) ** 2).sum())
+            if err < best_err - 1e-15:
+                best, best_err = np.zeros(x.shape[1]), err
+                best[list(cols)] = sol
+    return best
+
+
+class Pacing:
+    def __init__(self, cfg: PacingConfig | None = None, full_chunk: int = 128) -> None:
+        self.cfg = cfg or PacingConfig()
+        self.full_chunk = full_chunk
+        self.costs = ChunkCosts()
+        self.step_s: float | None = None  # a decode step's graph seconds (its work): the budget's unit
+        self.steady_s: float | None = None  # a decode step's round trip while no prompt prefills
+        self.recent: deque[float] = deque(maxlen=WINDOW)  # ... while prompts prefill: the pace they get now
+        self.prefilling = False  # a chunk was planned beside decoding streams since prefill last stopped
+
+    def decode_step(self, total_s: float, graph_s: float) -> None:
+        """A decode step came back: its round trip (the streams' gap) and its graph seconds."""
+        if total_s <= 0 or graph_s <= 0:
+            return
+        self.step_s = _average(self.step_s, graph_s, SMOOTH)
+        if self.prefilling:
+            self.recent.append(total_s)
+        else:
+            self.steady_s = _average(self.steady_s, total_s, SMOOTH)
+
+    def chunk_done(self, n: int, c: int, seconds: float) -> None:
+        """A chunk of n tokens after c cached took `seconds` of graph time."""
+        self.costs.observe(n, c, seconds)
+
+    def budget_s(self) -> float:
+        return self.cfg.budget * (self.step_s or 0.0)
+
+    def behind(self) -> bool:
+        """The running streams get less than 1 - share of their steady pace."""
+        if self.steady_s is None or not self.recent:
+            return False
+        return sum(self.recent) / len(self.recent) > self.steady_s / (1 - self.cfg.share)
+
+    def sizes(self, prompts: list[tuple[int, int]], decoding: bool, prefilling: bool) -> list[int]:
+        """Tokens for the next chunk of each prompt ready for one, given as (tokens left, tokens
+        cached) in arrival order; 0: not this round. The round's budget goes to the oldest first.
+        `prefilling`: some prompt is being prefilled (ready, or a chunk of it in flight)."""
+        if not prefilling or not decoding:
+            self.prefilling = False
+            self.recent.clear()
+            return [min(left, self.full_chunk) for left, _ in prompts]
+        self.prefilling = True
+        if self.step_s is None:  # no decode step back yet (it is near): the smallest chunks
+            return [min(left, MIN_CHUNK) for left, _ in prompts]
+        out: list[int] = []
+        left_s = self.budget_s()
+        for left, cached in prompts:
+            n = 0 if self.behind() else min(left, self.costs.tokens_within(left_s, cached, self.full_chunk))
+            seconds = self.costs.seconds(n, cached) or 0.0
+            if out and seconds > left_s:  # the oldest always gets its chunk; later ones what is left
+                n = 0
+            left_s -= seconds if n else 0.0
+            out.append(n)
+        return out
+
+
+def _average(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
