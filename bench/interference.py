@@ -19,7 +19,7 @@ Placements: in this process, and with 2 workers (`shardline worker` on loopback,
 instance's; stage 0 here). Targets (coupled, new, defaults): the longest gap <= 4x the steady
 median, >= 50% of the steady rate in the window, TTFT <= 2x idle.
 
-    python bench/interference.py --quick      # in process, 1k and 3k, old and new
+    python bench/interference.py --quick      # in process, old and new, prompts of 300 and 600 (CI)
     python bench/interference.py              # everything (~15 min)
 
 The last line on stdout is one JSON object, ratios first.
@@ -33,7 +33,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -42,41 +42,18 @@ from typing import Any
 import numpy as np
 from procs import Proc  # bench/ is on sys.path when this script runs
 from quality import TEXT
+from trackers import Tracker, wait_for
 
 from shardline.config import PacingConfig, RunConfig, SamplingConfig, ServeConfig
 from shardline.export.defaults import default_shards
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.server import open_disaggregated, open_engine
-from shardline.serving.engine import Event, Request, Serving
+from shardline.serving.engine import Request, Serving
 
 CHATS = ["Write a long story about a lighthouse keeper who finds a message in a bottle.",
          "Explain in detail how a bicycle stays upright.", "Describe every planet of the solar system.",
          "Write a long letter to a friend about a trip to the mountains."]
 SYSTEMS = ("old", "new", "disagg")
-
-
-class Tracker:
-    """Token times of one request, and its end."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.done = threading.Event()
-        self.error = ""
-
-    def __call__(self, ev: Event) -> None:
-        if ev.token is not None:
-            self.times.append(time.perf_counter())
-        if ev.finish:
-            self.error = ev.error if ev.finish == "error" else ""
-            self.done.set()
-
-
-def wait(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} within {timeout_s:g} s")
-        time.sleep(0.005)
 
 
 @dataclass
@@ -115,15 +92,15 @@ def scenario(serving: Serving, chats: list[list[int]], longs: dict[int, list[int
         tickets = [serving.submit(Request(c, SamplingConfig(max_tokens=room), frozenset()), t)
                    for c, t in zip(chats, runners, strict=True)]
         try:
-            wait(lambda rs=runners: all(len(t.times) >= 8 for t in rs), 120, "the running streams did not start")
+            wait_for(lambda rs=runners: all(len(t.times) >= 8 for t in rs), 120, "the running streams did not start")
             steady = (time.perf_counter(), 0.0)
             time.sleep(steady_s)
             steady = (steady[0], time.perf_counter())
             case.start = time.perf_counter()
             case.ttft = first_tokens(serving, [longs[n] for n in case.lengths])
             case.end = time.perf_counter()
-            if any(t.done.is_set() for t in runners):
-                raise RuntimeError("a running stream ended early: " + "; ".join(t.error for t in runners if t.error))
+            if errors := [t.error for t in runners if t.error]:
+                raise RuntimeError("a running stream failed: " + "; ".join(errors))
         finally:
             for ticket in tickets:
                 serving.cancel(ticket)
@@ -147,14 +124,18 @@ def tokens_in(runners: list[Tracker], lo: float, hi: float) -> int:
 
 
 def measure(runners: list[Tracker], steady: tuple[float, float], c: Case, idle: dict[int, float]) -> dict[str, Any]:
+    """The case's window ends at the last first token, or earlier where a running stream used up
+    its context (8000 tokens) first: the streams' figures are read while all four ran."""
     steady_median = statistics.median(gaps_in(runners, *steady, overlapping=False))
     steady_rate = tokens_in(runners, *steady) / (steady[1] - steady[0])
-    gaps = gaps_in(runners, c.start, c.end, overlapping=True)
+    end = min([c.end] + [t.times[-1] for t in runners if t.finish.startswith("length")])
+    gaps = gaps_in(runners, c.start, end, overlapping=True)
     return {
+        "window_s": c.end - c.start, "streams_window_s": end - c.start,
         "steady_gap_median_ms": 1e3 * steady_median, "steady_tok_s": steady_rate,
         "gap_p50_ms": 1e3 * float(np.percentile(gaps, 50)), "gap_p99_ms": 1e3 * float(np.percentile(gaps, 99)),
         "gap_max_ms": 1e3 * max(gaps), "max_gap_over_steady": max(gaps) / steady_median,
-        "rate_over_steady": tokens_in(runners, c.start, c.end) / (c.end - c.start) / steady_rate,
+        "rate_over_steady": tokens_in(runners, c.start, end) / (end - c.start) / steady_rate,
         "ttft_s": max(c.ttft), "ttft_over_idle": max(t / idle[n] for t, n in zip(c.ttft, c.lengths, strict=True)),
     }
 
@@ -208,7 +189,7 @@ def api_path(folder: Path, chars: int, steady_s: float) -> dict[str, float]:
     try:
         for t in threads:
             t.start()
-        wait(lambda: all(len(x) >= 8 for x in times), 120, "the streams did not start")
+        wait_for(lambda: all(len(x) >= 8 for x in times), 120, "the streams did not start")
         lo = time.perf_counter()
         time.sleep(steady_s)
         hi = time.perf_counter()
@@ -245,10 +226,10 @@ def main() -> int:
     p.add_argument("--steady", type=float, default=3.0, help="seconds of steady decoding measured first")
     p.add_argument("--budget", type=float, default=PacingConfig.budget, help="the new policy's --prefill-budget")
     p.add_argument("--share", type=float, default=PacingConfig.share, help="the new policy's --prefill-share")
-    p.add_argument("--quick", action="store_true", help="in process, old and new, 1k and 3k, no burst")
+    p.add_argument("--quick", action="store_true", help="in process, old and new, 300 and 600 tokens, no burst")
     args = p.parse_args()
     if args.quick:
-        args.systems, args.placements, args.lengths, args.steady = "old,new", "process", "1000,3000", 2.0
+        args.systems, args.placements, args.lengths, args.steady = "old,new", "process", "300,600", 1.0
     folder = default_shards(progress=False)
     tok = ChatTokenizer(folder)
     chats = [tok.encode_chat([{"role": "user", "content": c}]) for c in CHATS]

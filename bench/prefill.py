@@ -37,9 +37,7 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from itertools import count
@@ -50,6 +48,7 @@ from typing import Any
 import numpy as np
 from quality import TEXT  # bench/ is on sys.path when this script runs
 from shards import shard_folder
+from trackers import Tracker, wait_for
 
 from shardline.config import DEFAULT_PREFILL_CHUNK, RunConfig, SamplingConfig, SamplingParams
 from shardline.model.manifest import load_manifest
@@ -57,7 +56,7 @@ from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.plan import Outcome, Pipeline, prefill, run
 from shardline.serving.admission import Limits
-from shardline.serving.engine import Engine, Event, Request, Ticket
+from shardline.serving.engine import Engine, Request, Ticket
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.stage.cache import KVBook, StepInputs
 from shardline.stage.runner import StageRunner
@@ -181,30 +180,6 @@ def print_a(a: dict[str, Any], chunks: list[int], lengths: list[int]) -> None:
 
 
 # --- (b) the decode stall while a long prompt arrives ---------------------------------------------
-
-
-class Tracker:
-    """Token times of one request, and its end."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.done = threading.Event()
-        self.finish = ""
-
-    def __call__(self, ev: Event) -> None:
-        if ev.token is not None:
-            self.times.append(time.perf_counter())
-        if ev.finish:
-            self.finish = ev.finish + (f": {ev.error}" if ev.error else "")
-            self.done.set()
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} within {timeout_s:g} s")
-        time.sleep(0.01)
 
 
 def stall_once(engine: Engine, chats: list[list[int]], long: list[int], lead_s: float) -> dict[str, float]:
