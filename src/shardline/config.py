@@ -261,7 +261,9 @@ class PacingConfig:
     """Prefill while streams decode (serving/pacing.py): one chunk takes at most `budget` of their
     step times, and prefill at most `share` of the pipeline's time."""
 
-    budget: float = 1.0
+    # 2 steps: a chunk's gap is then about 3 steps long, under 4x (issue 23), and a short prompt
+    # (tens of tokens) still goes in one or two chunks rather than one token at a time
+    budget: float = 2.0
     share: float = 0.5
 
     def __post_init__(self) -> None:

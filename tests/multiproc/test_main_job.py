@@ -151,9 +151,13 @@ def three(shards: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def remote_server(three: Path) -> Iterator[Proc]:
     """`shardline serve` with stage 0 in its own process and stages 1 and 2 on two `shardline
-    worker`s, at its defaults (exact precision: f32 hidden states on the wire)."""
+    worker`s, at its defaults (exact precision: f32 hidden states on the wire), except that
+    prompts arriving beside decoding streams are prefilled at full speed: paced (the default),
+    the last of four prompts may start after the first 24-token answer ended, and these tests
+    are about streams running together (the pacing has its own: test_pacing, test_engine)."""
     with worker(three, "1") as w1, worker(three, "2") as w2, serve(
-            ["--shards", str(three), "--workers", f"{w1.addr},{w2.addr}", "--port", "0", "--insecure"]) as s:
+            ["--shards", str(three), "--workers", f"{w1.addr},{w2.addr}", "--port", "0", "--insecure",
+             "--prefill-budget", "100", "--prefill-share", "0.99"]) as s:
         _wait_healthy(s.addr)
         yield s
 

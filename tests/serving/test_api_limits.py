@@ -362,13 +362,15 @@ def test_overloaded_server_answers_429_with_retry_after(two: Path) -> None:
         held = {"model": MODEL, "messages": [{"role": "user", "content": "Count to a thousand."}],
                 "max_tokens": 4000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{s.url}/v1/chat/completions", json=held, timeout=60) as stream:
-            next(stream.iter_lines())  # the only stream slot is taken
+            lines = stream.iter_lines()  # held: the client's iterator, once dropped, closes the response
+            next(lines)  # the only stream slot is taken
             r = httpx.post(f"{s.url}/v1/chat/completions", json=CHAT, timeout=60)
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert (r.json()["error"]["code"], r.json()["error"]["type"]) == ("overloaded", "server_error")
             with openai.OpenAI(base_url=f"{s.url}/v1", api_key="-", max_retries=0) as client, \
                     pytest.raises(openai.RateLimitError, match="overloaded"):
                 client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+            del lines
         assert s.metric('shardline_rejected_requests_total{reason="overloaded"}') == 2
         deadline = time.monotonic() + 30
         while s.metric("shardline_active_streams") > 0 and time.monotonic() < deadline:

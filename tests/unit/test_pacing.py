@@ -8,7 +8,7 @@ import pytest
 
 from shardline.config import PacingConfig
 from shardline.errors import ShardlineError
-from shardline.serving.pacing import MIN_CHUNK, ChunkCosts, Pacing
+from shardline.serving.pacing import EXPLORE, ChunkCosts, Pacing
 
 
 def cost(n: int, c: int) -> float:
@@ -34,7 +34,7 @@ def test_a_chunk_fits_its_budget_whatever_the_context_but_pays_for_its_fixed_cos
     for c in (0, 1000, 4000, 16000):
         n = costs.tokens_within(0.05, c, cap=512)
         fits = cost(n, c) <= 0.05 + 1e-12 < cost(n + 1, c)
-        floor = n == max(MIN_CHUNK, -(-5 // (1 + c // 1000)))  # ceil(5 ms / the per-token ms)
+        floor = n == max(1, -(-5 // (1 + c // 1000)))  # ceil(5 ms / the per-token ms)
         assert fits or floor, (c, n)
     assert costs.tokens_within(0.05, 0, cap=512) == 45  # 5 ms + 45 x 1 ms
     assert costs.tokens_within(0.05, 16000, cap=512) == 2  # 17 ms a token: past the budget, the floor
@@ -42,8 +42,16 @@ def test_a_chunk_fits_its_budget_whatever_the_context_but_pays_for_its_fixed_cos
     assert costs.tokens_within(10.0, 0, cap=128) == 128
 
 
-def test_with_nothing_known_a_chunk_is_small() -> None:
-    assert ChunkCosts().tokens_within(1.0, 0, cap=128) == MIN_CHUNK and ChunkCosts().seconds(8, 0) is None
+def test_until_two_chunk_sizes_are_known_chunks_double() -> None:
+    """One size seen cannot split a chunk's fixed cost from its tokens': the per-token cost alone
+    would price the fixed one into each token and keep chunks at a token for ever."""
+    costs = ChunkCosts()
+    assert costs.tokens_within(0.001, 0, cap=128) == EXPLORE and costs.seconds(8, 0) is None
+    for _ in range(3):
+        costs.observe(16, 40, cost(16, 40))
+    assert costs.tokens_within(0.001, 40, cap=128) == 32 and costs.tokens_within(0.001, 40, cap=20) == 20
+    costs.observe(32, 56, cost(32, 56))
+    assert costs.tokens_within(0.001, 0, cap=128) == 5  # known now: under its fixed cost, the floor
 
 
 def test_a_few_samples_of_one_size_fit_a_per_token_cost() -> None:
@@ -59,37 +67,41 @@ def test_nothing_decoding_prefills_full_chunks() -> None:
 
 def steady(p: Pacing, step_s: float = 0.020, n: int = 10) -> None:
     for _ in range(n):
-        p.decode_step(step_s, step_s)
+        p.decode_step(step_s)
 
 
 def test_while_streams_decode_a_chunk_fits_the_budget() -> None:
     p = Pacing(PacingConfig(budget=1.5, share=0.5), full_chunk=128)
     p.costs = taught()
-    assert p.sizes([(3000, 0)], decoding=True, prefilling=True) == [MIN_CHUNK]  # no step time known yet
+    assert p.sizes([(3000, 0)], decoding=True, prefilling=True) == [5]  # no step time known yet: the floor
     steady(p, 0.030)
     (n,) = p.sizes([(3000, 0)], decoding=True, prefilling=True)
     assert n == 40 and cost(n, 0) == pytest.approx(1.5 * 0.030)  # 5 ms + 40 ms
 
 
-def test_chunks_wait_while_the_streams_are_behind_their_share_of_their_pace() -> None:
+def test_chunks_wait_while_prefill_has_taken_more_than_its_share() -> None:
     p = Pacing(PacingConfig(budget=1.0, share=0.5), full_chunk=128)
     p.costs = taught()
     steady(p)
     assert p.sizes([(3000, 0)], decoding=True, prefilling=True)[0] > 0
-    for _ in range(3):
-        p.decode_step(0.060, 0.020)  # three times slower than when nothing prefilled
-    assert p.behind() and p.sizes([(3000, 30)], decoding=True, prefilling=True) == [0]
-    for _ in range(6):
-        p.decode_step(0.020, 0.020)  # caught up
-    assert not p.behind() and p.sizes([(3000, 30)], decoding=True, prefilling=True)[0] > 0
+    p.chunk_done(64, 0, 0.300)  # a slow chunk: 300 ms against ~130 ms of decoding counted
+    assert p.behind() and p.sizes([(3000, 64)], decoding=True, prefilling=True) == [0]
+    steps = 0
+    while p.behind():
+        p.decode_step(0.020)
+        steps += 1
+    assert steps == 6 and p.sizes([(3000, 64)], decoding=True, prefilling=True)[0] > 0
 
 
-def test_the_pace_with_nothing_prefilling_is_the_steady_one() -> None:
+def test_the_share_counts_from_when_prompts_meet_decoding_streams() -> None:
     p = Pacing()
     steady(p, 0.020)
-    p.sizes([], decoding=True, prefilling=False)
-    p.decode_step(0.500, 0.500)  # a join's slow step between prompts: the steady pace, not "behind"
-    assert not p.behind() and p.steady_s is not None and p.steady_s > 0.020
+    p.chunk_done(100, 0, 1.0, learn=False)  # a first chunk: counted, not learnt from
+    assert p.behind() and p.costs.seconds(1, 0) is None
+    p.sizes([], decoding=True, prefilling=False)  # no prompt left: the count starts over
+    assert p.share() == 0.0 and not p.behind()
+    p.sizes([(100, 0)], decoding=False, prefilling=True)  # nothing decoding: nothing to share
+    assert p.share() == 0.0
 
 
 @pytest.mark.parametrize("share", [0.3, 0.5, 0.7])
@@ -103,7 +115,7 @@ def test_a_fake_clock_streams_keep_their_share_and_a_long_prompt_finishes(share:
     clock, left, cached, pending, gaps = 0.0, 8000, 0, 0.0, []
     while left and clock < 3600:
         gap = 0.020 + pending
-        p.decode_step(gap, 0.020)
+        p.decode_step(0.020)
         clock, pending = clock + gap, 0.0
         gaps.append(gap)
         (n,) = p.sizes([(left, cached)], decoding=True, prefilling=True)

@@ -9,12 +9,11 @@ iteration, in time rather than tokens, since attention's cost grows with the con
 - budget: while streams decode, one chunk takes at most `budget` times their step time, so the
   longest gap it adds is about that; its size in tokens comes from a cost model of chunks fitted
   online to the chunks run so far (`ChunkCosts`), at the prompt's current context;
-- share: prefill gets at most `share` of the pipeline's time. Measured where it matters, in the
-  running streams' pace: while their decode steps come back more than 1 / (1 - share) times
-  slower than when nothing prefilled, no chunk is planned; they catch up within a step or two,
-  and the next chunk goes. So prefill always moves: a prompt gets a chunk (at least one token)
-  every few decode steps, and finishes within about its idle prefill time / share, plus the
-  chunks' own overhead (small chunks pay a step's fixed cost each: BENCHMARKS.md, issue 23).
+- share: prefill gets at most `share` of the stages' time while streams decode. Counted in
+  graph seconds over the latest steps (decayed), whatever the decode batch's width: while the
+  chunks' share of it is past `share`, no chunk is planned; a decode step or two later it is
+  under again and the next chunk goes. So prefill always moves, and a prompt finishes within
+  about its idle prefill time / share, plus the chunks' own fixed costs (BENCHMARKS.md, issue 23).
 
 With nothing decoding, prefill runs at the full chunk size. Pure: the engine reports what steps
 cost (their outcomes' timings), the scheduler asks for chunk sizes; tested with made-up seconds.
@@ -30,23 +29,26 @@ import numpy as np
 from shardline.config import PacingConfig
 
 MIN_CHUNK = 1  # tokens: a chunk past its budget is still one token (at a long context, one token is costly)
-SAMPLES = 48  # chunks the cost model is fitted on (the latest)
-SMOOTH = 0.2  # weight of a new decode step time in its running averages
-WINDOW = 8  # decode steps over which the pace while prompts prefill is read (the share over a few steps)
+EXPLORE = 16  # tokens of a chunk while the cost model cannot tell a chunk's fixed cost from its tokens'
+SAMPLES = 12  # chunks of each size class (a power of 2) the cost model is fitted on, the latest
+SMOOTH = 0.2  # weight of a new decode step time in its running average
+FORGET = 0.85  # what is left of the time counted so far at each decode step (the share over ~7 steps)
 
 
 class ChunkCosts:
     """seconds(n, c) = base + per_token * n + per_token_ctx * n * c for a chunk of n tokens after
     c cached ones (disagg/costs.py's prefill form), least squares with every term >= 0 over the
-    latest SAMPLES chunks; None until one is seen."""
+    latest SAMPLES chunks of each size class; None until one is seen. Kept by size so that the
+    fit always sees several sizes once it has: chunks of one size alone cannot tell a chunk's
+    fixed cost from its tokens' (and chunk sizes settle as the context grows)."""
 
     def __init__(self) -> None:
-        self._samples: deque[tuple[int, int, float]] = deque(maxlen=SAMPLES)
+        self._by_size: dict[int, deque[tuple[int, int, float]]] = {}
         self._coef: np.ndarray | None = None
 
     def observe(self, n: int, c: int, seconds: float) -> None:
         if n >= 1 and c >= 0 and seconds > 0:
-            self._samples.append((n, c, seconds))
+            self._by_size.setdefault(n.bit_length(), deque(maxlen=SAMPLES)).append((n, c, seconds))
             self._coef = None
 
     def seconds(self, n: int, c: int) -> float | None:
@@ -59,19 +61,27 @@ class ChunkCosts:
         CPUs a step's fixed cost is about a decode step's, so a prompt fed by 1-token chunks
         would crawl), nor fewer than MIN_CHUNK."""
         coef = self._fit()
-        if coef is None:
-            return min(cap, MIN_CHUNK)  # nothing known yet: a small chunk, which teaches the model
+        if coef is None or len({n for n, _, _ in self._samples()}) < 2:
+            # one chunk size seen (or none): its time cannot be split into a fixed part and a
+            # per-token part. Fitting the per-token part alone would price the fixed cost into
+            # every token and keep chunks at one token for ever (seen: 37-token prompts fed one
+            # token a step); so try a chunk twice the size, which also teaches the model.
+            return min(cap, max(EXPLORE, 2 * max((n for n, _, _ in self._samples()), default=0)))
         per_token = coef[1] + coef[2] * c
         if per_token <= 0:
             return cap
         n = int((seconds - coef[0]) / per_token + 1e-9)
-        floor = max(MIN_CHUNK, int(np.ceil(coef[0] / per_token)))
+        floor = max(MIN_CHUNK, int(np.ceil(coef[0] / per_token - 1e-9)))
         return min(cap, max(n, floor))
 
+    def _samples(self) -> list[tuple[int, int, float]]:
+        return [sample for size in self._by_size.values() for sample in size]
+
     def _fit(self) -> np.ndarray | None:
-        if self._coef is None and self._samples:
-            x = np.array([(1.0, n, n * c) for n, c, _ in self._samples])
-            y = np.array([s for _, _, s in self._samples])
+        samples = self._samples()
+        if self._coef is None and samples:
+            x = np.array([(1.0, n, n * c) for n, c, _ in samples])
+            y = np.array([s for _, _, s in samples])
             self._coef = _nonnegative_fit(x, y)
         return self._coef
 
@@ -101,44 +111,45 @@ class Pacing:
         self.full_chunk = full_chunk
         self.costs = ChunkCosts()
         self.step_s: float | None = None  # a decode step's graph seconds (its work): the budget's unit
-        self.steady_s: float | None = None  # a decode step's round trip while no prompt prefills
-        self.recent: deque[float] = deque(maxlen=WINDOW)  # ... while prompts prefill: the pace they get now
-        self.prefilling = False  # a chunk was planned beside decoding streams since prefill last stopped
+        # graph seconds spent on chunks and on decode steps since prompts began to prefill beside
+        # decoding streams, decayed by FORGET a decode step: the share prefill is taking now
+        self.prefill_s = 0.0
+        self.decode_s = 0.0
 
-    def decode_step(self, total_s: float, graph_s: float) -> None:
-        """A decode step came back: its round trip (the streams' gap) and its graph seconds."""
-        if total_s <= 0 or graph_s <= 0:
+    def decode_step(self, graph_s: float) -> None:
+        """A decode step came back, its graph seconds over every stage."""
+        if graph_s <= 0:
             return
         self.step_s = _average(self.step_s, graph_s, SMOOTH)
-        if self.prefilling:
-            self.recent.append(total_s)
-        else:
-            self.steady_s = _average(self.steady_s, total_s, SMOOTH)
+        self.prefill_s *= FORGET
+        self.decode_s = self.decode_s * FORGET + graph_s
 
-    def chunk_done(self, n: int, c: int, seconds: float) -> None:
-        """A chunk of n tokens after c cached took `seconds` of graph time."""
-        self.costs.observe(n, c, seconds)
+    def chunk_done(self, n: int, c: int, seconds: float, learn: bool = True) -> None:
+        """A chunk of n tokens after c cached took `seconds` of graph time; `learn`: a chunk the
+        cost model may learn from (not one that also paid for opening its stream)."""
+        if seconds > 0:
+            self.prefill_s += seconds
+        if learn:
+            self.costs.observe(n, c, seconds)
 
     def budget_s(self) -> float:
         return self.cfg.budget * (self.step_s or 0.0)
 
+    def share(self) -> float:
+        total = self.prefill_s + self.decode_s
+        return self.prefill_s / total if total else 0.0
+
     def behind(self) -> bool:
-        """The running streams get less than 1 - share of their steady pace."""
-        if self.steady_s is None or not self.recent:
-            return False
-        return sum(self.recent) / len(self.recent) > self.steady_s / (1 - self.cfg.share)
+        """Prefill has lately taken more than its share of the stages' time."""
+        return self.share() > self.cfg.share
 
     def sizes(self, prompts: list[tuple[int, int]], decoding: bool, prefilling: bool) -> list[int]:
         """Tokens for the next chunk of each prompt ready for one, given as (tokens left, tokens
         cached) in arrival order; 0: not this round. The round's budget goes to the oldest first.
         `prefilling`: some prompt is being prefilled (ready, or a chunk of it in flight)."""
         if not prefilling or not decoding:
-            self.prefilling = False
-            self.recent.clear()
+            self.prefill_s = self.decode_s = 0.0  # the share counts from when prompts meet streams
             return [min(left, self.full_chunk) for left, _ in prompts]
-        self.prefilling = True
-        if self.step_s is None:  # no decode step back yet (it is near): the smallest chunks
-            return [min(left, MIN_CHUNK) for left, _ in prompts]
         out: list[int] = []
         left_s = self.budget_s()
         for left, cached in prompts:

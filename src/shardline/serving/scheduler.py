@@ -126,9 +126,9 @@ class Scheduler:
         if self.pacing is None:
             return
         seconds = sum(timing.graph_s.values())
-        if timing.phase == "prefill" and stream.chunk is not None and stream.chunk[1] > 0:
-            # not a prompt's first chunk: that one also opens the stream's request on every
-            # stage (measured 2-5x a later chunk's time), which no later chunk pays
-            self.pacing.chunk_done(*stream.chunk, seconds)
+        if timing.phase == "prefill" and stream.chunk is not None:
+            # a prompt's first chunk also opens the stream's request on every stage (measured
+            # 2-5x a later chunk's time), which no later chunk pays: counted, not learnt from
+            self.pacing.chunk_done(*stream.chunk, seconds, learn=stream.chunk[1] > 0)
         elif timing.phase == "decode":
-            self.pacing.decode_step(timing.total_s, seconds)
+            self.pacing.decode_step(seconds)
