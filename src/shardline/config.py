@@ -261,10 +261,12 @@ class PacingConfig:
     """Prefill while streams decode (serving/pacing.py): one chunk takes at most `budget` of their
     step times, and prefill at most `share` of the pipeline's time."""
 
-    # 2 steps: a chunk's gap is then about 3 steps long, under 4x (issue 23), and a short prompt
-    # (tens of tokens) still goes in one or two chunks rather than one token at a time
+    # 2 steps: a short prompt (tens of tokens) goes in one or two chunks, not a token at a time.
+    # share 0.3 of the graph time: running streams keep >= 50% of their steady rate (measured,
+    # BENCHMARKS.md issue 23: a chunk beside a decode step slows both on shared cores, so 0.5 of
+    # the graph time left them ~37%)
     budget: float = 2.0
-    share: float = 0.5
+    share: float = 0.3
 
     def __post_init__(self) -> None:
         if not 0 < self.budget <= 100:
