@@ -101,7 +101,9 @@ def test_decode_groups_through_workers_equal_alone(three: Path, workers: list[Pr
     lengths = [20, 24, 5, 12, 7]  # the first two still run when the third joins: 2-row groups overflow
     alone = [greedy_ours(local, p, n)[0] for p, n in zip(prompts, lengths, strict=True)]
     remote = _remote(three, workers, topology=topology)
-    engine = Engine(remote, Limits(8, 8), 8192, SchedulerConfig(groups=1, max_rows=2, chunk=16))
+    # fixed chunks (pacing=None): paced, the third prompt may be prefilled after the first two
+    # ended, and no group would overflow; this test is about the groups' KV on the workers
+    engine = Engine(remote, Limits(8, 8), 8192, SchedulerConfig(groups=1, max_rows=2, chunk=16, pacing=None))
     try:
         assert staggered(engine, prompts, lengths) == alone
         assert len(engine.scheduler.groups) > 1 and all(not g.members() for g in engine.scheduler.groups)
