@@ -13,6 +13,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,8 +140,20 @@ def _healthy(api: str) -> bool:
 class Answer:
     text: str
     tokens: int  # completion tokens, as the server's usage counts them
-    first_s: float  # when the first and the last content chunk arrived (time.monotonic)
-    last_s: float
+
+
+def _decode_steps(api: str) -> float:
+    """How many decode steps the coordinator has run (/metrics beside the API at `api`)."""
+    url = urlsplit(api)
+    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    found = re.findall(r'^shardline_step_seconds_count\{phase="decode"\} (\S+)$', text, re.M)
+    assert len(found) == 1, text[-2000:]
+    return float(found[0])
 
 
 @pytest.fixture(scope="module")
@@ -171,15 +184,14 @@ def _ask(client: OpenAI, model: str, prompt: str, start: threading.Barrier | Non
         model=model, messages=[{"role": "user", "content": prompt}],
         temperature=0, max_tokens=N_NEW, stream=True, stream_options={"include_usage": True},
         extra_body={"ignore_eos": True})
-    text, tokens, times = [], 0, []
+    text, tokens = [], 0
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             text.append(chunk.choices[0].delta.content)
-            times.append(time.monotonic())
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-    assert times, f"no content for {prompt!r}"
-    return Answer("".join(text), tokens, times[0], times[-1])
+    assert text, f"no content for {prompt!r}"
+    return Answer("".join(text), tokens)
 
 
 def _in_process(folder: Path, prompts: list[str]) -> list[str]:
@@ -201,15 +213,18 @@ def test_concurrent_streams_through_two_workers_equal_each_alone_and_the_in_proc
     model = client.models.list().data[0].id
     prompts = CHAT_PROMPTS[:N_STREAMS]
     alone = [_ask(client, model, p) for p in prompts]
+    steps = _decode_steps(remote_server.addr)
     start = threading.Barrier(N_STREAMS)
     with ThreadPoolExecutor(N_STREAMS) as pool:
         together = list(pool.map(lambda p: _ask(client, model, p, start), prompts))
+    steps = _decode_steps(remote_server.addr) - steps
     assert [a.tokens for a in alone] == [N_NEW] * N_STREAMS
     assert [(a.text, a.tokens) for a in together] == [(a.text, a.tokens) for a in alone]
     # exact precision through workers is the in-process model's answer, token for token
     assert [a.text for a in together] == _in_process(three, prompts)
-    # They really ran together: every stream was still producing when every other had begun.
-    assert max(a.first_s for a in together) < min(a.last_s for a in together), together
+    # They really ran together: streams shared decode steps (alone, each token after the first
+    # is a step of its own: N_STREAMS x (N_NEW - 1) steps)
+    assert steps < N_STREAMS * (N_NEW - 1), steps
 
 
 if __name__ == "__main__":
