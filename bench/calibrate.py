@@ -63,10 +63,10 @@ from pathlib import Path
 import numpy as np
 from quality import TEXT  # bench/ is on sys.path when this script runs
 from quiet import wait_quiet
+from shardline_tools.sim.costs import Costs
 from shards import shard_folder
 
 from shardline.config import DEFAULT_PREFILL_CHUNK, RunConfig, SamplingParams
-from shardline.disagg.costs import Costs
 from shardline.export.defaults import default_shards
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.kv import KvSnapshot

@@ -7,11 +7,11 @@ weights, exact precision) on ONE OpenVINO thread, so two instances share this ma
 - disaggregated: 1 prefill + 1 decode instance behind the front end (disagg/front.py), oracle length
   prediction (the requests' own decode lengths, buckets of 64), FCFS, vanilla admission.
 Both chunk prompts by 128 tokens (the knee measured by bench/prefill.py). The same requests,
-replayed at their Poisson arrival times (disagg/workloads.py: LPLD, LPHD, HPLD, HPHD, Mixed), each
+replayed at their Poisson arrival times (shardline_tools/sim/workloads.py: LPLD, LPHD, HPLD, HPHD, Mixed), each
 generating exactly its decode length (greedy, no stop token). Each instance is busy while its
 pipeline has graph work (sampled every 5 ms).
 
-Simulated: the same requests through disagg/simulator*.py with costs fitted by bench/calibrate.py
+Simulated: the same requests through shardline_tools/sim/simulator*.py with costs fitted by bench/calibrate.py
 on the same instance shape (`--costs`; calibrate with --stages 1 --threads 1). The simulator is
 validated against the real runs: |simulated - measured| / measured of the p50 and p90 TTFT and JCT,
 medians over repeats. Measured and simulated figures are kept apart in every table.
@@ -40,19 +40,19 @@ from pathlib import Path
 
 from calibrate import ids_for  # bench/ is on sys.path when this script runs
 from quiet import wait_quiet
+from shardline_tools.sim.costs import Costs
+from shardline_tools.sim.metrics import RequestRecord, Slo, Summary, summarize
+from shardline_tools.sim.simulator import CoupledConfig, simulate_coupled
+from shardline_tools.sim.simulator_disagg import DisaggConfig, from_length, simulate_disaggregated
+from shardline_tools.sim.workloads import KINDS, THRESHOLDS, RequestSpec, Workload, generate
 from shards import shard_folder
 
 from shardline.config import DEFAULT_PREFILL_CHUNK, RunConfig, SamplingConfig
-from shardline.disagg.costs import Costs
 from shardline.disagg.decode import DecodeEngine
 from shardline.disagg.front import Disaggregated, FrontConfig
 from shardline.disagg.instance import Admission
-from shardline.disagg.metrics import RequestRecord, Slo, Summary, summarize
 from shardline.disagg.predictor import Oracle
 from shardline.disagg.prefill import PrefillEngine, oracle_predict
-from shardline.disagg.simulator import CoupledConfig, simulate_coupled
-from shardline.disagg.simulator_disagg import DisaggConfig, from_length, simulate_disaggregated
-from shardline.disagg.workloads import KINDS, THRESHOLDS, RequestSpec, Workload, generate
 from shardline.pipeline.local import LocalPipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Request, Serving

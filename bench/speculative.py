@@ -72,10 +72,10 @@ from procs import Proc  # bench/ is on sys.path when this script runs
 from shards import shard_folder
 
 from shardline.config import RunConfig, SamplingConfig, ServeConfig, SpeculationConfig
+from shardline.decoding.drafts import SUPPORT
 from shardline.model.manifest import EXPORT_TAG
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.server import open_engine
-from shardline.serving.drafters import SUPPORT
 from shardline.serving.engine import Engine, Event, Request
 from shardline.serving.speculation import SpecStats
 

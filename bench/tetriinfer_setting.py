@@ -8,7 +8,7 @@ figures, each cited in FIGURES below; where no measured figure exists it is DERI
     TetriInfer: Hu et al., "Inference without Interference: Disaggregate LLM Inference for Mixed
     Downstream Workloads", arXiv:2401.11181 (v1, 2024-01-20).
 
-The paper's policies, as far as the simulator has them (disagg/simulator_disagg.py):
+The paper's policies, as far as the simulator has them (shardline_tools/sim/simulator_disagg.py):
 - prefill: fixed 512-token chunks (its saturation point for OPT-13B on a V100), each prompt's
   last chunk padded; FCFS or SJF over PrefillSchedBatch = 16; the least-loaded prefill instance;
 - length predictor: buckets of g = 200 tokens at the paper's 74.9% accuracy, simulated by
@@ -59,14 +59,15 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
-from shardline.disagg.costs import Costs
+from shardline_tools.sim.costs import Costs
+from shardline_tools.sim.metrics import Slo
+from shardline_tools.sim.simulator import CoupledConfig, SimResult, simulate_coupled
+from shardline_tools.sim.simulator_disagg import DisaggConfig, Transfer, from_length, simulate_disaggregated
+from shardline_tools.sim.workloads import KINDS, RequestSpec, Thresholds, Workload, generate
+
 from shardline.disagg.instance import Admission, FlipConfig
-from shardline.disagg.metrics import Slo
 from shardline.disagg.policies import PrefillPolicy
 from shardline.disagg.predictor import NoisyOracle
-from shardline.disagg.simulator import CoupledConfig, SimResult, simulate_coupled
-from shardline.disagg.simulator_disagg import DisaggConfig, Transfer, from_length, simulate_disaggregated
-from shardline.disagg.workloads import KINDS, RequestSpec, Thresholds, Workload, generate
 
 # --- the model: OPT-13B (facebook/opt-13b config.json; the vLLM paper, arXiv:2309.06180, section 3)
 LAYERS, HIDDEN, FFN, VOCAB, POSITIONS = 40, 5120, 20480, 50272, 2050  # OPT's learned positions: 2048 + 2

@@ -139,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--length-predictor", default="auto", metavar="auto|max-tokens|FILE",
                    help="how prefill instances predict decode lengths (with --disaggregate): the bundled model "
                    "trained on stage 0's hidden states when it fits the export (auto), each request's "
-                   "max_tokens, or a model file of disagg/length_train.py")
+                   "max_tokens, or a model file of tools/shardline_tools/lengths/length_train.py")
 
     k = sub.add_parser("keygen", help="make a cluster CA and one TLS credentials folder per node")
     k.add_argument("--out", type=Path, required=True, help="new folder: ca.pem, ca-key.pem, node-0 .. node-(N-1)")

@@ -310,7 +310,7 @@ class ServeConfig:
     flip: bool = False  # idle instances change role when the other role's queues are under pressure
     # How prefill instances predict a request's decode length: "auto" (the bundled trained model
     # when it fits the export, else "max-tokens"), "max-tokens" (the request's own cap), or the
-    # path of a model made by disagg/length_train.py.
+    # path of a model made by tools/shardline_tools/lengths/length_train.py.
     length_predictor: str = "auto"
     # KV from prefill to decode instance: "request" (the whole cache once the first token is
     # out) or "chunk" (each prompt chunk's slots as soon as it has run, overlapping the prefill).

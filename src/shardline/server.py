@@ -16,18 +16,19 @@ from shardline.model.context import run_context
 from shardline.model.manifest import Manifest, load_manifest
 from shardline.pipeline.plan import Pipeline
 from shardline.serving.admission import Limits, max_streams_for_memory, per_stream_bytes
-from shardline.serving.drafters import LOOKUP_PRIOR, DraftModel, LookupDrafter
+from shardline.serving.drafters import LOOKUP_PRIOR, LookupDrafter
 from shardline.serving.engine import Engine, Serving
 from shardline.serving.replay import Replays
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import Drafts
+from shardline.stage.draft_model import DraftModel
 from shardline.wire.tls import Credentials
 
 if TYPE_CHECKING:
     from shardline.disagg.front import Disaggregated
     from shardline.disagg.prefill import Predict
 
-# The predicted decode length's bucket width (disagg/length_train.py chose 64 for this model).
+# The predicted decode length's bucket width (tools/shardline_tools/lengths/length_train.py chose 64 for this model).
 DISAGG_G = 64
 STREAM_CAP = 64
 SHUTDOWN_GRACE_S = 3
@@ -135,8 +136,7 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
     from shardline.disagg.instance import Admission, FlipConfig
     from shardline.disagg.policies import PrefillPolicy
     from shardline.disagg.prefill import PrefillEngine
-    from shardline.disagg.state import Role
-    from shardline.disagg.workloads import THRESHOLDS
+    from shardline.disagg.state import HEAVY_DECODE_FROM, Role
 
     assert cfg.disaggregate is not None
     manifest = load_manifest(folder)
@@ -149,7 +149,7 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
     context = run_context(manifest.arch, run.context)
     limits = stream_limits(manifest, share, local_layers, context, run.kv)
     replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
-    front = Disaggregated(FrontConfig(heavy_from=THRESHOLDS.heavy_decode[0],
+    front = Disaggregated(FrontConfig(heavy_from=HEAVY_DECODE_FROM,
                                       flip=FlipConfig() if cfg.flip else None))
     predict, summarize = length_prediction(cfg.length_predictor, manifest)
 
@@ -159,7 +159,7 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
 
     def decode_on(pipe: Pipeline) -> DecodeEngine:
         return DecodeEngine(pipe, limits, context, scheduling(cfg, len(manifest.stages), bool(workers)),
-                            Admission(cfg.admission), limits.max_streams * context, THRESHOLDS.heavy_decode[0],
+                            Admission(cfg.admission), limits.max_streams * context, HEAVY_DECODE_FROM,
                             replays=replays)
 
     def make(role: Role, pipe: Pipeline) -> PrefillEngine | DecodeEngine:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from shardline_tools.lengths import length_data
 
 from shardline.config import RunConfig, SamplingConfig, ServeConfig
-from shardline.disagg import length_data
 from shardline.disagg.features import FeatureExtractor, feature_size, prompt_features
 from shardline.model.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer

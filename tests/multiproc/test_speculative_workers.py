@@ -18,10 +18,11 @@ from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.remote import RemotePipeline
 from shardline.serving.admission import Limits
-from shardline.serving.drafters import DraftModel, LookupDrafter
+from shardline.serving.drafters import LookupDrafter
 from shardline.serving.engine import Engine
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import Drafts
+from shardline.stage.draft_model import DraftModel
 from tests.helpers import engine_tokens, staggered
 from tests.multiproc.procs import Proc, worker
 

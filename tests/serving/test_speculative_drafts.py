@@ -23,10 +23,10 @@ from shardline.model.manifest import MANIFEST, load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.serving.admission import Limits
-from shardline.serving.drafters import DraftModel
 from shardline.serving.engine import Engine, Event, Request
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import Drafts, SpecStats
+from shardline.stage.draft_model import DraftModel
 from tests.helpers import engine_tokens, staggered
 
 LONG = 200

@@ -1,4 +1,4 @@
-"""A model drafter's bookkeeping (serving/drafters.ModelDrafter) over a fake one-stage model
+"""A model drafter's bookkeeping (stage/draft_model.ModelDrafter) over a fake one-stage model
 whose next token is a function of exactly the tokens its mask lets it attend, at exactly their
 positions: after any run of proposals, drafts drawn ahead, accepts, rejects, target tokens that
 match the guess or not, and compactions, every proposal is the model's greedy continuation of
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardline.config import COMPACT_AT, SamplingParams
-from shardline.serving.drafters import ModelDrafter
 from shardline.stage.cache import StepInputs
+from shardline.stage.draft_model import ModelDrafter
 
 VOCAB = 23
 

@@ -11,13 +11,13 @@ from collections.abc import Callable
 import pytest
 
 from shardline.config import SamplingConfig, SamplingParams
+from shardline.decoding.drafts import Drafter, Proposal
 from shardline.decoding.sampler import Choice
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.plan import DecodeStep, Outcome, Step
 from shardline.serving import engine as engine_module
 from shardline.serving import engine_spec
 from shardline.serving.admission import Limits
-from shardline.serving.drafters import Drafter, Proposal
 from shardline.serving.engine import Engine, Event, Request
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import PROBE_EVERY, Drafts

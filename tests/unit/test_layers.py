@@ -4,11 +4,16 @@ Lowest first: the base modules (errors, config, host, signals); model/ (the arch
 sources, the tokenizer, the shard manifest); wire/ and stage/ and export/ and decoding/; node/
 (the stage-worker process); pipeline/ (executes step plans); serving/ (decides them); api/;
 cluster/; then server.py (the composition root) and cli.py on top, imported by nothing.
+The research tools (tools/shardline_tools: the simulator, the length predictor's training) sit
+outside the package: nothing in it imports them. The deciding layers (serving/'s scheduler and
+engine, disagg/'s policies) import no OpenVINO, even indirectly.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "model": set(),
     "wire": set(),
     "decoding": set(),
-    "stage": {"model"},
+    "stage": {"model", "decoding"},
     "export": {"model"},
     "node": {"model", "wire", "stage", "decoding"},
     "pipeline": {"model", "wire", "stage", "decoding", "node"},
@@ -38,6 +43,17 @@ ALLOWED: dict[str, set[str]] = {
 def _layer(path: Path) -> str:
     rel = path.relative_to(ROOT)
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _roots(path: Path) -> set[str]:
+    """Every top-level package a module imports (lazy imports too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
 
 
 def _imports(path: Path) -> set[str]:
@@ -80,3 +96,23 @@ def test_nothing_imports_the_cli_and_only_the_roots_know_every_layer() -> None:
 def test_the_checker_sees_lazy_imports() -> None:
     """A function-level import counts as much as a top-level one (else the rules leak)."""
     assert "export" in _imports(ROOT / "cli.py")
+
+
+def test_the_package_never_imports_the_research_tools() -> None:
+    users = [str(p.relative_to(ROOT)) for p in MODULES if {"shardline_tools", "sklearn"} & _roots(p)]
+    assert users == []
+
+
+# Every module of serving/ and disagg/'s pure decisions, imported in a fresh interpreter: what
+# importing them pulls in, transitively.
+PURE = sorted(f"shardline.serving.{p.stem}" for p in (ROOT / "serving").glob("*.py") if p.stem != "__init__") + [
+    "shardline.disagg.policies", "shardline.disagg.instance", "shardline.disagg.state"]
+
+
+def test_the_deciding_layers_import_no_openvino() -> None:
+    assert "shardline.serving.scheduler" in PURE and "shardline.serving.engine" in PURE
+    script = (f"import sys\nimport {', '.join(PURE)}\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'openvino'))")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"

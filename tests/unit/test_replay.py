@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from shardline.config import SamplingParams
+from shardline.decoding.drafts import Proposal
 from shardline.errors import ShardlineError
 from shardline.pipeline.plan import PrefillStep
-from shardline.serving.drafters import LookupDrafter, Proposal
+from shardline.serving.drafters import LookupDrafter
 from shardline.serving.replay import Replays, refusal
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
 from shardline.serving.speculation import Speculation

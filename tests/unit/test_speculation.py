@@ -11,11 +11,12 @@ import pytest
 from scipy.stats import chisquare
 
 from shardline.config import SamplingParams
+from shardline.decoding.drafts import Proposal
 from shardline.decoding.lookup import PromptLookup
 from shardline.decoding.sampler import choose_at, probabilities
 from shardline.decoding.speculative import Drafted, accepted, verify_draw
 from shardline.pipeline.plan import DecodeStep
-from shardline.serving.drafters import LOOKUP_PRIOR, Proposal
+from shardline.serving.drafters import LOOKUP_PRIOR
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
 from shardline.serving.speculation import (
     PROBE_EVERY,

@@ -15,6 +15,11 @@ from types import MappingProxyType
 
 from shardline.errors import ShardlineError
 
+# A decode predicted to run this many tokens or more is heavy (dispatch weighs heavy decodes
+# apart). 64 is where this model's longer chat answers start: tools/shardline_tools/sim/
+# workloads.py draws its heavy-decode class from here on.
+HEAVY_DECODE_FROM = 64
+
 
 class Role(Enum):
     COUPLED = "coupled"  # prefill and decode on the same instance: the baseline

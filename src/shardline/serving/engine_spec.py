@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 import time
 
+from shardline.decoding.drafts import Proposal
 from shardline.decoding.sampler import Choice
 from shardline.pipeline.plan import DecodeStep, Outcome, Pipeline
-from shardline.serving.drafters import Proposal
 from shardline.serving.scheduler import Scheduler
 from shardline.serving.speculation import Drafts, SpecStats, Speculation, StepCost
 from shardline.serving.stream import Stream

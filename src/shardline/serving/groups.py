@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shardline.decoding.drafts import Proposal
 from shardline.pipeline.plan import DecodeStep
-from shardline.serving.drafters import Proposal
 from shardline.serving.speculation import GroupPace, drafted
 from shardline.serving.stream import Stream
 from shardline.stage.cache import StepInputs

@@ -37,7 +37,7 @@ FORGET = 0.85  # what is left of the time counted so far at each decode step (th
 
 class ChunkCosts:
     """seconds(n, c) = base + per_token * n + per_token_ctx * n * c for a chunk of n tokens after
-    c cached ones (disagg/costs.py's prefill form), least squares with every term >= 0 over the
+    c cached ones (tools/shardline_tools/sim/costs.py's prefill form), least squares with every term >= 0 over the
     latest SAMPLES chunks of each size class; None until one is seen. Kept by size so that the
     fit always sees several sizes once it has: chunks of one size alone cannot tell a chunk's
     fixed cost from its tokens' (and chunk sizes settle as the context grows)."""

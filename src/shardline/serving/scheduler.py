@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK, PacingConfig
+from shardline.decoding.drafts import Proposal
 from shardline.errors import ShardlineError
 from shardline.pipeline.plan import Step, decode, prefill
 from shardline.pipeline.timing import Timing
-from shardline.serving.drafters import Proposal
 from shardline.serving.groups import MAX_ROWS, Groups
 from shardline.serving.pacing import Pacing
 from shardline.serving.speculation import drafted

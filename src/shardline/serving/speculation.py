@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shardline.decoding.drafts import Drafter, Proposal
 from shardline.decoding.speculative import Drafted, accepted
-from shardline.serving.drafters import Drafter, Proposal
 
 PROBE_EVERY = 16
 PRIOR_SLOPE = 0.25  # an extra position's cost relative to a one-position step, until measured

@@ -43,11 +43,11 @@ from functools import partial
 from types import MappingProxyType
 
 from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK
-from shardline.disagg.costs import Costs
-from shardline.disagg.metrics import Interval, RequestRecord, Slo, Summary, summarize
 from shardline.disagg.state import LengthRange, Role
-from shardline.disagg.workloads import RequestSpec
 from shardline.errors import ShardlineError
+from shardline_tools.sim.costs import Costs
+from shardline_tools.sim.metrics import Interval, RequestRecord, Slo, Summary, summarize
+from shardline_tools.sim.workloads import RequestSpec
 
 # The real engine's defaults, not imported: serving/ loads OpenVINO. A unit test keeps them equal.
 MAX_ROWS = 8  # serving/groups.py MAX_ROWS: rows per decode group

@@ -43,7 +43,6 @@ from functools import partial
 from typing import Protocol
 
 from shardline.config import DEFAULT_PREFILL_CHUNK
-from shardline.disagg.costs import Costs
 from shardline.disagg.instance import Admission, FlipConfig, Running, admits, flip
 from shardline.disagg.policies import (
     DEFAULT_PREFILL_BATCH,
@@ -55,7 +54,10 @@ from shardline.disagg.policies import (
     least_loaded_prefill,
     next_batch,
 )
-from shardline.disagg.simulator import (
+from shardline.disagg.state import ClusterState, DecodeLoad, LengthRange, PrefillLoad, Role, sent_decode, sent_prefill
+from shardline.errors import ShardlineError
+from shardline_tools.sim.costs import Costs
+from shardline_tools.sim.simulator import (
     MAX_ROWS,
     MAX_STREAMS,
     EventLoop,
@@ -72,9 +74,7 @@ from shardline.disagg.simulator import (
     requests,
     result,
 )
-from shardline.disagg.state import ClusterState, DecodeLoad, LengthRange, PrefillLoad, Role, sent_decode, sent_prefill
-from shardline.disagg.workloads import THRESHOLDS, RequestSpec
-from shardline.errors import ShardlineError
+from shardline_tools.sim.workloads import THRESHOLDS, RequestSpec
 
 Predict = Callable[[RequestSpec], LengthRange]
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from shardline_tools.lengths.length_data import decode_features, encode_features, make_prompts
+from shardline_tools.lengths.length_train import bucket_count, choose_g, labels, to_predictor
 from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
@@ -18,8 +20,6 @@ from sklearn.preprocessing import StandardScaler
 from shardline.config import SamplingParams
 from shardline.disagg import predictor as pred
 from shardline.disagg.features import FEATURE_KIND
-from shardline.disagg.length_data import decode_features, encode_features, make_prompts
-from shardline.disagg.length_train import bucket_count, choose_g, labels, to_predictor
 from shardline.disagg.predictor import LengthPredictor, NoisyOracle, Oracle
 from shardline.disagg.prefill import trained_predict
 from shardline.disagg.state import LengthRange, bucket

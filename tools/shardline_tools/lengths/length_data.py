@@ -1,6 +1,6 @@
 """The length predictor's dataset: varied chat prompts, each with the model's real output length.
 
-    python -m shardline.disagg.length_data --shards FOLDER --out FILE --prompts N
+    python -m shardline_tools.lengths.length_data --shards FOLDER --out FILE --prompts N
 
 Prompts come from templates (12 task kinds, from a one-word answer to an essay, crossed with
 60 topics and a few phrasings each), drawn with a seed. Each is answered greedily by the export
@@ -272,7 +272,8 @@ def build(folder: Path, count: int, seed: int, max_tokens: int, concurrency: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m shardline.disagg.length_data", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m shardline_tools.lengths.length_data",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--shards", type=Path, required=True, help="the export folder (the target model)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--prompts", type=int, default=300)

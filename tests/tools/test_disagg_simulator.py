@@ -10,16 +10,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+from shardline_tools.sim.costs import Costs
+from shardline_tools.sim.metrics import Slo, merged_seconds
+from shardline_tools.sim.simulator import MAX_PREFILLS, MAX_ROWS, CoupledConfig, SimResult, simulate_coupled
+from shardline_tools.sim.simulator_disagg import DisaggConfig, Transfer, from_length, simulate_disaggregated
+from shardline_tools.sim.workloads import RequestSpec, Workload, generate
 
 from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK
-from shardline.disagg.costs import Costs
 from shardline.disagg.instance import Admission, FlipConfig
-from shardline.disagg.metrics import Slo, merged_seconds
 from shardline.disagg.predictor import NoisyOracle, Oracle
-from shardline.disagg.simulator import MAX_PREFILLS, MAX_ROWS, CoupledConfig, SimResult, simulate_coupled
-from shardline.disagg.simulator_disagg import DisaggConfig, Transfer, from_length, simulate_disaggregated
 from shardline.disagg.state import Role
-from shardline.disagg.workloads import RequestSpec, Workload, generate
 from shardline.errors import ShardlineError
 
 # Round figures so every expected time below is a short sum.

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from shardline.disagg.metrics import (
+from shardline_tools.sim.metrics import (
     Percentiles,
     RequestRecord,
     Slo,
@@ -15,6 +14,7 @@ from shardline.disagg.metrics import (
     percentile,
     summarize,
 )
+
 from shardline.errors import ShardlineError
 
 # arrival, first token, finish, tokens -> TTFT, JCT, TPOT

@@ -1,6 +1,6 @@
 """Train the length predictor offline (scikit-learn) and write it as the JSON predictor.py loads.
 
-    python -m shardline.disagg.length_train --data FILE --out MODEL.json
+    python -m shardline_tools.lengths.length_train --data FILE --out MODEL.json
 
 For each candidate bucket width g: the buckets are [i*g, (i+1)*g), as many as it takes for the
 open last bucket to hold the dataset's max_tokens cap (answers that reached it are censored:
@@ -43,9 +43,9 @@ from sklearn.pipeline import Pipeline, make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from shardline.disagg.files import write_text_atomic
-from shardline.disagg.length_data import read_dataset
 from shardline.disagg.predictor import LengthPredictor
 from shardline.errors import ShardlineError
+from shardline_tools.lengths.length_data import read_dataset
 
 CANDIDATE_G = (16, 32, 64, 128)
 C_GRID = (1e-4, 1e-3, 1e-2, 1e-1)  # many features (1153) for few prompts: strong L2 (weaker ones never won)
@@ -160,7 +160,8 @@ def train(data: Path, seed: int, candidates: tuple[int, ...]) -> tuple[LengthPre
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m shardline.disagg.length_train", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m shardline_tools.lengths.length_train",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=Path, required=True, help="a dataset of length_data")
     ap.add_argument("--out", type=Path, required=True, help="the model file (JSON)")
     ap.add_argument("--seed", type=int, default=0)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shardline.disagg.state import HEAVY_DECODE_FROM
 from shardline.errors import ShardlineError
 
 CLASSES = ("LPLD", "LPHD", "HPLD", "HPHD")
@@ -56,7 +57,7 @@ class Thresholds:
     light_prompt: Range = (32, 128)
     heavy_prompt: Range = (256, 1024)
     light_decode: Range = (8, 32)
-    heavy_decode: Range = (64, 256)
+    heavy_decode: Range = (HEAVY_DECODE_FROM, 256)
     context: int = 8192  # the model's context: the longest request must fit it
 
     def __post_init__(self) -> None:

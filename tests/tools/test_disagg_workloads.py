@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from scipy import stats
-
-from shardline.disagg.workloads import (
+from shardline_tools.sim.workloads import (
     CLASSES,
     KINDS,
     RequestSpec,
@@ -15,6 +14,7 @@ from shardline.disagg.workloads import (
     describe,
     generate,
 )
+
 from shardline.errors import ShardlineError
 
 

@@ -1,0 +1,166 @@
+"""A draft model on the coordinator: a small model (its own export folder, one stage, the
+target's tokenizer), or the target's first L layers (self-speculation). Each stream has its own
+request (KV) on the shared `DraftModel`, which catches up on the tokens the target accepted and
+masks the drafts it rejected, like the target's stages (KVBook). While the stream's step is out
+on remote stages, it catches up or draws ahead (`follow`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from itertools import count
+from pathlib import Path
+
+import numpy as np
+
+from shardline.config import COMPACT_AT, RunConfig, SamplingParams
+from shardline.decoding.drafts import Draw, Proposal, draw, proposal
+from shardline.errors import ShardlineError
+from shardline.model.manifest import Manifest, load_manifest, verify
+from shardline.stage.cache import KVBook
+from shardline.stage.runner import StageRunner
+
+CATCH_UP_CHUNK = 256  # tokens per draft-model call when it catches up (a prompt)
+
+
+class DraftModel:
+    """One draft export folder, compiled once, shared by every stream's drafter."""
+
+    def __init__(self, folder: Path, target: Manifest, run: RunConfig | None = None) -> None:
+        try:
+            self.manifest = load_manifest(folder)
+        except ShardlineError as e:
+            raise ShardlineError(f"draft model: {e}") from None
+        verify(folder, self.manifest)
+        if len(self.manifest.stages) != 1:
+            raise ShardlineError(f"draft model {folder} has {len(self.manifest.stages)} stages; export it as one")
+        if self.manifest.arch.vocab != target.arch.vocab or \
+                self.manifest.files.get("tokenizer.json") != target.files.get("tokenizer.json"):
+            raise ShardlineError(f"draft model {folder} does not share the target's tokenizer")
+        self.runner = StageRunner(folder, self.manifest.stages[0], run or RunConfig(), vocab=self.manifest.arch.vocab)
+        self.lock = threading.Lock()  # one call at a time (the engine thread; a bench may share it)
+        self._keys = count(1)
+        self.token_s = self._time_one_token()
+
+    def _time_one_token(self, calls: int = 5) -> float:
+        """Seconds one draft token costs, measured once now (a drafter starts from it, so auto K
+        knows from its first step whether drafts can pay: a draft model as dear as the target
+        never can on a fast link, and then is never even tried)."""
+        book, took = KVBook(), []
+        self.runner.open(0)
+        try:
+            for _ in range(calls):
+                inputs = book.plan([0])
+                start = time.perf_counter()
+                self.runner.run(0, inputs)
+                took.append(time.perf_counter() - start)
+                book.commit(inputs)
+        finally:
+            self.runner.close(0)
+        return float(np.median(took[1:]))  # the first call warms the request up
+
+    def drafter(self) -> ModelDrafter:
+        return ModelDrafter(self, next(self._keys))
+
+
+class ModelDrafter:
+    """A stream's drafts from the draft model. Its KV holds the stream's accepted text (`fed`
+    tokens) and then `pending`: drafts fed but not yet accepted. `drafts` is the chain drawn past
+    the accepted text: `pending` and the newest draw (fed only when the next is drawn).
+
+    The chain may run past the drafts in flight (`follow`, while remote stages verify them): the
+    first extra draft guesses the target's own next token. When every draft in flight stood and
+    the target chose that guess, the drafts after it are ready for the next step at no cost;
+    otherwise `_sync` masks what the target did not accept, like the target's stages do."""
+
+    def __init__(self, model: DraftModel, key: int) -> None:
+        self.model, self.key = model, key
+        self.book = KVBook()
+        self.fed = 0  # tokens of the stream's context in the draft's KV (attended)
+        self.drafts: list[Draw] = []
+        self.pending = 0  # drafts[:pending] are in the KV, after the `fed` tokens
+        self.cost_s = model.token_s
+        self._logits: np.ndarray | None = None  # after the KV's last token, until drawn from
+        model.runner.open(key)
+
+    def propose(self, context: list[int], k: int, params: SamplingParams) -> Proposal:
+        with self.model.lock:
+            self._compact_if_needed()
+            self._sync(context)
+            while len(self.drafts) < k:
+                self._extend(params)
+        return proposal(self.drafts[:k], params)
+
+    def ready(self, context: list[int]) -> int:
+        """Drafts that would follow `context` without drawing any (drawn ahead earlier)."""
+        new = context[self.fed:]
+        return len(self.drafts) - len(new) if self._follows(new) else 0
+
+    def follow(self, context: list[int], params: SamplingParams, limit: int) -> bool:
+        """Idle time (the stream's step is out on remote stages): catch up with the accepted
+        text `context` if behind (a stream that offered no drafts lately), else draw one more
+        draft past the chain, up to `limit` in all. Whether the draft model ran."""
+        with self.model.lock:
+            behind = not self._follows(context[self.fed:])
+            self._sync(context)
+            if behind:
+                return True
+            if len(self.drafts) >= limit or (not self.drafts and self._logits is None):
+                return False
+            self._extend(params)
+        return True
+
+    def close(self) -> None:
+        with self.model.lock:
+            self.model.runner.close(self.key)
+
+    def _follows(self, new: list[int]) -> bool:
+        """Whether the accepted tokens `new` (past `fed`) are all drafts already in the KV."""
+        return len(new) <= self.pending and all(d.token == t for d, t in zip(self.drafts, new, strict=False))
+
+    def _sync(self, context: list[int]) -> None:
+        """Make the KV hold `context` (which extends the accepted text) and the drafts that still
+        follow it: pending drafts the target accepted stay, the rest are masked out."""
+        new = context[self.fed:]
+        if self._follows(new):
+            self.fed, self.pending, self.drafts = len(context), self.pending - len(new), self.drafts[len(new):]
+            return
+        same = 0
+        while same < min(len(new), self.pending) and self.drafts[same].token == new[same]:
+            same += 1
+        self.book.mask_last(self.pending - same)
+        self.drafts, self.pending = [], 0
+        self._logits = self._feed(new[same:])
+        self.fed = len(context)
+
+    def _extend(self, params: SamplingParams) -> None:
+        """Draw the next draft (feeding the newest first: drafts are conditioned on each other)."""
+        if self.drafts:
+            logits = self._feed([self.drafts[-1].token])
+            self.pending += 1
+        elif self._logits is not None:
+            logits, self._logits = self._logits, None
+        else:
+            raise ShardlineError("the draft model has nothing to draw from")
+        self.drafts.append(draw(logits, params, self.book.position))
+
+    def _feed(self, tokens: list[int]) -> np.ndarray:
+        """Run `tokens` through the draft model (in chunks); the logits after the last. A call
+        of one token is what each draft costs (`cost_s`); catching up on a prompt is not."""
+        if not tokens:
+            raise ShardlineError("nothing to feed the draft model")
+        start = time.perf_counter()
+        for at in range(0, len(tokens), CATCH_UP_CHUNK):
+            inputs = self.book.plan(tokens[at: at + CATCH_UP_CHUNK])
+            out = self.model.runner.run(self.key, inputs)
+            self.book.commit(inputs)
+        if len(tokens) == 1:
+            took = time.perf_counter() - start
+            self.cost_s = took if not self.cost_s else 0.8 * self.cost_s + 0.2 * took
+        return np.asarray(out[0, -1], np.float32)
+
+    def _compact_if_needed(self, at: int = COMPACT_AT) -> None:
+        if self.book.masked >= at:
+            slots = self.book.slots
+            self.model.runner.compact(self.key, self.book.compact(), slots)
