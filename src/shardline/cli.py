@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from shardline.wire.tls import Credentials
 
 
+DEVICE_HELP = "OpenVINO device (CPU, GPU, NPU, ...), or one per stage run here: CPU,GPU"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardline", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -70,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int)
     g.add_argument("--raw", action="store_true", help="no chat template: continue the text as given")
-    g.add_argument("--device", default="CPU", help="OpenVINO device name (CPU, GPU, NPU, ...)")
+    g.add_argument("--device", default="CPU", help=DEVICE_HELP)
     _placement_flags(g)
     _activations_flag(g)
     g.add_argument("--topology", choices=("chain", "star"), default="chain")
@@ -88,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="shard folder; what it lacks (it may be empty) comes from the coordinator, verified, cached")
     w.add_argument("--stage", required=True, help="K or K-L (stage 0 runs on the coordinator)")
     w.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any free port)")
-    w.add_argument("--device", default="CPU")
+    w.add_argument("--device", default="CPU", help=DEVICE_HELP + " (of the stages this worker serves)")
     w.add_argument("--precision", choices=PRECISIONS, default="exact")
     w.add_argument("--threads", type=int, help="OpenVINO threads per stage")
     _context_flags(w)
@@ -121,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let pages from this origin (e.g. http://localhost:3000, or *) call the API; repeatable")
     s.add_argument("--threads", type=int, help="OpenVINO threads per stage")
-    s.add_argument("--device", default="CPU")
+    s.add_argument("--device", default="CPU", help=DEVICE_HELP)
     s.add_argument("--precision", choices=PRECISIONS, default="exact")
     _context_flags(s)
     _activations_flag(s)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from shardline.errors import ShardlineError
@@ -79,8 +79,20 @@ KV_PRECISIONS = ("f32", "f16", "u8")  # the KV cache as the device keeps it (mod
 MAX_CONTEXT = 1 << 24  # tokens; no model here has more (a bound for hostile flags)
 
 
+# A device that spans others names them after a colon ("HETERO:GPU,CPU"): one device, not a list.
+_VIRTUAL_DEVICES = ("HETERO:", "AUTO:", "MULTI:", "BATCH:")
+
+
+def _devices(device: str) -> tuple[str, ...]:
+    if device.upper().startswith(_VIRTUAL_DEVICES):
+        return (device,)
+    return tuple(d.strip() for d in device.split(","))
+
+
 @dataclass(frozen=True)
 class RunConfig:
+    # The OpenVINO device of every stage run here, or one per stage ("CPU,GPU": stage 0 on the
+    # CPU, stage 1 on the GPU); `for_stage` gives each stage's own config.
     device: str = "CPU"
     # How a stage computes (weights are fixed at export):
     # - "exact" (default): f32 compute, f32 KV cache, no dynamic int8 quantization of
@@ -107,6 +119,9 @@ class RunConfig:
     kv_precision: str | None = None
 
     def __post_init__(self) -> None:
+        if any(not d or len(d) > 64 or any(c.isspace() for c in d) for d in self.devices):
+            raise ShardlineError(f"--device takes one OpenVINO device name, or one per stage separated by "
+                                 f"commas (CPU, GPU.0, NPU, CPU,GPU), got {self.device!r}")
         if self.precision not in PRECISIONS:
             raise ShardlineError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.threads is not None and self.threads < 1:
@@ -117,6 +132,24 @@ class RunConfig:
             raise ShardlineError(f"--kv-precision must be one of {', '.join(KV_PRECISIONS)}, got {self.kv_precision!r}")
 
     @property
+    def devices(self) -> tuple[str, ...]:
+        return _devices(self.device)
+
+    def for_stage(self, k: int, n: int) -> RunConfig:
+        """Stage k's config of the n stages run here: its own device (one device: every stage's)."""
+        devices = self.devices
+        if len(devices) == 1:
+            return self
+        if len(devices) != n:
+            raise ShardlineError(f"--device names {len(devices)} devices ({self.device}) for {n} stages here: "
+                                 f"give one device, or one per stage")
+        return replace(self, device=devices[k])
+
+    @property
+    def _cpu(self) -> bool:
+        return all(d.upper().startswith("CPU") for d in self.devices)
+
+    @property
     def kv(self) -> str | None:
         """The KV cache precision asked of the device (None: the device's default)."""
         if self.kv_precision is not None:
@@ -124,19 +157,19 @@ class RunConfig:
         if self.precision == "exact":
             return "f32"
         # the CPU plugin's own default, made explicit so that it is reported and sized truly
-        return "u8" if self.precision in ("fast", "rounded") and self.device.upper().startswith("CPU") else None
+        return "u8" if self.precision in ("fast", "rounded") and self._cpu else None
 
     def ov_properties(self) -> dict[str, str]:
         props: dict[str, str] = {}
         if self.precision == "exact":
             props |= {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
-        elif self.precision in ("fast", "rounded") and self.device.upper().startswith("CPU"):
+        elif self.precision in ("fast", "rounded") and self._cpu:
             props["INFERENCE_PRECISION_HINT"] = "f32"
         if self.kv is not None:
             props["KV_CACHE_PRECISION"] = self.kv
         if self.threads:
             props["INFERENCE_NUM_THREADS"] = str(self.threads)
-        if not self.pinned and self.device.upper().startswith("CPU"):
+        if not self.pinned and self._cpu:
             props["ENABLE_CPU_PINNING"] = "NO"
         return props
 

@@ -17,6 +17,7 @@ numpy and openvino only: this runs on serving nodes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +76,8 @@ class FeatureExtractor:
         self.model_hash = manifest.model_hash
         self.size = feature_size(manifest.arch.hidden)
         self.chunk = chunk
-        self.runner = StageRunner(folder, manifest.stages[0], run or RunConfig(precision="exact"),
+        run = run or RunConfig(precision="exact")
+        self.runner = StageRunner(folder, manifest.stages[0], replace(run, device=run.devices[0]),
                                   vocab=manifest.arch.vocab)
 
     def __call__(self, tokens: Sequence[int]) -> np.ndarray:

@@ -70,8 +70,8 @@ class Shard:
     def _load(self, manifest: Manifest) -> None:
         entries = manifest.stages[self.first : self.last + 1]
         context = run_context(manifest.arch, self.run.context)
-        self.stages = [StageRunner(self.folder, e, self.run, vocab=manifest.arch.vocab, context=context)
-                       for e in entries]
+        self.stages = [StageRunner(self.folder, e, self.run.for_stage(k, len(entries)), vocab=manifest.arch.vocab,
+                                   context=context) for k, e in enumerate(entries)]
         self.is_last = entries[-1].has_head
         self.hello = Hello(PROTOCOL, Role.WORKER, manifest.model_hash, entries[0].first_layer,
                            entries[-1].last_layer, manifest.weights, Activations.ANY, "", context)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from itertools import count
 from pathlib import Path
 
@@ -38,7 +39,10 @@ class DraftModel:
         if self.manifest.arch.vocab != target.arch.vocab or \
                 self.manifest.files.get("tokenizer.json") != target.files.get("tokenizer.json"):
             raise ShardlineError(f"draft model {folder} does not share the target's tokenizer")
-        self.runner = StageRunner(folder, self.manifest.stages[0], run or RunConfig(), vocab=self.manifest.arch.vocab)
+        run = run or RunConfig()
+        # beside stage 0, on its device
+        self.runner = StageRunner(folder, self.manifest.stages[0], replace(run, device=run.devices[0]),
+                                  vocab=self.manifest.arch.vocab)
         self.lock = threading.Lock()  # one call at a time (the engine thread; a bench may share it)
         self._keys = count(1)
         self.token_s = self._time_one_token()

@@ -57,6 +57,8 @@ class StageRunner:
     def __init__(self, folder: Path, entry: StageEntry, run: RunConfig, core: ov.Core | None = None,
                  vocab: int | None = None, context: int | None = None) -> None:
         """`context`: steps with a position at or past it are refused (None: no bound here)."""
+        if len(run.devices) != 1:
+            raise ShardlineError(f"{entry.name} runs on one device, not {run.device} (RunConfig.for_stage)")
         self.entry = entry
         self.context = context
         core = core or ov.Core()
