@@ -10,63 +10,45 @@ which drafts, drawn from which distributions, to verify there). Keys are those o
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import replace
 
 import numpy as np
 
-from shardline.decoding.sampler import Choice, choose_at
+from shardline.decoding.sampler import Choice
 from shardline.decoding.speculative import Drafted
-from shardline.errors import StepRefused
-from shardline.stage.cache import StepInputs, logits_index
-from shardline.stage.merge import prepare
+from shardline.stage import executor as stage_work
+from shardline.stage.cache import StepInputs
 from shardline.stage.runner import StageRunner
+from shardline.stage.work import StageWork
 from shardline.wire.messages import Forward, Sampled, runs_to_mask
 
 Scope = Callable[[int], Hashable]
 
 
-def inputs_of(msg: Forward) -> StepInputs:
-    """The stages' inputs for a Forward: the mask from its runs; rows dropped by `keep` (when
-    nothing is merged) through the graph's beam_idx."""
+def work_of(msg: Forward, scope: Scope) -> StageWork:
+    """What the worker's stages do for a Forward: the mask from its runs; rows dropped by
+    `keep` (when nothing is merged) through the graph's beam_idx; keys scoped to the session."""
     b = msg.hidden.shape[0]
     beam = msg.keep.astype(np.int32) if msg.keep.size and not msg.merge.size else None
-    return StepInputs(np.zeros((b, 0), np.int64), runs_to_mask(msg.mask_runs, b, msg.slots), msg.position_ids, beam)
-
-
-def run_stages(stages: list[StageRunner], msg: Forward, scope: Scope,
-               graph_s: list[float], clock: Callable[[], float]) -> np.ndarray:
-    """Prepare and run every stage (raises StepRefused for a step that does not fit); returns
-    hidden states, or on the last stage the logits of the sampled positions. `graph_s` gets
-    each stage's graph time."""
-    key = scope(msg.key)
-    merge = [scope(int(m)) for m in msg.merge]
-    vocab = stages[-1].vocab if stages[-1].entry.has_head else None
-    if vocab and msg.q_ids is not None and msg.q_ids.size and int(msg.q_ids.max()) >= vocab:
-        raise StepRefused(f"draft ids outside the vocabulary of {vocab}")  # before any state changes
-    inputs, compact = inputs_of(msg), None
-    if msg.compact:
-        index, inputs = inputs.compacted()
-        compact = (index, msg.slots - inputs.new_tokens)
-    out = msg.hidden.astype(np.float32, copy=False)
-    for stage in stages:
-        prepare(stage, key, first=msg.first, keep=msg.keep.tolist(), merge=merge, compact=compact)
-        step = inputs
-        if stage.entry.has_head:
-            step = replace(inputs, logits_index=logits_index(msg.sample_at, inputs.rows)[0])
-        start = clock()
-        out = stage.run(key, step, out)
-        graph_s.append(clock() - start)
-    return out
-
-
-def sampled(msg: Forward, logits: np.ndarray, hops: Callable[[], np.ndarray]) -> Sampled:
-    """The last stage's answer: a choice for every (row, t) of `sample_at`, in that order
-    (`hops` is called once the choices are made, so the worker's host time includes them)."""
-    pick = logits_index(msg.sample_at, msg.hidden.shape[0])[1]
+    inputs = StepInputs(np.zeros((b, 0), np.int64), runs_to_mask(msg.mask_runs, b, msg.slots), msg.position_ids, beam)
     drafted = None
     if msg.drafts is not None and msg.q_ids is not None and msg.q_probs is not None:
         drafted = Drafted(msg.drafts, msg.q_ids, msg.q_probs)
-    choices = choose_at(logits, msg.sample_at, pick, msg.position_ids, msg.sampling, msg.want_logits, drafted)
+    return StageWork(scope(msg.key), inputs, msg.sample_at, msg.sampling, first=msg.first,
+                     keep=msg.keep.tolist(), merge=[scope(int(m)) for m in msg.merge], compact=msg.compact,
+                     want_logits=msg.want_logits, drafted=drafted)
+
+
+def run_stages(stages: list[StageRunner], work: StageWork, msg: Forward,
+               graph_s: list[float], clock: Callable[[], float]) -> np.ndarray:
+    """Every stage of the worker in order (raises StepRefused for a step that does not fit);
+    returns hidden states, or on the last stage the logits of the sampled positions."""
+    return stage_work.run(stages, work, msg.hidden.astype(np.float32, copy=False), graph_s, clock)
+
+
+def sampled(msg: Forward, work: StageWork, logits: np.ndarray, hops: Callable[[], np.ndarray]) -> Sampled:
+    """The last stage's answer: a choice for every (row, t) of `sample_at`, in that order
+    (`hops` is called once the choices are made, so the worker's host time includes them)."""
+    choices = stage_work.sample(work, logits)
     top_ids, top_lp = _tops(choices, max((p.top_logprobs for p in msg.sampling), default=0))
     logits_out = np.stack([c.logits for c in choices if c.logits is not None]) if msg.want_logits and choices \
         else None

@@ -42,7 +42,7 @@ from shardline.config import RunConfig
 from shardline.errors import ShardlineError, StepRefused
 from shardline.host import parse_hostport, trim_memory_every
 from shardline.node import kv
-from shardline.node.execute import run_stages, sampled
+from shardline.node.execute import run_stages, sampled, work_of
 from shardline.node.session import MAX_QUEUED, Ended, Item, Received, Routed, Session, check_peer
 from shardline.node.shard import Shard
 from shardline.stage.runner import StageRunner
@@ -361,9 +361,11 @@ class StageWorker:
         assert isinstance(msg, Forward)
         graph_s: list[float] = []
         try:
-            out = run_stages(self.stages, msg, lambda k: (session.no, k), graph_s, time.perf_counter)
-            reply: Message = sampled(msg, out, lambda: self._hops(msg, graph_s, item)) if self.shard.is_last else \
-                replace(msg, hidden=out.astype(msg.hidden.dtype, copy=False), hops=self._hops(msg, graph_s, item))
+            work = work_of(msg, lambda k: (session.no, k))
+            out = run_stages(self.stages, work, msg, graph_s, time.perf_counter)
+            hops = lambda: self._hops(msg, graph_s, item)  # noqa: E731 - taken last, after sampling
+            reply: Message = sampled(msg, work, out, hops) if self.shard.is_last else \
+                replace(msg, hidden=out.astype(msg.hidden.dtype, copy=False), hops=hops())
         except Exception as e:  # noqa: BLE001 - the step fails alone, and its coordinator hears why
             why = str(e) if isinstance(e, StepRefused) else f"{type(e).__name__}: {e}"
             return self._send(session.coordinator, StepFailed(msg.key, msg.seq, why))

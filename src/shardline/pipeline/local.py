@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import numpy as np
 import openvino as ov
 
 from shardline.config import RunConfig
-from shardline.decoding.sampler import choose_at
+from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError, StepRefused
 from shardline.model.context import run_context
 from shardline.model.manifest import Manifest, load_manifest, verify
@@ -34,11 +34,11 @@ from shardline.pipeline import metrics
 from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import KvSnapshot, StageKv, StageLayout, check, export_identity, frozen, snapshot
-from shardline.pipeline.plan import DecodeStep, Outcome, Placed, PrefillStep, Step
+from shardline.pipeline.plan import Outcome, Placed, PrefillStep, Step
 from shardline.pipeline.timing import Timing
-from shardline.stage.cache import StepInputs, logits_index
-from shardline.stage.merge import prepare as prepare_stage
+from shardline.stage import executor as stage_work
 from shardline.stage.runner import StageRunner
+from shardline.stage.work import StageWork
 
 
 @dataclass
@@ -94,7 +94,7 @@ class _Undo:
 
 
 _Control = _Release | _Export | _Import | _Undo
-_Work = tuple[Step, "np.ndarray | None", _Trace] | _Control | None  # None stops the thread
+_Work = tuple[Step, StageWork, "np.ndarray | None", _Trace] | _Control | None  # None stops the thread
 
 
 class LocalPipeline:
@@ -114,7 +114,9 @@ class LocalPipeline:
         core = ov.Core()
         vocab = self.manifest.arch.vocab
         self.context = run_context(self.manifest.arch, run.context)
-        self.stages = [StageRunner(folder, e, run, core, vocab, self.context) for e in self.manifest.stages]
+        n = len(self.manifest.stages)
+        self.stages = [StageRunner(folder, e, run.for_stage(k, n), core, vocab, self.context)
+                       for k, e in enumerate(self.manifest.stages)]
         self.n_stages = len(self.stages)
         self.outbox = Outbox()
         self._inboxes: list[queue.Queue[_Work]] = [queue.Queue() for _ in self.stages]
@@ -125,7 +127,7 @@ class LocalPipeline:
     def submit(self, step: Step) -> None:
         """Start `step`; one outcome per row comes out of `outcomes`."""
         self._start_threads()
-        self._inboxes[0].put((step, None, _Trace(step.phase.value)))
+        self._inboxes[0].put((step, step.work(), None, _Trace(step.phase.value)))
 
     def release(self, key: int) -> None:
         """Free `key` on every stage, after every step submitted before."""
@@ -220,25 +222,21 @@ def _stage_loop(k: int, stage: StageRunner, inboxes: list[queue.Queue[_Work]], o
         nxt.put(None)
 
 
-def _step(k: int, stage: StageRunner, work: tuple[Step, np.ndarray | None, _Trace], nxt: queue.Queue[_Work] | None,
-          outbox: Outbox, tap: bool = False) -> None:
-    step, hidden, trace = work
+def _step(k: int, stage: StageRunner, item: tuple[Step, StageWork, np.ndarray | None, _Trace],
+          nxt: queue.Queue[_Work] | None, outbox: Outbox, tap: bool = False) -> None:
+    step, work, hidden, trace = item
     try:
-        inputs = prepare(stage, step)
-        if nxt is None:
-            index, pick = logits_index(step.sample_at, inputs.rows)
-            inputs = replace(inputs, logits_index=index)
-        start = time.perf_counter()
-        out = stage.run(step.key, inputs, hidden)
-        trace.graph_s[k] = time.perf_counter() - start
+        graph_s: list[float] = []
+        out = stage_work.run([stage], work, hidden, graph_s)
+        trace.graph_s[k] = graph_s[0]
         if tap and isinstance(step, PrefillStep):
             trace.hidden = HiddenChunk.of(out)  # copied now: `out` is reused by the key's next step
         if nxt is not None:
             # `out` is a view of this stage's output for this key; the key's next step comes
             # here only after this one's outcomes, so the view lives until stage k+1 reads it.
-            nxt.put((step, out, trace))
+            nxt.put((step, work, out, trace))
         else:
-            finish(outbox, step, out, pick, trace.timing(), trace.hidden)
+            finish(outbox, step, stage_work.sample(work, out), trace.timing(), trace.hidden)
     except Exception as e:  # noqa: BLE001 - the rows fail (with the reason); the stage goes on
         why = str(e) if isinstance(e, StepRefused) else f"{type(e).__name__}: {e}"
         fail(outbox, step, f"stage {k}: {why}")
@@ -324,23 +322,10 @@ def _stage_layout(stage: StageRunner) -> StageLayout:
     return StageLayout(stage.entry.first_layer, stage.entry.last_layer, states)
 
 
-def prepare(stage: StageRunner, step: Step) -> StepInputs:
-    """Ready `stage`'s state for `step` (open, merge or compact); the inputs to run it with."""
-    if isinstance(step, DecodeStep):
-        compact, inputs = step.run_inputs()
-        prepare_stage(stage, step.key, first=False, keep=step.keep, merge=step.merge, compact=compact)
-        return inputs
-    prepare_stage(stage, step.key, first=isinstance(step, PrefillStep) and step.first, keep=(), merge=())
-    return step.inputs
-
-
-def finish(outbox: Outbox, step: Step, logits: np.ndarray, pick: np.ndarray, timing: Timing,
+def finish(outbox: Outbox, step: Step, choices: list[Choice], timing: Timing,
            hidden: HiddenChunk | None = None) -> None:
-    """Sample every asked position, then post one outcome per row (its choices in order; a
-    prefill chunk's one row with its stage-0 summary, if made)."""
-    drafted = step.drafted if isinstance(step, DecodeStep) else None
-    choices = choose_at(logits, step.sample_at, pick, step.inputs.position_ids, list(step.sampling),
-                        step.want_logits, drafted)
+    """Post one outcome per row: its choices in order (a prefill chunk's one row with its
+    stage-0 summary, if made)."""
     metrics.observe(timing, len(step.streams))
     rows = step.sample_at[:, 0].tolist()
     for r, stream in enumerate(step.streams):

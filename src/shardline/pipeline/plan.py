@@ -17,9 +17,10 @@ last stage computes logits for those alone and the sampler chooses a token at ea
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import ClassVar, NewType, Protocol
 
 import numpy as np
 
@@ -31,13 +32,20 @@ from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.kv import KvSnapshot
 from shardline.pipeline.timing import Timing
 from shardline.stage.cache import KVBook, StepInputs
+from shardline.stage.work import StageWork
 from shardline.wire.messages import Phase
+
+# Identity and state are apart: a stream keeps its id for life (its outcomes name it), while the
+# KV state it runs on is a lease, a key every stage holds state under: the stream's own, or its
+# decode group's (negative). A replay or a move to another instance takes a new lease.
+StreamId = NewType("StreamId", int)
+Lease = NewType("Lease", int)
 
 
 @dataclass(frozen=True)
 class Step:
-    key: int  # what every stage holds this step's KV under: the stream, or its decode group
-    streams: tuple[int, ...]  # the stream of each row
+    key: int  # the lease every stage holds this step's KV under: the stream's own, or its group's
+    streams: tuple[int, ...]  # the stream of each row (StreamId)
     sampling: tuple[SamplingParams, ...]  # per row
     inputs: StepInputs
     sample_at: np.ndarray  # [E, 2] i64: (row, t) whose next token is wanted, rows in order
@@ -54,17 +62,25 @@ class Step:
         """How many tokens row `row` asks for."""
         return int((self.sample_at[:, 0] == row).sum())
 
+    def work(self) -> StageWork:
+        """What every stage does for this step (stage/work.py)."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class PrefillStep(Step):
     first: bool = True  # the stream's first chunk: every stage opens a fresh request for it
     phase: ClassVar[Phase] = Phase.PREFILL
 
+    def work(self) -> StageWork:
+        return StageWork(self.key, self.inputs, self.sample_at, self.sampling, first=self.first,
+                         want_logits=self.want_logits)
+
 
 @dataclass(frozen=True)
 class DecodeStep(Step):
     keep: tuple[int, ...] = ()  # rows of the key's state kept, in order (empty: all, as they are)
-    merge: tuple[int, ...] = ()  # streams whose own state is appended after the kept rows
+    merge: tuple[int, ...] = ()  # the leases of the streams whose own state is appended after the kept rows
     # Before running, every stage drops the slots the inputs' mask (given over the cache as it
     # is) never attends again; the step then runs over the compacted cache (StepInputs.compacted).
     compact: bool = False
@@ -76,12 +92,30 @@ class DecodeStep(Step):
         if self.compact and (self.keep or self.merge or self.inputs.beam_idx is not None):
             raise ShardlineError("a step that merges or drops rows cannot also compact")
 
-    def run_inputs(self) -> tuple[tuple[np.ndarray, int] | None, StepInputs]:
-        """What each stage compacts before this step (None: nothing) and the inputs it runs."""
-        if not self.compact:
-            return None, self.inputs
-        index, inputs = self.inputs.compacted()
-        return (index, self.inputs.attention_mask.shape[1] - self.inputs.new_tokens), inputs
+    def work(self) -> StageWork:
+        return StageWork(self.key, self.inputs, self.sample_at, self.sampling, keep=self.keep, merge=self.merge,
+                         compact=self.compact, want_logits=self.want_logits, drafted=self.drafted)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One round's stage work, in the order a pipeline takes it: the keys released first, then
+    the steps. (A group emptied this round may be re-entered by this round's steps, a joiner
+    merged into its key; a release after that merge would free the new state.)"""
+
+    releases: tuple[int, ...] = ()
+    steps: tuple[Step, ...] = ()
+
+
+def execute(pipe: Pipeline, plan: Plan, failed: Callable[[Step, str], None]) -> None:
+    """Hand `plan` to `pipe` in its order; a step that cannot start fails its rows (`failed`)."""
+    for key in plan.releases:
+        pipe.release(key)
+    for step in plan.steps:
+        try:
+            pipe.submit(step)
+        except Exception as e:  # noqa: BLE001 - a step that cannot start fails its streams
+            failed(step, f"{type(e).__name__}: {e}")
 
 
 @dataclass(frozen=True)
@@ -135,25 +169,28 @@ class Pipeline(Protocol):
 
 
 def prefill(stream: int, book: KVBook, tokens: list[int], params: SamplingParams, *, first: bool,
-            last: bool, want_logits: bool = False) -> PrefillStep:
-    """A prompt chunk of `stream`, committed to its book (its next step is planned after this
-    one is sent): the last chunk samples the token after its last position."""
+            last: bool, want_logits: bool = False, key: int | None = None) -> PrefillStep:
+    """A prompt chunk of `stream` on its lease `key` (None: the stream's id), committed to its
+    book (its next step is planned after this one is sent): the last chunk samples the token
+    after its last position."""
     inputs = book.plan(tokens)
     book.commit(inputs)
     at = np.array([[0, len(tokens) - 1]] if last else np.zeros((0, 2)), np.int64)
-    return PrefillStep(stream, (stream,), (params,), inputs, at, want_logits, first=first)
+    return PrefillStep(stream if key is None else key, (stream,), (params,), inputs, at, want_logits, first=first)
 
 
 def decode(stream: int, book: KVBook, tokens: list[int], params: SamplingParams, *, sample_all: bool = False,
-           want_logits: bool = False, compact: bool = False, drafted: Drafted | None = None) -> DecodeStep:
-    """`tokens` fed to one stream on its own state, committed to its book: the next token after
-    the last (or, with `sample_all`, after each of them, as a verify step needs); `compact`
-    first drops the cache's masked slots (the book's too)."""
+           want_logits: bool = False, compact: bool = False, drafted: Drafted | None = None,
+           key: int | None = None) -> DecodeStep:
+    """`tokens` fed to one stream on its own state (lease `key`; None: the stream's id),
+    committed to its book: the next token after the last (or, with `sample_all`, after each of
+    them, as a verify step needs); `compact` first drops the cache's masked slots (the book's too)."""
     inputs = book.plan(tokens)
     book.commit(inputs.compacted()[1] if compact else inputs)
     ts = range(len(tokens)) if sample_all else [len(tokens) - 1]
     at = np.array([[0, t] for t in ts], np.int64)
-    return DecodeStep(stream, (stream,), (params,), inputs, at, want_logits, compact=compact, drafted=drafted)
+    return DecodeStep(stream if key is None else key, (stream,), (params,), inputs, at, want_logits, compact=compact,
+                      drafted=drafted)
 
 
 def run(pipe: Pipeline, step: Step, timeout: float | None = 600.0) -> list[Outcome]:

@@ -48,12 +48,12 @@ from shardline.pipeline.held import needs
 from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import KvSnapshot
-from shardline.pipeline.local import prepare
 from shardline.pipeline.plan import Outcome, Placed, PrefillStep, Step
 from shardline.pipeline.remote_kv import KV_S, KvExport, KvHeld, KvImport, KvMoves, KvWork
 from shardline.pipeline.repair import reopen
 from shardline.pipeline.star import StarRefused, relay
 from shardline.pipeline.timing import breakdown
+from shardline.stage import executor as stage_work
 from shardline.stage.runner import StageRunner
 from shardline.wire.codec import WireError
 from shardline.wire.link import Link, LinkClosed, Refused
@@ -119,7 +119,8 @@ class RemotePipeline:
         verify(folder, self.manifest, only=[entry.xml, entry.bin])
         run = run or RunConfig()
         self.context = run_context(self.manifest.arch, run.context)
-        self.stage0 = StageRunner(folder, entry, run, vocab=self.manifest.arch.vocab, context=self.context)
+        self.stage0 = StageRunner(folder, entry, run.for_stage(0, 1), vocab=self.manifest.arch.vocab,
+                                  context=self.context)
         self.n_stages = len(self.manifest.stages)
         if summarize and self.n_stages < 2:
             raise ShardlineError(f"{folder}: one stage outputs logits, not hidden states: summarizing prompts "
@@ -331,10 +332,9 @@ class RemotePipeline:
                             f"{self._broken or self._last_break}")
         self.kv.settle(needs(step))
         sent = _Sent(step)
-        inputs = prepare(self.stage0, step)
-        start = time.perf_counter()
-        hidden = self.stage0.run(step.key, inputs)
-        graph_s = time.perf_counter() - start
+        took: list[float] = []
+        hidden = stage_work.run([self.stage0], step.work(), None, took)
+        graph_s = took[0]
         sent.expected_s = graph_s * (self.n_stages - 1)
         if self.summarize and isinstance(step, PrefillStep):
             sent.hidden = HiddenChunk.of(hidden)
