@@ -47,32 +47,33 @@ def test_a_restart_forgets_the_kv_and_drafts_and_keeps_every_token() -> None:
         s.restart(12)
     s.in_flight = False
     s.restart(12)
-    assert (s.id, s.prefilled, s.book.slots, s.book.position, s.replays) == (12, 0, 0, 0, 1)
+    # the stream keeps its identity and takes a new lease
+    assert (s.id, s.key, s.prefilled, s.book.slots, s.book.position, s.replays) == (3, 12, 0, 0, 0, 1)
     assert s.prefix() == [100, 101, 102, 103, 104, 7, 8, 9] and s.generated == [7, 8, 9]
     assert s.prefilling and not s.decoding
     assert s.spec.proposal == Proposal([]) and not s.spec.planned
     assert s.spec._last is None  # the outage is not timed as a step of its pace
 
 
-def test_replayed_group_members_prefill_again_under_new_keys_in_their_places() -> None:
+def test_replayed_group_members_prefill_again_on_new_leases_in_their_places() -> None:
     sched = Scheduler(SchedulerConfig(chunk=6, groups=1))
     for s in (_decoding(1, [7, 8]), _decoding(2, [9])):
         sched.add(s)
-    (launch,) = sched.plan()  # a group forms: both streams are its rows
+    (launch,) = sched.plan().steps  # a group forms: both streams are its rows
     for s in sched.streams.values():
         s.in_flight = False  # the step came back lost
     sched.replay(sched.streams[1], 10)
     assert sched.releases() == [1]  # the group keeps its other member: its key stays
     sched.replay(sched.streams[2], 11)
     assert sched.releases() == [2, launch.key]  # the last member left: the group's KV goes too
-    assert list(sched.streams) == [10, 11]
-    steps = sched.plan()
+    assert list(sched.streams) == [1, 2] and [s.key for s in sched.streams.values()] == [10, 11]
+    steps = sched.plan().steps
     assert all(isinstance(p, PrefillStep) and p.first for p in steps)
-    assert [(p.key, p.inputs.input_ids[0].tolist(), p.sample_at.tolist()) for p in steps] == [
-        (10, [100, 101, 102, 103, 104, 7], []), (11, [100, 101, 102, 103, 104, 9], [[0, 5]])]
-    first = sched.streams[10]
+    assert [(p.key, p.streams, p.inputs.input_ids[0].tolist(), p.sample_at.tolist()) for p in steps] == [
+        (10, (1,), [100, 101, 102, 103, 104, 7], []), (11, (2,), [100, 101, 102, 103, 104, 9], [[0, 5]])]
+    first = sched.streams[1]
     first.in_flight = False
-    (rest,) = sched.plan()  # stream 11's prefill is in flight; stream 10 continues its prefix
+    (rest,) = sched.plan().steps  # stream 2's prefill is in flight; stream 1 continues its prefix
     assert isinstance(rest, PrefillStep) and not rest.first
     # the token after 8 is sampled at 8's position, as the decode step feeding 8 would have
     assert rest.inputs.input_ids.tolist() == [[8]] and rest.inputs.position_ids.tolist() == [[6]]

@@ -6,7 +6,7 @@ import pytest
 
 from shardline.config import SamplingParams
 from shardline.errors import ShardlineError
-from shardline.pipeline.plan import DecodeStep, PrefillStep, Step
+from shardline.pipeline.plan import DecodeStep, PrefillStep, Step, execute
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
 from shardline.serving.stream import Stream
 
@@ -28,10 +28,10 @@ def test_a_long_prompt_goes_in_chunks_one_at_a_time() -> None:
     sched.add(_stream(1, 10))
     seen = []
     while True:
-        steps = sched.plan()
+        steps = sched.plan().steps
         if not steps:
             break
-        assert sched.plan() == []  # nothing more while the chunk is in flight
+        assert sched.plan().steps == ()  # nothing more while the chunk is in flight
         (step,) = steps
         if isinstance(step, DecodeStep):
             break
@@ -46,12 +46,12 @@ def test_a_long_prompt_goes_in_chunks_one_at_a_time() -> None:
 def test_prefill_chunks_interleave_with_a_running_group() -> None:
     sched = Scheduler(SchedulerConfig(chunk=8, groups=1))
     sched.add(_stream(1, 3))
-    (p,) = sched.plan()
+    (p,) = sched.plan().steps
     _complete(sched, p)
     sched.add(_stream(2, 40))  # a long prompt arrives while stream 1 decodes
     kinds = []
     for _ in range(5):
-        steps = sched.plan()
+        steps = sched.plan().steps
         kinds.append(sorted(type(s).__name__ for s in steps))
         for s in steps:
             _complete(sched, s)
@@ -64,16 +64,16 @@ def test_at_most_max_prefills_prompts_at_once_oldest_first() -> None:
     sched = Scheduler(SchedulerConfig(chunk=2, groups=1, max_prefills=2))
     for i in (1, 2, 3):
         sched.add(_stream(i, 6))
-    assert [s.streams for s in sched.plan()] == [(1,), (2,)]
+    assert [s.streams for s in sched.plan().steps] == [(1,), (2,)]
 
 
 def test_without_groups_every_stream_decodes_on_its_own_key() -> None:
     sched = Scheduler(SchedulerConfig(groups=0))
     for i in (1, 2):
         sched.add(_stream(i, 3))
-    for s in sched.plan():
+    for s in sched.plan().steps:
         _complete(sched, s)
-    steps = sched.plan()
+    steps = sched.plan().steps
     assert [(s.key, s.streams) for s in steps] == [(1, (1,)), (2, (2,))]
     assert all(isinstance(s, DecodeStep) and not s.merge for s in steps)
 
@@ -81,16 +81,16 @@ def test_without_groups_every_stream_decodes_on_its_own_key() -> None:
 def test_a_new_stream_joins_the_group_at_its_next_step() -> None:
     sched = Scheduler(SchedulerConfig(groups=1))
     sched.add(_stream(1, 3))
-    for s in sched.plan():
+    for s in sched.plan().steps:
         _complete(sched, s)
-    (first,) = sched.plan()  # stream 1's first decode: it becomes the group's first row
+    (first,) = sched.plan().steps  # stream 1's first decode: it becomes the group's first row
     assert isinstance(first, DecodeStep) and (first.key, first.keep, first.merge) == (-1, (), (1,))
     sched.add(_stream(2, 5))
-    (chunk,) = sched.plan()  # the group waits for stream 1's token; stream 2 prefills
+    (chunk,) = sched.plan().steps  # the group waits for stream 1's token; stream 2 prefills
     assert chunk.streams == (2,)
     _complete(sched, first)
     _complete(sched, chunk)
-    (step,) = sched.plan()
+    (step,) = sched.plan().steps
     assert isinstance(step, DecodeStep) and (step.keep, step.merge, step.streams) == ((0,), (2,), (1, 2))
 
 
@@ -100,10 +100,10 @@ def test_ending_streams_release_their_keys_and_an_emptied_group() -> None:
     sched.add(a)
     sched.add(b)
     for _ in range(2):  # prefills, then one group step with both as rows
-        for s in sched.plan():
+        for s in sched.plan().steps:
             _complete(sched, s)
     sched.add(c)
-    steps = sched.plan()  # the group's next step, and c's prompt
+    steps = sched.plan().steps  # the group's next step, and c's prompt
     with pytest.raises(ShardlineError, match="in flight"):
         sched.remove(c)
     for s in steps:
@@ -114,3 +114,39 @@ def test_ending_streams_release_their_keys_and_an_emptied_group() -> None:
     sched.remove(b)
     assert sched.releases() == [2, -1]  # the group's state holds only departed rows
     assert sched.releases() == []
+
+
+class _Recorder:
+    """A pipeline that records what it is handed, in order; one key's submit raises."""
+
+    def __init__(self, refuse: int) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.refuse = refuse
+
+    def release(self, key: int) -> None:
+        self.calls.append(("release", key))
+
+    def submit(self, step: Step) -> None:
+        if step.key == self.refuse:
+            raise RuntimeError("cannot start")
+        self.calls.append(("submit", step.key))
+
+
+def test_a_plan_releases_the_keys_of_ended_streams_before_its_steps() -> None:
+    sched = Scheduler(SchedulerConfig(chunk=8, groups=0))
+    a, b, c = _stream(1, 3), _stream(2, 3), _stream(3, 3)
+    for s in (a, b):
+        sched.add(s)
+    for step in sched.plan().steps:  # both prompts; then a ends
+        _complete(sched, step)
+    sched.remove(a)
+    sched.add(c)
+    plan = sched.plan()
+    assert plan.releases == (1,)
+    assert [s.key for s in plan.steps] == [2, 3]  # b decodes, c prefills
+    assert sched.plan().releases == ()  # handed over once
+
+    pipe, failed = _Recorder(refuse=3), []
+    execute(pipe, plan, lambda step, why: failed.append((step.key, why)))  # type: ignore[arg-type]
+    assert pipe.calls == [("release", 1), ("submit", 2)]
+    assert failed == [(3, "RuntimeError: cannot start")]

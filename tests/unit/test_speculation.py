@@ -157,7 +157,7 @@ def test_a_group_verifies_rows_with_different_k_padded_to_the_longest() -> None:
     a, b = _decoding(1, [4, 5, 6], 3), _decoding(2, [7], 1)
     sched.add(a)
     sched.add(b)
-    (step,) = sched.plan()
+    (step,) = sched.plan().steps
     assert isinstance(step, DecodeStep) and step.merge == (1, 2)
     assert step.inputs.input_ids.tolist() == [[9, 4, 5, 6], [9, 7, 7, 7]]
     assert step.inputs.attention_mask.tolist() == [[1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0]]
@@ -171,7 +171,7 @@ def test_a_verify_step_of_one_stream_compacts_once_enough_slots_are_masked() -> 
     s.book.commit(s.book.plan([9, 4, 5, 6]))
     s.book.mask_last(3)  # three drafts rejected
     sched.add(s)
-    (step,) = sched.plan()
+    (step,) = sched.plan().steps
     assert isinstance(step, DecodeStep) and step.compact
     assert step.inputs.attention_mask.tolist() == [[1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1]]
     assert (s.book.slots, s.book.masked, s.book.position) == (8, 0, 8)
@@ -199,7 +199,7 @@ def test_a_speculating_stream_never_holds_more_slots_than_admission_counts() -> 
             sched.add(s)
         compactions = 0
         for _ in range(200):
-            for step in sched.plan():
+            for step in sched.plan().steps:
                 compactions += isinstance(step, DecodeStep) and step.compact
                 for r, sid in enumerate(step.streams):
                     s = sched.streams[sid]

@@ -1,10 +1,11 @@
 """One request's generation, seen from the event loop: engine events in, text pieces out.
 
 The engine calls back from its own thread; events cross into the event loop through
-`call_soon_threadsafe`. Text goes through the streaming detokenizer and the stop matcher, so
-what comes out is exactly what the client may see. With log-probabilities asked for, each piece
-also carries the entries of the tokens consumed since the previous piece (text held back by
-the detokenizer or the stop matcher travels later, and its tokens with it).
+`call_soon_threadsafe`. The engine detokenizes and checks stop sequences where it checks stop
+tokens (serving/stops.py), so each event's text is exactly what the client may see. With
+log-probabilities asked for, each piece also carries the entries of the tokens consumed since
+the previous piece (text held back by the detokenizer or the stop matcher travels later, and
+its tokens with it).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from shardline.config import SamplingConfig
 from shardline.errors import ShardlineError
 from shardline.model.tokenizer import ChatTokenizer, StreamDecoder
 from shardline.serving.engine import Event, Overloaded, Request, Serving
-from shardline.serving.stops import StopMatcher
 
 # How often a request waiting for its next token checks that the engine thread is still alive
 # (an engine that died without a final event would otherwise leave the request hanging).
@@ -75,8 +75,9 @@ class Generation:
                                  logprobs=b.top_count())
         except ShardlineError as e:  # the schema's bounds are the config's, so this is a last guard
             raise ApiError(400, str(e)) from None
-        return Request(self.prompt, cfg, frozenset() if b.ignore_eos else frozenset(self.tok.stop_ids),
-                       b.speculative)
+        tok = self.tok
+        return Request(self.prompt, cfg, frozenset() if b.ignore_eos else frozenset(tok.stop_ids),
+                       b.speculative, tuple(b.stops()), lambda: StreamDecoder(tok))
 
     def start_engine(self) -> None:
         """Submit to the engine now, so that a refusal becomes an HTTP error before any byte
@@ -115,7 +116,7 @@ class Generation:
     async def pieces(self) -> AsyncIterator[Piece]:
         """Text pieces; the last one carries the finish reason. Leaving early (a stop sequence,
         a client that went away) cancels the stream in the engine and frees its KV."""
-        visible = _Visible(self.tok, self.body.stops(), self.body.wants_logprobs())
+        visible = _Visible(self.body.wants_logprobs())
         finish = "cancelled"
         try:
             while True:
@@ -123,19 +124,16 @@ class Generation:
                 if ev.token is None:
                     finish = ev.finish or "stop"
                     self._check_failure(ev)
-                    yield visible.end(finish)
+                    yield visible.end(ev, finish)
                     return
                 self.completion_tokens += 1
                 now = time.perf_counter()
                 if self.last is not None:
                     self.metrics.gap.observe(now - self.last)
                 self.first, self.last = self.first or now, now
-                piece = visible.push(ev.token, ev.logprob, ev.top)
+                piece = visible.push(ev)
                 if piece is not None:
-                    finish = piece.finish or finish
                     yield piece
-                    if piece.finish:
-                        return
         finally:
             if finish in ("stop", "cancelled"):
                 self.engine.cancel(self._ticket)  # a no-op for a stream the engine already finished
@@ -158,29 +156,27 @@ class Generation:
 
 
 class _Visible:
-    """Tokens -> the text a client may see (detokenized, stop sequences held back and cut), and
-    the log-probability entries that travel with it: each piece carries the tokens consumed
-    since the previous one; tokens wholly inside a cut-off stop sequence are not shown."""
+    """Events -> pieces: each carries the text its events let through and, with logprobs asked
+    for, the entries of the tokens consumed since the previous piece; tokens wholly inside a
+    cut-off stop sequence are not shown."""
 
-    def __init__(self, tok: ChatTokenizer, stops: list[str], keep: bool) -> None:
-        self._text, self._stops, self._keep = StreamDecoder(tok), StopMatcher(stops), keep
-        self._decoded = self._shown = 0  # characters out of the detokenizer, and sent
+    def __init__(self, keep: bool) -> None:
+        self._keep = keep
+        self._shown = 0  # characters sent
         self._pending: list[TokenLogprob] = []
 
-    def push(self, token: int, logprob: float, top: tuple[tuple[int, float], ...]) -> Piece | None:
-        """The piece to send after this token, if any (finish "stop" at a stop sequence)."""
-        new = self._text.push(token)
+    def push(self, ev: Event) -> Piece | None:
+        """The piece to send after this token's event, if any."""
+        assert ev.token is not None
         if self._keep:
-            self._pending.append(TokenLogprob(token, logprob, top, self._decoded))
-        self._decoded += len(new)
-        delta = self._stops.push(new)
-        self._shown += len(delta)
-        if self._stops.stopped:
-            return Piece(delta, "stop", [e for e in self._take() if e.offset < self._shown])
-        return Piece(delta, None, self._take()) if delta else None
+            self._pending.append(TokenLogprob(ev.token, ev.logprob, ev.top, ev.offset))
+        self._shown += len(ev.text)
+        if ev.cut:
+            return Piece(ev.text, None, [e for e in self._take() if e.offset < self._shown])
+        return Piece(ev.text, None, self._take()) if ev.text else None
 
-    def end(self, finish: str) -> Piece:
-        return Piece(self._stops.flush(), finish, self._take())
+    def end(self, ev: Event, finish: str) -> Piece:
+        return Piece(ev.text, finish, self._take())
 
     def _take(self) -> list[TokenLogprob]:
         taken, self._pending = self._pending, []

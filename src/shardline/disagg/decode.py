@@ -98,11 +98,12 @@ class DecodeEngine(Engine):
         return admits(self.admission, load, m.predicted, m.prompt_tokens, running)
 
     def _import(self, m: Moving) -> None:
-        """`m`'s KV goes in under a key of this engine; it joins the scheduler once it is in."""
+        """`m`'s KV goes in on a lease of this engine; it joins the scheduler once it is in (its
+        id is the one it had on the prefill instance)."""
         stream = m.stream
-        stream.id, stream.book, stream.owner = next(self._ids), m.handoff.book(), m.ticket
+        stream.key, stream.book, stream.owner = self._lease(), m.handoff.book(), m.ticket
         stream.in_flight, stream.sent = False, None
-        future = self.pipe.import_kv(stream.id, m.handoff.kv)
+        future = self.pipe.import_kv(stream.key, m.handoff.kv)
         self._landing.append((m, future))
         future.add_done_callback(lambda _: self.pipe.wake())
 
@@ -114,7 +115,7 @@ class DecodeEngine(Engine):
                 m.ticket.on_event(Event(None, finish="error", error=f"the KV import failed: {error}"))
             elif m.ticket.cancelled:
                 self._release_slot()
-                self.pipe.release(m.stream.id)
+                self.pipe.release(m.stream.key)
                 m.ticket.on_event(Event(None, finish="cancelled"))
             else:
                 m.ticket.stream = m.stream

@@ -146,7 +146,7 @@ class PrefillEngine(Engine):
     def _export_rest(self, stream: Stream) -> Future[KvSnapshot]:
         """The slots of `stream`'s cache not exported yet, queued behind its steps so far (none
         is in flight: the book's slots are those the stages hold)."""
-        future = self.pipe.export_kv(stream.id, stream.kv_through)
+        future = self.pipe.export_kv(stream.key, stream.kv_through)
         stream.kv_through = stream.book.slots
         return future
 

@@ -31,13 +31,14 @@ from shardline.config import SamplingConfig
 from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
 from shardline.host import trim_memory_every
-from shardline.pipeline.plan import DecodeStep, Outcome, Pipeline, Step
+from shardline.pipeline.plan import DecodeStep, Lease, Outcome, Pipeline, Step, execute
 from shardline.serving.admission import Limits, accepts, to_admit
 from shardline.serving.engine_spec import SpecDriver
 from shardline.serving.replay import Replays, refusal
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
 from shardline.serving.speculation import Drafts, SpecStats
-from shardline.serving.stream import Stream
+from shardline.serving.stops import Detokenizer, StopText
+from shardline.serving.stream import Stream, new_stream_id
 
 log = logging.getLogger("shardline.engine")
 
@@ -56,6 +57,10 @@ class Request:
     sampling: SamplingConfig  # max_tokens included
     stop_ids: frozenset[int]
     speculative: bool = True  # when the server speculates: this request may (False: plain decoding)
+    stops: tuple[str, ...] = ()  # stop sequences, checked on the text where stop ids are checked
+    # The request's text comes with its events when given (needed for `stops`): the caller's
+    # tokenizer, a fresh streaming detokenizer per request.
+    detokenizer: Callable[[], Detokenizer] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,11 @@ class Event:
     # (as many as the request's SamplingConfig.logprobs; empty when it asked for none).
     top: tuple[tuple[int, float], ...] = ()
     spec: SpecStats | None = None  # on the final event of a request that speculated
+    # With a detokenizer: the text this event lets the client see (held-back text is flushed on
+    # the final event), and where this token's own text starts among the characters decoded.
+    text: str = ""
+    offset: int = 0
+    cut: bool = False  # this token completed a stop sequence: the text is cut before it (then the end)
 
 
 @dataclass(eq=False)
@@ -80,6 +90,7 @@ class Ticket:
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     stream: Stream | None = None  # once admitted
+    text: StopText | None = None  # with the request's detokenizer: what its client sees
 
 
 class Serving(Protocol):
@@ -121,7 +132,8 @@ class Engine:
         # still counts when a caller checks whether there is room.
         self._taken = 0
         self._observed: object = None  # the last step timing the scheduler was told of (rows share one)
-        self._ids = count()
+        self._ids = count()  # requests (tickets)
+        self._leases = count()  # KV states on this engine's pipeline (a stream's own; groups' are negative)
         self._running = True
         self.failed: str | None = None  # why the engine thread stopped, if it did (then unhealthy)
         # After the last round, for readers on any thread (the fleet page): decode groups with
@@ -137,6 +149,8 @@ class Engine:
     def submit(self, request: Request, on_event: Callable[[Event], None]) -> Ticket:
         if not request.prompt:
             raise ShardlineError("the prompt is empty")
+        if request.stops and request.detokenizer is None:
+            raise ShardlineError("stop sequences need the request's detokenizer")
         need = len(request.prompt) + request.sampling.max_tokens
         if need > self.max_context:
             raise ShardlineError(f"prompt of {len(request.prompt)} tokens plus {request.sampling.max_tokens} "
@@ -212,20 +226,13 @@ class Engine:
             self._fail_all("error", f"the engine stopped: {self.failed}")
 
     def _dispatch(self) -> None:
-        # Releases first: a group emptied this round may be re-entered by this round's plan (a
-        # joiner merged into its key), and a release after that merge would free the new state.
-        for key in self.scheduler.releases():
-            self.pipe.release(key)
         plan = self.scheduler.plan()
         self.groups_live = sum(1 for g in self.scheduler.groups if g.members())
         self.kv_slots_live = sum(s.book.slots for s in self.scheduler.streams.values())
-        for step in plan:
+        for step in plan.steps:
             if isinstance(step, DecodeStep):
                 self.spec.launched(step)
-            try:
-                self.pipe.submit(step)
-            except Exception as e:  # noqa: BLE001 - a step that cannot start fails its streams
-                self._step_failed(step, f"{type(e).__name__}: {e}")
+        execute(self.pipe, plan, self._step_failed)
 
     def _step_failed(self, step: Step, why: str) -> None:
         for s in step.streams:
@@ -246,13 +253,17 @@ class Engine:
                 ticket.on_event(Event(None, finish="cancelled"))
                 continue
             r = ticket.request
+            ticket.text = StopText(r.detokenizer(), r.stops) if r.detokenizer else None
             # A request without a seed gets one now: its tokens then depend on nothing else.
             params = r.sampling.params(secrets.randbits(63))
-            ticket.stream = Stream(next(self._ids), list(r.prompt), params, r.sampling.max_tokens, r.stop_ids,
-                                   r.sampling.want_logits, owner=ticket)
+            ticket.stream = Stream(new_stream_id(), list(r.prompt), params, r.sampling.max_tokens, r.stop_ids,
+                                   r.sampling.want_logits, owner=ticket, key=self._lease())
             if r.speculative:
                 ticket.stream.spec = self.spec.speculation()
             self.scheduler.add(ticket.stream)
+
+    def _lease(self) -> Lease:
+        return Lease(next(self._leases))
 
     def _next_waiting(self, n: int) -> list[Ticket]:
         """The `n` waiting tickets that start now, taken off the queue (under the lock): the
@@ -268,9 +279,7 @@ class Engine:
         for ticket in tickets:
             ticket.cancelled = True  # a waiting ticket is dropped when its turn comes
             stream = ticket.stream
-            # Identity, not the id: a stream that moved here from another engine (disaggregated
-            # serving) may have had an id this engine uses for another.
-            if stream is not None and self.scheduler.streams.get(stream.id) is stream and not stream.in_flight:
+            if stream is not None and stream.id in self.scheduler.streams and not stream.in_flight:
                 self._finish(stream, "cancelled")
 
     def _apply(self, outcome: Outcome) -> None:
@@ -301,17 +310,18 @@ class Engine:
                 self._finish(stream, "error", f"internal error: {type(e).__name__}: {e}")
 
     def _lost(self, stream: Stream, why: str) -> None:
-        """The pipeline broke under `stream`: replay it (a new key; its old one released), or end
-        it with why not."""
+        """The pipeline broke under `stream`: replay it (a new lease; its old one released), or
+        end it with why not."""
         if self._ticket(stream).cancelled:
             return self._finish(stream, "cancelled")
         now = time.monotonic()
         stream.lost_at = now if stream.lost_at is None else stream.lost_at
         if (no := refusal(self.replays, stream.replays, now - stream.lost_at, why)) is not None:
             return self._finish(stream, "error", no)
-        old = stream.id
-        self.scheduler.replay(stream, next(self._ids))
-        log.warning("stream %d replayed as %d after %d tokens: %s", old, stream.id, len(stream.generated), why)
+        old = stream.key
+        self.scheduler.replay(stream, self._lease())
+        log.warning("stream %d replayed on lease %d (was %d) after %d tokens: %s", stream.id, stream.key, old,
+                    len(stream.generated), why)
 
     def _emit(self, stream: Stream, choice: Choice) -> bool:
         """Deliver one chosen token; True once the stream has ended."""
@@ -323,8 +333,13 @@ class Engine:
             self._finish(stream, "stop")
             return True
         stream.generated.append(choice.token)
-        ticket.on_event(Event(choice.token, choice.logprob, top=choice.top))
-        if ticket.cancelled:  # the callback may cancel (a stop string in the text)
+        text, offset = ticket.text.push(choice.token) if ticket.text else ("", 0)
+        cut = bool(ticket.text and ticket.text.stopped)
+        ticket.on_event(Event(choice.token, choice.logprob, top=choice.top, text=text, offset=offset, cut=cut))
+        if cut:  # a stop sequence: ends here, as a stop token does
+            self._finish(stream, "stop")
+            return True
+        if ticket.cancelled:  # the callback may cancel
             self._finish(stream, "cancelled")
             return True
         if stream.done:
@@ -345,7 +360,9 @@ class Engine:
         self.scheduler.remove(stream)
         stats = self.spec.closed(stream)
         self._release_slot()
-        self._ticket(stream).on_event(Event(None, finish=reason, error=error, spec=stats))
+        ticket = self._ticket(stream)
+        text = ticket.text.flush() if ticket.text and reason in ("stop", "length") else ""
+        ticket.on_event(Event(None, finish=reason, error=error, spec=stats, text=text))
 
     def _fail_all(self, reason: str, error: str) -> None:
         """Every admitted and waiting request ends (the loop stopped); keys are released. Each

@@ -79,7 +79,8 @@ class Group:
         at = np.array([[r, t] for r, n in enumerate(feeds) for t in range(n)], np.int64)
         return DecodeStep(self.key, tuple(rows), tuple(m.params for m in members), inputs, at,
                           any(m.want_logits for m in members),
-                          keep=tuple(keep) if (joiners or drops) else (), merge=tuple(joiners), compact=compact,
+                          keep=tuple(keep) if (joiners or drops) else (), merge=tuple(streams[j].key for j in joiners),
+                          compact=compact,
                           drafted=drafted([m.spec.proposal if m.spec else Proposal([]) for m in members]))
 
 

@@ -1,6 +1,7 @@
 """The scheduler decides what runs together; pipelines execute its plans.
 
-Each call of `plan()` looks at every running stream and returns the steps to submit now:
+Each call of `plan()` looks at every running stream and returns the round's `Plan`: the keys
+to release, then the steps to submit now:
 - decode: each decode group whose members all have their next token launches one batched
   step (joiners merged in first); with no groups, each such stream steps on its own;
 - prefill: prompts go in chunks, the oldest `max_prefills` prompts at a time, each with one
@@ -12,7 +13,8 @@ Each call of `plan()` looks at every running stream and returns the steps to sub
 
 Every stream has at most one step in flight, so a stream's steps reach each stage in order.
 When a stream ends, `remove` frees its own key and, if it leaves a group empty, the group's:
-`releases()` hands those keys to the pipeline. No processes, no I/O: tested as plain objects.
+the next plan (or `releases()`, when nothing more is planned) hands those keys to the pipeline.
+No processes, no I/O: tested as plain objects.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK, PacingConfig
 from shardline.decoding.drafts import Proposal
 from shardline.errors import ShardlineError
-from shardline.pipeline.plan import Step, decode, prefill
+from shardline.pipeline.plan import Lease, Plan, Step, decode, prefill
 from shardline.pipeline.timing import Timing
 from shardline.serving.groups import MAX_ROWS, Groups
 from shardline.serving.pacing import Pacing
@@ -50,8 +52,8 @@ class Scheduler:
         self.cfg = cfg or SchedulerConfig()
         self.groups = Groups(self.cfg.groups, self.cfg.max_rows)
         self.pacing = Pacing(self.cfg.pacing, self.cfg.chunk) if self.cfg.pacing else None
-        self.streams: dict[int, Stream] = {}  # running, in admission order
-        self._releases: list[int] = []
+        self.streams: dict[int, Stream] = {}  # running, by id, in admission order
+        self._releases: list[int] = []  # leases to free on every stage
 
     def add(self, stream: Stream) -> None:
         self.streams[stream.id] = stream
@@ -62,31 +64,31 @@ class Scheduler:
         if stream.in_flight:
             raise ShardlineError(f"stream {stream.id} still has a step in flight")
         self.streams.pop(stream.id, None)
-        self._releases.append(stream.id)
+        self._releases.append(stream.key)
         if (emptied := self.groups.leave(stream.id)) is not None:
             self._releases.append(emptied)
 
-    def replay(self, stream: Stream, key: int) -> None:
-        """`stream`'s KV went with a broken pipeline: free its key, and its group's if it leaves
-        the group empty; it starts again under `key` (Stream.restart) in its place among the
-        streams (the oldest prompts prefill first)."""
-        old = stream.id
+    def replay(self, stream: Stream, key: Lease) -> None:
+        """`stream`'s KV went with a broken pipeline: free its lease, and its group's if it
+        leaves the group empty; it starts again on the lease `key` (Stream.restart), keeping its
+        id and its place among the streams (the oldest prompts prefill first)."""
+        old = stream.key
         stream.restart(key)
         self._releases.append(old)
-        if (emptied := self.groups.leave(old)) is not None:
+        if (emptied := self.groups.leave(stream.id)) is not None:
             self._releases.append(emptied)
-        self.streams = {key if s == old else s: v for s, v in self.streams.items()}
 
     def releases(self) -> list[int]:
         out, self._releases = self._releases, []
         return out
 
-    def plan(self) -> list[Step]:
+    def plan(self) -> Plan:
+        releases = tuple(self.releases())  # before the steps: see Plan
         steps = self._decodes() + self._prefills()
         for step in steps:
             for s in step.streams:
                 self.streams[s].in_flight = True
-        return steps
+        return Plan(releases, tuple(steps))
 
     def _decodes(self) -> list[Step]:
         idle = [s for s in self.streams.values() if s.idle_decoder()]
@@ -101,7 +103,7 @@ class Scheduler:
         """A decode step of `s` on its own request: its token and drafts, each position sampled."""
         proposal = s.spec.proposal if s.spec else Proposal([])
         return decode(s.id, s.book, s.feed(), s.params, sample_all=True, want_logits=s.want_logits,
-                      compact=s.book.masked >= self.cfg.compact_at, drafted=drafted([proposal]))
+                      compact=s.book.masked >= self.cfg.compact_at, drafted=drafted([proposal]), key=s.key)
 
     def _prefills(self) -> list[Step]:
         waiting = [s for s in self.streams.values() if s.prefilling][: self.cfg.max_prefills]
@@ -119,7 +121,7 @@ class Scheduler:
         s.prefilled = min(len(source), start + n)
         s.chunk = (s.prefilled - start, start)
         return prefill(s.id, s.book, source[start : s.prefilled], s.params, first=start == 0,
-                       last=not s.prefilling, want_logits=s.want_logits)
+                       last=not s.prefilling, want_logits=s.want_logits, key=s.key)
 
     def observe(self, stream: Stream, timing: Timing) -> None:
         """What one step of `stream` cost (its graph seconds over every stage), for the pacing."""

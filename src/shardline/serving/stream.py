@@ -2,7 +2,7 @@
 holds KV on the stages (its prompt, what is prefilled, the tokens chosen so far, its sampling,
 its KV bookkeeping, whether a step of it is in flight, its speculation).
 
-A stream whose KV went with a broken pipeline restarts (`restart`): under a new key it prefills
+A stream whose KV went with a broken pipeline restarts (`restart`): on a new lease it prefills
 its prompt and every token generated so far, then samples the token after them, so nothing it
 emitted is emitted again and its (seed, position) draws are the ones it would have made."""
 
@@ -10,18 +10,29 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from itertools import count
 from typing import Any
 
 from shardline.config import SamplingParams
 from shardline.pipeline.hidden import PromptHidden
 from shardline.pipeline.kv import KvSnapshot
+from shardline.pipeline.plan import Lease, StreamId
 from shardline.serving.speculation import Speculation
 from shardline.stage.cache import KVBook
+
+# Stream ids are unique in the process (engines and instances share them): a stream that moves
+# to a decode instance keeps its id there. Taking the next is atomic (one bytecode under the GIL).
+_ids = count()
+_UNSET = Lease(-(1 << 62))  # no lease given: the stream's id (group leases are small negatives)
+
+
+def new_stream_id() -> StreamId:
+    return StreamId(next(_ids))
 
 
 @dataclass(eq=False)
 class Stream:
-    id: int  # also the key of its own request on every stage while it is not a group's row
+    id: StreamId  # for the stream's whole life, replays and moves included: outcomes name it
     prompt: list[int]
     params: SamplingParams  # its seed fixed for the stream's whole life
     max_tokens: int
@@ -44,10 +55,17 @@ class Stream:
     # What stage 0 saw of its prefix so far, on a prefill instance whose pipeline summarizes
     # (the length predictor's input; pipeline/hidden.py). A restart prefills anew: None again.
     hidden: PromptHidden | None = None
+    # The lease of its own state on every stage (while it is not a group's row); a replay or a
+    # move to another instance takes a new one. Unset at construction: its id.
+    key: Lease = _UNSET
     # Slices of its KV already exported, in slot order, on a prefill instance that transfers
     # chunk by chunk (each chunk's slots as soon as it has run; disagg/prefill.py).
     kv_sent: list[Future[KvSnapshot]] = field(default_factory=list)
     kv_through: int = 0  # the slots those slices cover: [0, kv_through)
+
+    def __post_init__(self) -> None:
+        if self.key == _UNSET:
+            self.key = Lease(self.id)
 
     @property
     def prefilling(self) -> bool:
@@ -57,13 +75,13 @@ class Stream:
         """What its prefill feeds: the prompt, and after a restart the tokens generated before."""
         return self.prompt + self.generated[: self.resumed]
 
-    def restart(self, key: int) -> None:
-        """Start again under `key` (a fresh request on every stage) from an empty cache: prefill
-        the prompt and the tokens generated so far (the last of them too, which a decode step
-        would have fed next: the prefill's last chunk samples what follows it)."""
+    def restart(self, key: Lease) -> None:
+        """Start again on the lease `key` (a fresh request on every stage) from an empty cache:
+        prefill the prompt and the tokens generated so far (the last of them too, which a
+        decode step would have fed next: the prefill's last chunk samples what follows it)."""
         if self.in_flight:
             raise ValueError(f"stream {self.id} still has a step in flight")
-        self.id, self.book, self.prefilled, self.sent, self.hidden = key, KVBook(), 0, None, None
+        self.key, self.book, self.prefilled, self.sent, self.hidden = key, KVBook(), 0, None, None
         self.kv_sent, self.kv_through = [], 0  # slices of the old key: the new one is exported anew
         self.resumed = len(self.generated)
         self.replays += 1
