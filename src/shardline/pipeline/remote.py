@@ -15,11 +15,11 @@ A worker that lacks its shard asks for it during the handshake and the coordinat
 from its own export folder (node/delivery.py). Every token comes back with the durations each
 hop measured; `Outcome.timing` breaks its round trip down (timing.py).
 
-Faults: a worker that dies breaks its link at once; one that stops answering is caught by a
-watchdog when the oldest step in flight overruns its deadline (deadline.py). Either way the
-chain is broken: every link is closed (the workers free the session), every step in flight is
-lost (`Outcome.lost`), and so is every later step that needs state the chain held (held.py).
-A stream's first step reopens the chain (repair.py), within `reconnect_s`.
+Faults: a worker that dies breaks its link at once; one that stops answering is caught by the
+watchdog (watchdog.py) when the oldest step in flight overruns its deadline. Either way the
+chain is broken (life.py: the chain's links, epochs, breaks and repairs): every step in flight
+is lost (`Outcome.lost`), and so is every later step that needs state the chain held (held.py).
+A stream's first step reopens the chain, within `reconnect_s`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 
@@ -48,11 +48,12 @@ from shardline.pipeline.held import needs
 from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import KvSnapshot
+from shardline.pipeline.life import ChainLife, Lost, Sent
 from shardline.pipeline.plan import Outcome, Placed, PrefillStep, Step
-from shardline.pipeline.remote_kv import KV_S, KvExport, KvHeld, KvImport, KvMoves, KvWork
-from shardline.pipeline.repair import reopen
+from shardline.pipeline.remote_kv import KV_S, KvExport, KvImport, KvMoves, KvWork
 from shardline.pipeline.star import StarRefused, relay
 from shardline.pipeline.timing import breakdown
+from shardline.pipeline.watchdog import overdue, watch
 from shardline.stage import executor as stage_work
 from shardline.stage.runner import StageRunner
 from shardline.wire.codec import WireError
@@ -71,31 +72,10 @@ from shardline.wire.tls import Credentials
 log = logging.getLogger(__name__)
 ACTIVATIONS = {"f16": np.float16, "f32": np.float32}
 RECONNECT_S = 10.0  # how long a stream's first step waits for a chain that broke to come back
-# While a broken chain is idle it is reopened in the background, so that /health turns back to
-# ok when a worker is back without a request having to fail first: attempts of at most
-# REPAIR_S each, REPAIR_FIRST_S after the break, then backing off to REPAIR_MAX_S apart.
-REPAIR_S = 3.0
-REPAIR_FIRST_S = 0.5
-REPAIR_MAX_S = 15.0
-
-
-@dataclass
-class _Sent:
-    step: Step
-    started: float = field(default_factory=time.perf_counter)  # for the step's breakdown
-    out_at: float = 0.0  # monotonic: when it left for the workers (the watchdog's clock)
-    # What the workers should take on it: stage 0's graph time here x the stages after it
-    # (they are slices of the same model); its deadline is at least a multiple of this.
-    expected_s: float = 0.0
-    hidden: HiddenChunk | None = None  # stage 0's output of a prefill chunk, summarized (summarize=True)
 
 
 class _Repair:
     """Stage 0's thread: reopen the chain if it is still broken (queued by the watchdog)."""
-
-
-class _Lost(ShardlineError):
-    """The step cannot run: the chain broke (under it, or since its state was made)."""
 
 
 @dataclass(frozen=True)
@@ -130,96 +110,48 @@ class RemotePipeline:
         self.topology = topology
         self.workers = workers
         self.credentials = credentials  # mutual TLS on every link (None: in clear, --insecure)
-        self.links: list[Link] = []
         self.delivered: Delivered = []  # (worker, file, bytes) sent to workers
         self.outbox = Outbox()
         self._seq = count()
-        self.reconnect_s = reconnect_s
-        # Under the lock (with _broken, _held, _epoch and links): steps sent and not yet
-        # answered, by seq, in the order sent; and the times the watchdog judges them by.
-        self._pending: dict[int, _Sent] = {}
-        self._clock = StepClock(deadlines or Deadlines())
+        self._clock = StepClock(deadlines or Deadlines())  # when a step in flight counts as lost
         self.kv = KvMoves(self.manifest, self.stage0, max(KV_S, self._clock.limits.floor_s))
-        # Why the chain stopped working (a link ended, a worker refused or stopped answering),
-        # until a reconnect. Checked under the lock with _pending, so a step is either failed by
-        # whoever saw the chain break, or refused before it is sent: never sent into a dead chain.
-        self._broken: str | None = None
-        self._last_break = ""  # why the chain last broke (what a step whose state went with it says)
-        self._gave_up = float("-inf")  # perf_counter when the last reconnect failed
-        self._held = KvHeld()  # keys whose state is on the current chain
-        self._epoch = 0  # which connect the links are of: news of an older chain changes nothing
-        self._lock = threading.Lock()
-        self._local = 0  # steps submitted that stage 0 has not finished sending
+        self.life = ChainLife(self._open, self._read, reconnect_s)
+        self._local = 0  # steps submitted that stage 0 has not finished sending (under life.lock)
         self._inbox: queue.Queue[Step | _Release | _Repair | KvWork | None] = queue.Queue()
-        self._repair_at = float("inf")  # monotonic time of the next background repair (inf: none due)
-        self._repair_gap = REPAIR_FIRST_S
         self._stopping = threading.Event()
-        self.connect()
+        self.life.connect()
         self._thread = threading.Thread(target=self._stage0_loop, daemon=True, name="stage-0")
         self._thread.start()
-        threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
+        threading.Thread(target=watch, daemon=True, name="watchdog",
+                         args=(self._stopping, self._clock, self._overdue, self._break, self._queue_repair)).start()
 
     # --- the chain ---------------------------------------------------------------------------
 
+    @property
+    def links(self) -> list[Link]:
+        return self.life.links
+
     def connect(self) -> None:
-        """(Re)open every worker link under a new session (chain.py) and read what comes back.
-        Streams of an earlier session are gone on the workers (their next steps are lost)."""
-        self._adopt(self._open())
+        """(Re)open every worker link under a new session (chain.py) and read what comes back."""
+        self.life.connect()
 
     def _open(self) -> list[Link]:
         return open_chain(self.folder, self.manifest, self.workers, self.activations, self.topology,
                           self.delivered, self.credentials, self.context)
 
-    def _adopt(self, links: list[Link]) -> None:
-        with self._lock:
-            old, self.links = self.links, links
-            self._epoch += 1
-            epoch, self._broken = self._epoch, None
-            self._held.clear()
-            self._repair_at, self._repair_gap = float("inf"), REPAIR_FIRST_S
-        for link in old:
-            link.close()
+    def _read(self, links: list[Link], epoch: int) -> None:
         if self.topology == "chain":  # tokens come back on the last link, refusals on any
             for link in links:
                 threading.Thread(target=self._receive, args=(link, epoch), daemon=True, name="receive").start()
 
     def _repair(self) -> None:
-        """One background attempt to reopen a broken chain that nothing is waiting on."""
-        with self._lock:
-            due = self._broken is not None and not self._pending
-        if not due:
-            return
-        try:
-            links = reopen(self._open, REPAIR_S, _close_all)
-        except ShardlineError as e:
-            with self._lock:
-                self._broken = f"{self._last_break}; {e}"
-                self._repair_gap = min(REPAIR_MAX_S, 2 * self._repair_gap)
-                self._repair_at = time.monotonic() + self._repair_gap
-            return
-        self._adopt(links)
-        log.info("the chain is whole again: %s", ", ".join(self.workers))
-
-    def _reconnect(self, made: float) -> None:
-        """Reopen the broken chain for a step (a stream's first) or an import planned at `made`,
-        or say why it is lost. One planned before the last attempt gave up gets that answer at
-        once: the streams replayed together wait for one attempt, not one each in turn."""
-        if made < self._gave_up:
-            raise _Lost(self._broken or self._last_break)
-        try:
-            links = reopen(self._open, self.reconnect_s, _close_all)
-        except ShardlineError as e:
-            self._gave_up = time.perf_counter()
-            with self._lock:
-                self._broken = f"{self._last_break}; {e}"
-                self._repair_at = time.monotonic() + self._repair_gap
-            raise _Lost(self._broken) from None
-        self._adopt(links)
+        if self.life.repair():
+            log.info("the chain is whole again: %s", ", ".join(self.workers))
 
     # --- executing plans -----------------------------------------------------------------------
 
     def submit(self, step: Step) -> None:
-        with self._lock:
+        with self.life.lock:
             self._local += 1
         self._inbox.put(step)
 
@@ -244,8 +176,8 @@ class RemotePipeline:
         """Stage 0 here, then each worker with the layers it answered its handshake with. While
         the chain is broken, a worker the reason names is down (a link of it ended, it refused or
         stopped answering); a break that names none marks every worker."""
-        with self._lock:
-            links, broken = list(self.links), self._broken
+        with self.life.lock:
+            links, broken = list(self.life.links), self.life.broken
         e0 = self.manifest.stages[0]
         out = [Placed(e0.first_layer, e0.last_layer, "this process")]
         named = [w for w in self.workers if broken and w in broken]
@@ -264,7 +196,7 @@ class RemotePipeline:
         self._stopping.set()
         self._inbox.put(None)
         self._thread.join(timeout=30)
-        for link in self.links:
+        for link in self.life.links:
             link.close()
         self.kv.stopped(self._inbox)
 
@@ -281,38 +213,40 @@ class RemotePipeline:
                 continue
             try:
                 self._send(work)
-            except _Lost as e:
+            except Lost as e:
                 self._fail(work, str(e), lost=True)
             except Exception as e:  # noqa: BLE001 - the step's rows fail; the next step goes on
                 why = str(e) if isinstance(e, ShardlineError) else f"{type(e).__name__}: {e}"
                 self._fail(work, why)
             finally:
-                with self._lock:
+                with self.life.lock:
                     self._local -= 1
 
     def _release(self, key: int) -> None:
         self.stage0.close(key)
-        with self._lock:
-            self._held.released(key)
-        for link in self.links:
+        with self.life.lock:
+            self.life.held.released(key)
+            links = list(self.life.links)
+        for link in links:
             with contextlib.suppress(LinkClosed):  # a dead worker holds nothing to free
                 link.send(Release(key))
 
     def _move_kv(self, work: KvWork) -> None:
         """Stage 0's part of a KV move here, the workers' over their links (remote_kv.py). An
         import may reopen a broken chain, as a stream's first step does."""
+        life = self.life
         try:
-            if self._broken and isinstance(work, KvImport):
-                self._reconnect(work.made)
+            if life.broken and isinstance(work, KvImport):
+                life.reconnect(work.made)
             move = self.kv.begin(work, next(self._seq), len(self.workers))
         except ShardlineError as e:
             return self.kv.refused(work, str(e))
-        with self._lock:
-            broken, links, epoch = self._broken, list(self.links), self._epoch
+        with life.lock:
+            broken, links, epoch = life.broken, list(life.links), life.epoch
             if not broken:
                 self.kv.track(move, links, self.workers)
                 if isinstance(work, KvImport):
-                    self._held.imported(work.key)
+                    life.held.imported(work.key)
         if broken:
             return self.kv.end(move, f"the chain broke: {broken}")
         try:
@@ -324,14 +258,15 @@ class RemotePipeline:
         """Run stage 0 here and send the step down the chain; its tokens come back on a reader
         thread. A chain that broke is reconnected for a stream's first step; any other step
         whose state the chain no longer holds is lost before stage 0 runs it."""
-        if self._broken and isinstance(step, PrefillStep) and step.first:
-            self._reconnect(step.made)
-        with self._lock:
-            if missing := self._held.missing(step):
-                raise _Lost(f"the state of key {missing[0]} went with a chain that broke: "
-                            f"{self._broken or self._last_break}")
+        life = self.life
+        if life.broken and isinstance(step, PrefillStep) and step.first:
+            life.reconnect(step.made)
+        with life.lock:
+            if missing := life.held.missing(step):
+                raise Lost(f"the state of key {missing[0]} went with a chain that broke: "
+                           f"{life.broken or life.last_break}")
         self.kv.settle(needs(step))
-        sent = _Sent(step)
+        sent = Sent(step)
         took: list[float] = []
         hidden = stage_work.run([self.stage0], step.work(), None, took)
         graph_s = took[0]
@@ -339,17 +274,17 @@ class RemotePipeline:
         if self.summarize and isinstance(step, PrefillStep):
             sent.hidden = HiddenChunk.of(hidden)
         fwd = forward(step, next(self._seq), hidden.astype(self.dtype, copy=False), graph_s, sent.started)
-        with self._lock:
-            if self._broken:  # since the check above (only this thread reconnects)
-                raise _Lost(self._broken)
+        with life.lock:
+            if life.broken:  # since the check above (only this thread reconnects)
+                raise Lost(life.broken)
             sent.out_at = time.monotonic()
-            self._pending[fwd.seq] = sent  # before the send: the token may be back at once
-            self._held.sent(step)
-            epoch = self._epoch
+            life.pending[fwd.seq] = sent  # before the send: the token may be back at once
+            life.held.sent(step)
+            epoch, first = life.epoch, life.links[0]
         if self.topology == "star":
             return self._through_star(fwd, epoch)
         try:
-            self.links[0].send(fwd, stamp=True)
+            first.send(fwd, stamp=True)
         except LinkClosed as e:  # the step is pending: breaking the chain loses it with the rest
             self._break(f"lost worker {self.workers[0]}: {e}", epoch)
 
@@ -358,46 +293,25 @@ class RemotePipeline:
             self.outbox.put(Outcome(stream, error=why, lost=lost))
 
     def _break(self, reason: str, epoch: int) -> None:
-        """The chain of `epoch` is unusable: close every link (a worker frees the session when
-        its link drops, and a send blocked on a stopped worker returns), and every step in
-        flight is lost. Once broken, later news of the same chain changes nothing."""
-        with self._lock:
-            if epoch != self._epoch or self._broken:
-                return
-            self._broken = self._last_break = reason
-            self._repair_at = time.monotonic() + self._repair_gap
-            self._held.clear()
-            failed, self._pending = list(self._pending.values()), {}
-            links = list(self.links)
-        _close_all(links)
-        for sent in failed:
+        """The chain of `epoch` is unusable (life.py): every step in flight and every KV move
+        is lost. Once broken, later news of the same chain changes nothing."""
+        lost = self.life.break_(reason, epoch)
+        if lost is None:
+            return
+        for sent in lost:
             self._fail(sent.step, reason, lost=True)
         self.kv.fail_all(reason)
 
-    def _watch(self) -> None:
-        """The watchdog: the oldest step in flight past its deadline breaks the chain."""
-        tick = min(0.25, self._clock.limits.floor_s / 4)
-        while not self._stopping.wait(tick):
-            with self._lock:
-                oldest = next(iter(self._pending.values()), None)
-                epoch = self._epoch
-                late = oldest and self._clock.late(oldest.step.phase, oldest.out_at, time.monotonic(),
-                                                   oldest.expected_s)
-            if oldest and late:
-                self._break(f"the workers ({', '.join(self.workers)}) did not answer a {oldest.step.phase.value} "
-                            f"step within {late:.1f} s (one of them hung?)", epoch)
-            elif why := self.kv.overdue():
-                self._break(f"the workers ({', '.join(self.workers)}) {why} (one of them hung?)", epoch)
-            self._queue_repair()
+    def _overdue(self) -> tuple[str, int] | None:
+        return overdue(self.life, self._clock, self.workers, self.kv.overdue)
 
     def _queue_repair(self) -> None:
         """A repair for stage 0's thread once one is due and the pipeline is idle (a request's
         own first step reconnects otherwise, as it always has)."""
-        with self._lock:
-            if time.monotonic() < self._repair_at or self._pending or self._local or not self._inbox.empty():
-                return
-            self._repair_at = float("inf")  # until this attempt fails (or a new break)
-        self._inbox.put(_Repair())
+        with self.life.lock:
+            busy = bool(self._local) or not self._inbox.empty()
+        if self.life.repair_due(busy):
+            self._inbox.put(_Repair())
 
     # --- what comes back -------------------------------------------------------------------------
 
@@ -405,12 +319,12 @@ class RemotePipeline:
         """Star: on this thread, worker after worker. A worker refusing the step fails it; a
         link that ends or stalls breaks the chain."""
         try:
-            reply, received_at = relay(self.links, self.workers, fwd)
+            reply, received_at = relay(self.life.links, self.workers, fwd)
         except StarRefused as e:
             return self._step_failed(fwd.seq, str(e))
         except (ShardlineError, LinkClosed, Refused, WireError) as e:
             return self._break(f"lost worker: {e}", epoch)
-        self._done(reply, self.links[-1].last_decode_s, received_at)
+        self._done(reply, self.life.links[-1].last_decode_s, received_at)
 
     def _receive(self, link: Link, epoch: int) -> None:
         """Chain: tokens come back on the last worker's link, failed steps and refusals on any.
@@ -433,10 +347,10 @@ class RemotePipeline:
                 break
         self._break(reason, epoch)  # nothing, if a reconnect replaced this link on purpose
 
-    def _answered(self, seq: int, timed: bool) -> _Sent | None:
+    def _answered(self, seq: int, timed: bool) -> Sent | None:
         """The step `seq` was answered now (None: it was not in flight, e.g. lost meanwhile)."""
-        with self._lock:
-            sent = self._pending.pop(seq, None)
+        with self.life.lock:
+            sent = self.life.pending.pop(seq, None)
             if sent is not None:
                 self._clock.answered(sent.step.phase, sent.out_at, time.monotonic(), timed)
         return sent
@@ -461,7 +375,3 @@ class RemotePipeline:
             mine = tuple(choice(msg, e, step.sampling[r].top_logprobs) for e, row in enumerate(rows) if row == r)
             self.outbox.put(Outcome(stream, mine, timing=timing, hidden=sent.hidden))
         metrics.observe(timing, len(step.streams))  # after the puts: the consumer need not wait for it
-
-def _close_all(links: list[Link]) -> None:
-    for link in links:
-        link.close()
