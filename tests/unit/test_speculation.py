@@ -11,7 +11,7 @@ import pytest
 from scipy.stats import chisquare
 
 from shardline.config import SamplingParams
-from shardline.decoding.drafts import Proposal
+from shardline.decoding.drafts import Proposal, drafted
 from shardline.decoding.lookup import PromptLookup
 from shardline.decoding.sampler import choose_at, probabilities
 from shardline.decoding.speculative import Drafted, accepted, verify_draw
@@ -25,7 +25,6 @@ from shardline.serving.speculation import (
     Speculation,
     StepCost,
     best_k,
-    drafted,
     expected_tokens,
 )
 from shardline.serving.stream import Stream
@@ -152,12 +151,17 @@ def _decoding(i: int, drafts: list[int], k: int) -> Stream:
     return s
 
 
+def _offered(sched: Scheduler) -> dict[int, Proposal]:
+    """What the engine's speculation hands the scheduler: each stream's drafts, by stream."""
+    return {s.id: s.spec.proposal for s in sched.streams.values() if s.spec and s.spec.planned}
+
+
 def test_a_group_verifies_rows_with_different_k_padded_to_the_longest() -> None:
     sched = Scheduler(SchedulerConfig(groups=1))
     a, b = _decoding(1, [4, 5, 6], 3), _decoding(2, [7], 1)
     sched.add(a)
     sched.add(b)
-    (step,) = sched.plan().steps
+    (step,) = sched.plan(_offered(sched)).steps
     assert isinstance(step, DecodeStep) and step.merge == (1, 2)
     assert step.inputs.input_ids.tolist() == [[9, 4, 5, 6], [9, 7, 7, 7]]
     assert step.inputs.attention_mask.tolist() == [[1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0]]
@@ -171,7 +175,7 @@ def test_a_verify_step_of_one_stream_compacts_once_enough_slots_are_masked() -> 
     s.book.commit(s.book.plan([9, 4, 5, 6]))
     s.book.mask_last(3)  # three drafts rejected
     sched.add(s)
-    (step,) = sched.plan().steps
+    (step,) = sched.plan(_offered(sched)).steps
     assert isinstance(step, DecodeStep) and step.compact
     assert step.inputs.attention_mask.tolist() == [[1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1]]
     assert (s.book.slots, s.book.masked, s.book.position) == (8, 0, 8)
@@ -199,7 +203,7 @@ def test_a_speculating_stream_never_holds_more_slots_than_admission_counts() -> 
             sched.add(s)
         compactions = 0
         for _ in range(200):
-            for step in sched.plan().steps:
+            for step in sched.plan(_offered(sched)).steps:
                 compactions += isinstance(step, DecodeStep) and step.compact
                 for r, sid in enumerate(step.streams):
                     s = sched.streams[sid]
@@ -278,3 +282,16 @@ def test_prompt_lookup_is_credited_with_its_measured_acceptance_before_it_drafts
         spec.offer(Proposal([1]))
         spec.settle([7, 7])
     assert spec.choose_k(fast, rows=1, room=100) == 0
+
+
+def test_the_scheduler_places_only_the_drafts_it_is_given() -> None:
+    """Speculation decides the drafts; the scheduler reads no stream's speculation, it places
+    what the plan call hands it (here: none, then the stream's own)."""
+    for groups in (0, 1):
+        plain, spec = Scheduler(SchedulerConfig(groups=groups)), Scheduler(SchedulerConfig(groups=groups))
+        plain.add(_decoding(1, [4, 5, 6], 3))
+        spec.add(_decoding(1, [4, 5, 6], 3))
+        (a,) = plain.plan().steps
+        (b,) = spec.plan(_offered(spec)).steps
+        assert a.inputs.input_ids.tolist() == [[9]] and a.sample_at.tolist() == [[0, 0]]
+        assert b.inputs.input_ids.tolist() == [[9, 4, 5, 6]] and len(b.sample_at) == 4

@@ -226,7 +226,7 @@ class Engine:
             self._fail_all("error", f"the engine stopped: {self.failed}")
 
     def _dispatch(self) -> None:
-        plan = self.scheduler.plan()
+        plan = self.scheduler.plan(self.spec.proposals())
         self.groups_live = sum(1 for g in self.scheduler.groups if g.members())
         self.kv_slots_live = sum(s.book.slots for s in self.scheduler.streams.values())
         for step in plan.steps:

@@ -78,6 +78,11 @@ class SpecDriver:
                 log.warning("stream %d: no drafts ahead (%s: %s)", s.id, type(e).__name__, e)
         return drew
 
+    def proposals(self) -> dict[int, Proposal]:
+        """The drafts each speculating stream offers its next step, by stream (the scheduler
+        places them in the rows; the outcome is verified against them)."""
+        return {s.id: s.spec.proposal for s in self.scheduler.streams.values() if s.spec and s.spec.planned}
+
     def launched(self, step: DecodeStep) -> None:
         """`step` is about to be submitted: when it left (its time, for K) and its group's pace."""
         self.scheduler.streams[step.streams[0]].sent = (time.perf_counter(), step.inputs.rows, step.inputs.new_tokens)

@@ -20,14 +20,14 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardline.decoding.drafts import Proposal
+from shardline.decoding.drafts import NO_DRAFTS, Proposal, drafted
 from shardline.pipeline.plan import DecodeStep
-from shardline.serving.speculation import GroupPace, drafted
+from shardline.serving.speculation import GroupPace
 from shardline.serving.stream import Stream
 from shardline.stage.cache import StepInputs
 
@@ -63,25 +63,27 @@ class Group:
         """Every member has its next token and none is in flight: the group can step."""
         return bool(self.members()) and all(streams[s].idle_decoder() for s in self.members())
 
-    def launch(self, streams: dict[int, Stream], compact_at: int = 0) -> DecodeStep:
-        """The next step: every member's last token (and its drafts) as one row, committed to
-        each book; the group then holds its rows as launched. A step without joins or leaves
-        compacts the state once `compact_at` slots of every row are masked (0: never)."""
+    def launch(self, streams: dict[int, Stream], drafts: Mapping[int, Proposal] | None = None,
+               compact_at: int = 0) -> DecodeStep:
+        """The next step: every member's last token (and its drafts, by stream) as one row,
+        committed to each book; the group then holds its rows as launched. A step without joins
+        or leaves compacts the state once `compact_at` slots of every row are masked (0: never)."""
         keep = [self.held.index(s) for s in self.rows]
         rows = self.rows + self.joining
         joiners = list(self.joining)
         drops = not joiners and keep != list(range(len(self.held)))
         members = [streams[s] for s in rows]
+        proposals = [(drafts or {}).get(s, NO_DRAFTS) for s in rows]
         compact = bool(compact_at) and not joiners and not drops and wasted(members) >= compact_at
-        inputs = batch_inputs(members, np.asarray(keep, np.int32) if drops else None, compact)
+        feeds = [m.feed(p.tokens) for m, p in zip(members, proposals, strict=True)]
+        inputs = batch_inputs(members, feeds, np.asarray(keep, np.int32) if drops else None, compact)
         self.rows, self.held, self.joining = rows, list(rows), []
-        feeds = [len(m.feed()) for m in members]
-        at = np.array([[r, t] for r, n in enumerate(feeds) for t in range(n)], np.int64)
+        at = np.array([[r, t] for r, fed in enumerate(feeds) for t in range(len(fed))], np.int64)
         return DecodeStep(self.key, tuple(rows), tuple(m.params for m in members), inputs, at,
                           any(m.want_logits for m in members),
                           keep=tuple(keep) if (joiners or drops) else (), merge=tuple(streams[j].key for j in joiners),
                           compact=compact,
-                          drafted=drafted([m.spec.proposal if m.spec else Proposal([]) for m in members]))
+                          drafted=drafted(proposals))
 
 
 def wasted(members: list[Stream]) -> int:
@@ -89,15 +91,17 @@ def wasted(members: list[Stream]) -> int:
     return max(m.book.slots for m in members) - max(m.book.slots - m.book.masked for m in members)
 
 
-def batch_inputs(members: list[Stream], beam_idx: np.ndarray | None, compact: bool = False) -> StepInputs:
-    """One row per member feeding its last token and drafts, right-padded to the longest feed,
-    committed to its book (compacted first when `compact`). Every book is first left-padded to
-    the widest (a joiner longer than the group pads every row)."""
+def batch_inputs(members: list[Stream], feeds: list[list[int]], beam_idx: np.ndarray | None,
+                 compact: bool = False) -> StepInputs:
+    """One row per member feeding `feeds[r]` (its last token and drafts), right-padded to the
+    longest feed, committed to its book (compacted first when `compact`). Every book is first
+    left-padded to the widest (a joiner longer than the group pads every row)."""
     width = max(m.book.slots for m in members)
-    longest = max(len(m.feed()) for m in members)
+    longest = max(len(f) for f in feeds)
     for m in members:
         m.book.pad_left(width - m.book.slots)
-    inputs = StepInputs.stack([m.book.plan(m.feed(), longest - len(m.feed())) for m in members], beam_idx)
+    inputs = StepInputs.stack([m.book.plan(f, longest - len(f)) for m, f in zip(members, feeds, strict=True)],
+                              beam_idx)
     kept = inputs.compacted()[1] if compact else inputs
     for r, m in enumerate(members):
         m.book.commit(kept, r)

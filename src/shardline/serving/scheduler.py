@@ -19,16 +19,16 @@ No processes, no I/O: tested as plain objects.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK, PacingConfig
-from shardline.decoding.drafts import Proposal
+from shardline.decoding.drafts import NO_DRAFTS, Proposal, drafted
 from shardline.errors import ShardlineError
 from shardline.pipeline.plan import Lease, Plan, Step, decode, prefill
 from shardline.pipeline.timing import Timing
 from shardline.serving.groups import MAX_ROWS, Groups
 from shardline.serving.pacing import Pacing
-from shardline.serving.speculation import drafted
 from shardline.serving.stream import Stream
 
 
@@ -82,27 +82,28 @@ class Scheduler:
         out, self._releases = self._releases, []
         return out
 
-    def plan(self) -> Plan:
+    def plan(self, drafts: Mapping[int, Proposal] | None = None) -> Plan:
+        """This round's plan; `drafts`: the drafts each stream about to decode offers, by stream
+        (the engine's speculation chose them; the scheduler only places them in the rows)."""
         releases = tuple(self.releases())  # before the steps: see Plan
-        steps = self._decodes() + self._prefills()
+        steps = self._decodes(drafts or {}) + self._prefills()
         for step in steps:
             for s in step.streams:
                 self.streams[s].in_flight = True
         return Plan(releases, tuple(steps))
 
-    def _decodes(self) -> list[Step]:
+    def _decodes(self, drafts: Mapping[int, Proposal]) -> list[Step]:
         idle = [s for s in self.streams.values() if s.idle_decoder()]
         if not self.cfg.groups:
-            return [self._alone(s) for s in idle]
+            return [self._alone(s, drafts.get(s.id, NO_DRAFTS)) for s in idle]
         for s in idle:
             if not self.groups.has(s.id):
                 self.groups.join(s.id)
-        return [g.launch(self.streams, self.cfg.compact_at) for g in self.groups if g.ready(self.streams)]
+        return [g.launch(self.streams, drafts, self.cfg.compact_at) for g in self.groups if g.ready(self.streams)]
 
-    def _alone(self, s: Stream) -> Step:
+    def _alone(self, s: Stream, proposal: Proposal) -> Step:
         """A decode step of `s` on its own request: its token and drafts, each position sampled."""
-        proposal = s.spec.proposal if s.spec else Proposal([])
-        return decode(s.id, s.book, s.feed(), s.params, sample_all=True, want_logits=s.want_logits,
+        return decode(s.id, s.book, s.feed(proposal.tokens), s.params, sample_all=True, want_logits=s.want_logits,
                       compact=s.book.masked >= self.cfg.compact_at, drafted=drafted([proposal]), key=s.key)
 
     def _prefills(self) -> list[Step]:

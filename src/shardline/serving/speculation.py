@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardline.decoding.drafts import Drafter, Proposal
-from shardline.decoding.speculative import Drafted, accepted
+from shardline.decoding.speculative import accepted
 
 PROBE_EVERY = 16
 PRIOR_SLOPE = 0.25  # an extra position's cost relative to a one-position step, until measured
@@ -296,29 +296,6 @@ class Speculation:
         self.proposal, self.planned = Proposal([]), False
         return kept
 
-
-def drafted(proposals: list[Proposal]) -> Drafted | None:
-    """The drafted entries of a step whose row r feeds [last, *proposals[r].tokens] and samples
-    after each position: the draft offered there and q's support, -1 where none is (the last
-    position of a row, and certain drafts); None when no row's drafts were drawn from a q."""
-    drawn = [p.q_ids for p in proposals if p.q_ids is not None]
-    if not drawn:
-        return None
-    width = max(q.shape[1] for q in drawn)
-    tokens: list[int] = []
-    ids, probs = [], []
-    for p in proposals:
-        k = len(p.tokens)
-        for t in range(k + 1):
-            if t < k and p.q_ids is not None and p.q_probs is not None:
-                tokens.append(p.tokens[t])
-                ids.append(np.pad(p.q_ids[t], (0, width - p.q_ids.shape[1]), constant_values=-1))
-                probs.append(np.pad(p.q_probs[t], (0, width - p.q_probs.shape[1])))
-            else:
-                tokens.append(-1)
-                ids.append(np.full(width, -1, np.int64))
-                probs.append(np.zeros(width, np.float32))
-    return Drafted(np.asarray(tokens, np.int64), np.stack(ids).astype(np.int64), np.stack(probs).astype(np.float32))
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ emitted is emitted again and its (seed, position) draws are the ones it would ha
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import count
@@ -97,9 +98,9 @@ class Stream:
     def done(self) -> bool:
         return len(self.generated) >= self.max_tokens
 
-    def feed(self) -> list[int]:
+    def feed(self, drafts: Sequence[int] = ()) -> list[int]:
         """What its next decode step feeds: its last token, then the drafts offered after it."""
-        return [self.generated[-1], *(self.spec.proposal.tokens if self.spec else [])]
+        return [self.generated[-1], *drafts]
 
     def idle_decoder(self) -> bool:
         return self.decoding and not self.in_flight and not self.done
