@@ -45,13 +45,15 @@ from types import MappingProxyType
 from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK
 from shardline.disagg.state import LengthRange, Role
 from shardline.errors import ShardlineError
+from shardline.serving.groups import MAX_ROWS as ENGINE_MAX_ROWS
+from shardline.serving.scheduler import SchedulerConfig
 from shardline_tools.sim.costs import Costs
 from shardline_tools.sim.metrics import Interval, RequestRecord, Slo, Summary, summarize
 from shardline_tools.sim.workloads import RequestSpec
 
-# The real engine's defaults, not imported: serving/ loads OpenVINO. A unit test keeps them equal.
-MAX_ROWS = 8  # serving/groups.py MAX_ROWS: rows per decode group
-MAX_PREFILLS = 2  # serving/scheduler.py SchedulerConfig.max_prefills: prompts prefilling at once
+# The real engine's defaults, imported (serving/ is pure: it loads no OpenVINO).
+MAX_ROWS = ENGINE_MAX_ROWS  # rows per decode group
+MAX_PREFILLS = SchedulerConfig().max_prefills  # prompts prefilling at once
 # Streams an instance holds: what `shardline serve` allows on this 24 GiB machine at the 8192-token
 # context (BENCHMARKS.md, "What the serving engine does with this": 30 streams).
 MAX_STREAMS = 30
