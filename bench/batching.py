@@ -43,8 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import openvino as ov
-from quality import TEXT  # bench/quality.py: a plain English text, 367 tokens
-from shards import shard_folder  # bench/ is on sys.path when this script runs
+from kit import TEXT, shard_folder  # bench/ is on sys.path when this script runs
 
 from shardline.config import RunConfig
 from shardline.model.manifest import load_manifest

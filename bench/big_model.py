@@ -46,7 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ggufs.py builds the file
 
-from procs import Proc, peak_rss_mb  # noqa: E402  (bench/ is on sys.path when this script runs)
+from kit import Proc, peak_rss_mb  # noqa: E402  (bench/ is on sys.path when this script runs)
 from steps import decode_tok_s  # noqa: E402
 
 from shardline.config import ExportConfig, RunConfig, SamplingParams  # noqa: E402
@@ -260,7 +260,7 @@ def shardline_four(folder: Path, precision: str, args: argparse.Namespace) -> di
                      "--context", str(args.context), "--precision", precision], "listening on ", timeout_s=1800)
                for i in (1, 2, 3)]
     try:
-        addrs = [w.line.split()[-1] for w in workers]
+        addrs = [w.addr for w in workers]
         row = in_child(four_stage_run, str(folder), precision, addrs, str(creds / "node-0"), child_args(args))
         row["worker_peak_rss_mb"] = [peak_rss_mb(w.proc.pid) for w in workers]
     finally:

@@ -61,14 +61,11 @@ from itertools import count
 from pathlib import Path
 
 import numpy as np
-from quality import TEXT  # bench/ is on sys.path when this script runs
-from quiet import wait_quiet
+from kit import shard_folder, text_ids, wait_quiet  # bench/ is on sys.path when this script runs
 from shardline_tools.sim.costs import Costs
-from shards import shard_folder
 
 from shardline.config import DEFAULT_PREFILL_CHUNK, RunConfig, SamplingParams
 from shardline.export.defaults import default_shards
-from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.kv import KvSnapshot
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.plan import DecodeStep, Outcome, Step, prefill, run
@@ -79,11 +76,6 @@ WAIT_S = 600.0
 MISS = 0.15  # issue 13's bar for the simulator: a sample fitted worse than this is marked
 SPACING = 3  # row i of a decode group is SPACING * i tokens shorter than row 0
 KEYS = count(1)  # every stream, group and import gets a key never used before
-
-
-def ids_for(folder: Path, n: int) -> list[int]:
-    ids = ChatTokenizer(folder).encode(TEXT)
-    return (ids * (n // len(ids) + 1))[:n]
 
 
 def book_of(ids: list[int], n: int) -> KVBook:
@@ -366,7 +358,7 @@ def main() -> int:
     run_cfg = RunConfig(precision=args.precision, threads=args.threads)
     lengths = ({c - 1 for c in p_contexts if c} | set(t_lengths)
                | {decode_base(c, args.warm, args.steps, max(rows)) for c in d_contexts})
-    ids = ids_for(folder, max([*lengths, *(c + max(chunks) for c in p_contexts)]))
+    ids = text_ids(folder, max([*lengths, *(c + max(chunks) for c in p_contexts)]))
     with LocalPipeline(folder, run_cfg) as pipe:
         snaps = snapshots(pipe, ids, lengths)
         print(f"snapshots at {sorted(lengths)} tokens ready ({time.perf_counter() - began:.0f} s)",

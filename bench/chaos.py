@@ -35,17 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from procs import Proc  # bench/ is on sys.path when this script runs
-from quiet import wait_quiet
-from shards import shard_folder
+from kit import Proc, open_serving, shard_folder, wait_quiet  # bench/ is on sys.path when this script runs
 
-from shardline.config import RunConfig, SamplingConfig
+from shardline.config import RecoveryConfig, SamplingConfig, ServeConfig
 from shardline.model.tokenizer import ChatTokenizer
-from shardline.pipeline.deadline import Deadlines
-from shardline.pipeline.remote import RemotePipeline
-from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Request, Ticket
-from shardline.serving.scheduler import SchedulerConfig
 
 TEXTS = [
     "Rewrite this more formally: the meeting got moved to friday because the boss was sick, so bring the reports.",
@@ -70,7 +64,7 @@ class Worker:
     def __init__(self, folder: Path, stage: int) -> None:
         self.folder, self.stage = folder, stage
         self.proc = self._start(0)
-        self.addr = self.proc.line.split()[-1]
+        self.addr = self.proc.addr
         self.port = int(self.addr.rpartition(":")[2])
 
     def _start(self, port: int) -> Proc:
@@ -288,7 +282,7 @@ class ReplayCauses(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.getMessage()
-        if " replayed as " in msg:
+        if " replayed on lease " in msg:
             cause = "watchdog" if "did not answer" in msg else "link" if "lost worker" in msg else "other"
             self.causes[cause] += 1
 
@@ -327,9 +321,9 @@ def main() -> int:
     try:
         workers = [Worker(folder, 1), Worker(folder, 2)]
         # f32 activations: the replayed prefill and the steps it replaces agree exactly
-        pipe = RemotePipeline(folder, [w.addr for w in workers], RunConfig(), "f32",
-                              deadlines=Deadlines(args.floor, args.multiple))
-        engine = Engine(pipe, Limits(args.concurrency, args.concurrency), 8192, SchedulerConfig(groups=1))
+        serve = ServeConfig(max_streams=args.concurrency, max_queue=args.concurrency, decode_groups=1,
+                            recovery=RecoveryConfig(args.floor, args.multiple))
+        engine = open_serving(folder, serve=serve, workers=[w.addr for w in workers], activations="f32")[0]
         run_requests(engine, prompts, [8] * args.concurrency, args.concurrency, 300)  # warm-up
         clean = run_requests(engine, prompts, lengths, args.concurrency, args.timeout_s)
         with Faults(workers, args.fault_every, (args.hang_min, args.hang_max), args.seed) as faults:
@@ -339,8 +333,7 @@ def main() -> int:
         replayed = dict(causes.causes)  # the soak's are counted apart
         soaked = soak(engine, prompts, workers, args)
         soaked["soak_replays"] = sum(causes.causes.values()) - sum(replayed.values())
-        engine.stop()
-        pipe.shutdown()
+        engine.shutdown()
     finally:
         for w in workers:
             w.stop()

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from shards import shard_folder  # bench/ is on sys.path when this script runs
+from kit import shard_folder  # bench/ is on sys.path when this script runs
 
 from shardline.config import RunConfig
 from shardline.model.manifest import load_manifest

@@ -32,16 +32,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from procs import Proc  # bench/ is on sys.path when this script runs
-from serving import load
-from shards import shard_folder
+from http_load import load  # bench/ is on sys.path when this script runs
+from kit import Proc, open_serving, shard_folder
 
-from shardline.config import RunConfig, SamplingConfig
+from shardline.config import SamplingConfig, ServeConfig
 from shardline.model.tokenizer import ChatTokenizer
-from shardline.pipeline.local import LocalPipeline
-from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Request
-from shardline.serving.scheduler import SchedulerConfig
 
 PROMPTS = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
            "Explain how a bicycle stays upright.", "List five uses of a paperclip.",
@@ -79,7 +75,7 @@ def http(folder: Path, rates: list[float], count: int, n: int) -> dict[str, list
     for groups in (1, 0):
         server = Proc(["serve", "--shards", str(folder), "--port", "0", "--model-id", "m", "--max-streams", "8",
                        "--decode-groups", str(groups)], "serving ", stream="stderr")
-        url = server.line.split()[-1].removesuffix("/v1") + "/v1/completions"
+        url = server.url + "/completions"
         try:
             out[f"groups{groups}"] = [asyncio.run(load(url, "m", r, count, n, seed=int(r * 1000))) for r in rates]
         finally:
@@ -103,7 +99,7 @@ def main() -> int:
     folder = shard_folder(args.work, 2, balance=True)
     tok = ChatTokenizer(folder)
     chats = [tok.encode_chat([{"role": "user", "content": t}]) for t in PROMPTS]
-    systems = {g: Engine(LocalPipeline(folder, RunConfig()), Limits(8, 8), 8192, SchedulerConfig(groups=g))
+    systems = {g: open_serving(folder, serve=ServeConfig(max_streams=8, max_queue=8, decode_groups=g))[0]
                for g in (0, 1, 2)}
     for engine in systems.values():  # warm-up: first calls of each shape, a first join
         run(engine, chats[:2], 4)
@@ -121,8 +117,7 @@ def main() -> int:
                     t == alone[i % len(chats)] for i, t in enumerate(got))
                 print(f"rep {r + 1}/{reps} groups {g}, {s} streams: {rate:.1f} tok/s", file=sys.stderr)
     for engine in systems.values():
-        engine.stop()
-        engine.pipe.shutdown()
+        engine.shutdown()
     rates = [float(r) for r in args.rates.split(",") if r] if not args.quick else [2.0]
     served = http(folder, rates, 8 if args.quick else args.requests, n) if rates else {}
     med = {k: statistics.median(v) for k, v in tps.items()}

@@ -38,14 +38,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from calibrate import ids_for  # bench/ is on sys.path when this script runs
-from quiet import wait_quiet
+from kit import shard_folder, text_ids, wait_quiet  # bench/ is on sys.path when this script runs
 from shardline_tools.sim.costs import Costs
 from shardline_tools.sim.metrics import RequestRecord, Slo, Summary, summarize
 from shardline_tools.sim.simulator import CoupledConfig, simulate_coupled
 from shardline_tools.sim.simulator_disagg import DisaggConfig, from_length, simulate_disaggregated
 from shardline_tools.sim.workloads import KINDS, THRESHOLDS, RequestSpec, Workload, generate
-from shards import shard_folder
 
 from shardline.config import DEFAULT_PREFILL_CHUNK, RunConfig, SamplingConfig
 from shardline.disagg.decode import DecodeEngine
@@ -174,7 +172,7 @@ def warm(pipes: list[LocalPipeline], folder: Path) -> None:
     try:
         for e in engines:
             for n in lengths:
-                e.submit(Request(ids_for(folder, n), SamplingConfig(max_tokens=40), frozenset()),
+                e.submit(Request(text_ids(folder, n), SamplingConfig(max_tokens=40), frozenset()),
                          lambda ev: done.release() if ev.finish else None)
         for _ in range(len(engines) * len(lengths)):
             if not done.acquire(timeout=300):
@@ -288,7 +286,7 @@ def main() -> int:
         for kind in kinds:
             for seed in range(args.repeats):
                 specs = workload(kind, args.requests, seed, costs, args.load)
-                prompts = [ids_for(folder, s.prompt_tokens) for s in specs]
+                prompts = [text_ids(folder, s.prompt_tokens) for s in specs]
                 systems = [("coupled", coupled), ("disagg", disaggregated)]
                 for system, build in systems[:: 1 if seed % 2 == 0 else -1]:  # each goes first in turn
                     serving = build(pipes)

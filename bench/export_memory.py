@@ -21,14 +21,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from procs import Proc, peak_rss_mb  # bench/ is on sys.path when this script runs
+from kit import Proc, open_serving, peak_rss_mb  # bench/ is on sys.path when this script runs
 
-from shardline.config import ExportConfig, RunConfig, SamplingConfig
+from shardline.config import ExportConfig, RunConfig, SamplingConfig, ServeConfig
 from shardline.export.exporter import export
 from shardline.model.manifest import load_manifest
-from shardline.pipeline.remote import RemotePipeline
-from shardline.serving.admission import Limits
-from shardline.serving.engine import Engine
 from shardline.serving.generate import tokens
 
 
@@ -40,15 +37,14 @@ def serve_workers(folder: Path, context: int, requests: int) -> list[float]:
         for i in range(1, n):
             procs.append(Proc(["worker", "--shards", str(folder), "--stage", str(i), "--insecure", "--context",
                                str(context)], "listening on ", timeout_s=1800))
-        addrs = [p.line.split()[-1] for p in procs]
-        pipe = RemotePipeline(folder, addrs, RunConfig(context=context), "f32")
-        engine = Engine(pipe, Limits(1, 0), context)
+        addrs = [p.addr for p in procs]
+        engine, _ = open_serving(folder, RunConfig(context=context), ServeConfig(max_streams=1, max_queue=0), addrs,
+                                 activations="f32")
         try:
             for r in range(requests):
                 tokens(engine, [100 + r + i for i in range(64)], SamplingConfig(max_tokens=32))
         finally:
-            engine.stop()
-            pipe.shutdown()
+            engine.shutdown()
         return [peak_rss_mb(p.proc.pid) for p in procs]
     finally:
         for p in procs:

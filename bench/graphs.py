@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import openvino as ov
-from quiet import wait_quiet  # bench/ is on sys.path when this script runs
+from kit import wait_quiet  # bench/ is on sys.path when this script runs
 
 from shardline.config import RunConfig
 from shardline.stage.zero_points import round_zero_points, split_zero_points

@@ -40,8 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from procs import Proc  # bench/ is on sys.path when this script runs
-from quality import TEXT
+from kit import TEXT, Proc  # bench/ is on sys.path when this script runs
 from trackers import Tracker, wait_for
 
 from shardline.config import PacingConfig, RunConfig, SamplingConfig, ServeConfig
@@ -147,7 +146,7 @@ def system(name: str, folder: Path, placement: str, pacing: PacingConfig) -> Ite
     instances = 2 if name == "disagg" else 1
     workers = [Proc(["worker", "--shards", str(folder), "--stage", "1", "--listen", "127.0.0.1:0", "--insecure"],
                     "listening on ") for _ in range(instances if placement == "workers" else 0)]
-    addrs = [w.line.split()[-1] for w in workers] or None
+    addrs = [w.addr for w in workers] or None
     serving: Serving
     try:
         if name == "disagg":
@@ -173,7 +172,7 @@ def api_path(folder: Path, chars: int, steady_s: float) -> dict[str, float]:
 
     server = Proc(["serve", "--shards", str(folder), "--port", "0", "--model-id", "m", "--max-streams", "8"],
                   "serving ", stream="stderr")
-    base = server.line.split()[-1]
+    base = server.url
     times: list[list[float]] = [[] for _ in range(3)]
     stop = threading.Event()
 

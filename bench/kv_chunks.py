@@ -33,8 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-from procs import Proc  # bench/ is on sys.path when this script runs
-from quiet import wait_quiet
+from kit import Proc, wait_quiet  # bench/ is on sys.path when this script runs
 
 from shardline.cluster.keygen import keygen
 from shardline.config import RunConfig, SamplingParams
@@ -93,7 +92,7 @@ def instances(where: str, folder: Path, run: RunConfig) -> Iterator[tuple[Pipeli
                          "--credentials", str(creds / f"node-{i}")], "listening on ") for i in (1, 2)]
         try:
             mine = Credentials.load(creds / "node-0")
-            a, b = (RemotePipeline(folder, [w.line.split()[-1]], run, "f32", credentials=mine) for w in workers)
+            a, b = (RemotePipeline(folder, [w.addr], run, "f32", credentials=mine) for w in workers)
             try:
                 yield a, b
             finally:

@@ -22,7 +22,7 @@ import statistics
 import time
 
 import numpy as np
-from quiet import wait_quiet  # bench/ is on sys.path when this script runs
+from kit import wait_quiet  # bench/ is on sys.path when this script runs
 
 from shardline.config import RunConfig, SamplingParams
 from shardline.export.defaults import default_shards

@@ -39,8 +39,7 @@ from typing import Any
 
 import numpy as np
 import openvino as ov
-from parity import shard_folder  # bench/ is on sys.path when this script runs
-from quiet import wait_quiet
+from kit import shard_folder, wait_quiet  # bench/ is on sys.path when this script runs
 
 from shardline.config import RunConfig
 from shardline.model.source import default_model_path
@@ -197,7 +196,7 @@ def main() -> int:
     if args.quick:
         args.precision, args.steps, args.warmup = "fast", 8, 2
     quiet, load = wait_quiet(max_wait_s=0 if args.quick else 600)
-    ours_xml = (args.shards or shard_folder(args.work, args.weights, 1)) / "stage0.xml"
+    ours_xml = (args.shards or shard_folder(args.work, 1, args.weights)) / "stage0.xml"
     theirs_xml = genai_graph(args.work, args.gguf)
     figures: dict[str, Any] = {}
     for precision in (("exact", "fast") if args.precision == "both" else (args.precision,)):

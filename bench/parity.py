@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from kit import shard_folder  # bench/ is on sys.path when this script runs
 
-from shardline.config import ExportConfig, RunConfig, SamplingParams
-from shardline.model.manifest import EXPORT_TAG
+from shardline.config import RunConfig, SamplingParams
 from shardline.model.source import default_model_path
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
@@ -55,16 +55,6 @@ Runner = Callable[[list[int], int], Sample]
 
 
 # --- shardline ---------------------------------------------------------------------------------
-
-
-def shard_folder(work: Path, weights: str, stages: int) -> Path:
-    from shardline.export.exporter import export
-
-    folder = work / f"smollm2-135m-{weights}-{stages}stages-{EXPORT_TAG}"
-    if not (folder / "manifest.json").is_file():
-        print(f"exporting {folder} ...", file=sys.stderr)
-        export(ExportConfig(out=folder, stages=stages, weights=weights, progress=False))
-    return folder
 
 
 def shardline_runner(folder: Path, run_cfg: RunConfig) -> Runner:
@@ -304,7 +294,7 @@ def main() -> int:
         print(f"warning: load average {load:.1f} on {cores} cores: other work will skew the figures "
               "(llama.cpp's spinning threads suffer most)", file=sys.stderr)
     gguf = default_model_path()
-    folders = {s: shard_folder(args.work, args.weights, s) for s in (1, 2, 3)}
+    folders = {s: shard_folder(args.work, s, args.weights) for s in (1, 2, 3)}
     prompt = ChatTokenizer(folders[1]).encode_chat([{"role": "user", "content": PROMPT}])
 
     # shardline and genai-on-the-same-IR run with the same OpenVINO properties (--precision);

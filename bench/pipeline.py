@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -33,8 +32,7 @@ from pathlib import Path
 
 import hop
 import numpy as np
-from procs import Proc  # bench/ is on sys.path when this script runs
-from shards import shard_folder
+from kit import Proc, relays, shard_folder  # bench/ is on sys.path when this script runs
 
 from shardline.config import RunConfig, SamplingParams
 from shardline.model.manifest import load_manifest
@@ -53,26 +51,6 @@ Pipe = LocalPipeline | RemotePipeline
 
 
 # --- subprocesses ------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def relay(to: str, delay_ms: float, timeout_s: float = 20.0) -> tuple[Proc, str]:
-    port = free_port()
-    proc = Proc(["relay", "--listen", f"127.0.0.1:{port}", "--to", to, "--delay-ms", str(delay_ms)], "relaying")
-    deadline = time.monotonic() + timeout_s  # it prints before it binds: wait until it accepts
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
-            return proc, f"127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.05)
-    proc.stop()
-    raise RuntimeError(f"relay to {to} never accepted on port {port}")
 
 
 @contextmanager
@@ -201,7 +179,7 @@ def main() -> int:
     procs: list[Proc] = []
     with started(procs):
         procs += [worker(f2, "1"), worker(f3, "1"), worker(f3, "2"), worker(f4, "1"), worker(f4, "2"), worker(f4, "3")]
-        addrs = [q.line.split()[-1] for q in procs]
+        addrs = [q.addr for q in procs]
         w2, w3, w4 = addrs[:1], addrs[1:3], addrs[3:]
         pipes: dict[str, Pipe] = {
             "inproc-2stage": LocalPipeline(f2, run),
@@ -236,13 +214,8 @@ def main() -> int:
                 print(f"time box: sweep stopped before {delay:g} ms", file=sys.stderr)
                 break
             m = n if delay < 20 else min(n, args.sweep_tokens)
-            relays: list[Proc] = []
-            via: list[str] = []  # coordinator -> r0 -> w1; w1 -> r1 -> w2 (Route); w2 -> r1 -> coordinator
-            with started(relays):
-                for to in w3:
-                    proc, addr = relay(to, delay)
-                    relays.append(proc)
-                    via.append(addr)
+            # coordinator -> r0 -> w1; w1 -> r1 -> w2 (Route); w2 -> r1 -> coordinator
+            with relays(w3, delay) as via:
                 sweep[f"{delay:g}ms"], sweep_wire[f"{delay:g}ms"] = {}, {}
                 for topo in ("chain", "star"):
                     remote = RemotePipeline(f3, via, run, "f16", topo)

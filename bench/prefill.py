@@ -46,8 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from quality import TEXT  # bench/ is on sys.path when this script runs
-from shards import shard_folder
+from kit import TEXT, shard_folder  # bench/ is on sys.path when this script runs
 from trackers import Tracker, wait_for
 
 from shardline.config import DEFAULT_PREFILL_CHUNK, RunConfig, SamplingConfig, SamplingParams

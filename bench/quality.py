@@ -37,9 +37,9 @@ from itertools import count
 from pathlib import Path
 
 import numpy as np
+from kit import TEXT, shard_folder  # bench/ is on sys.path when this script runs
 
-from shardline.config import WEIGHTS, ExportConfig, RunConfig, SamplingParams
-from shardline.model.manifest import EXPORT_TAG
+from shardline.config import WEIGHTS, RunConfig, SamplingParams
 from shardline.model.source import open_source
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
@@ -60,41 +60,6 @@ PROMPTS = [
     "Write a haiku about autumn leaves.",
 ]
 
-TEXT = (
-    "The bicycle is one of the most efficient machines ever built for moving a person from one place to "
-    "another. Its basic form has changed surprisingly little since the late nineteenth century, when the "
-    "so-called safety bicycle replaced the tall and dangerous high-wheeler. The safety bicycle had two wheels "
-    "of equal size, a chain that drove the rear wheel, and a frame shaped like a diamond. Soon afterwards, "
-    "air-filled rubber tyres made the ride far more comfortable, and the bicycle quickly became popular "
-    "with workers, students and travellers alike.\n\n"
-    "Part of the appeal was economic. A bicycle cost much less than a horse, needed no food or stable, and "
-    "could be repaired with a few simple tools. In many towns it widened the area in which people could look "
-    "for work, and it gave young people, and women in particular, a new kind of independence. Clubs were "
-    "founded, roads were improved, and maps were printed especially for cyclists. Some of the engineering "
-    "lessons learned in bicycle workshops, such as the use of ball bearings, light steel tubes and careful "
-    "wheel building, were later applied to the first motor cars and aeroplanes.\n\n"
-    "Today the bicycle is used in very different ways around the world. In some countries it is mainly a "
-    "piece of sports equipment, while in others it remains the most common way to get to school, to the "
-    "market or to the office. Cities that want to reduce traffic and air pollution often build separate "
-    "lanes, parking racks and public rental schemes. Electric bicycles, which add a small motor and a "
-    "battery, have made longer distances and steep hills easier for many riders. Even so, the principle is "
-    "the same as it was more than a hundred years ago: a rider turns the pedals, the chain turns the wheel, "
-    "and a simple frame carries the load with very little wasted energy."
-)
-
-
-def shard_folder(work: Path, weights: str) -> Path:
-    """A 1-stage export (named as bench/parity.py names its own, so either script reuses the other's).
-    `gguf-rbG`: the GGUF's blocks re-blocked into groups of G (`export --reblock G`)."""
-    from shardline.export.exporter import export
-
-    folder = work / f"smollm2-135m-{weights}-1stages-{EXPORT_TAG}"
-    if not (folder / "manifest.json").is_file():
-        print(f"exporting {folder} ...", file=sys.stderr)
-        base, _, group = weights.partition("-rb")
-        export(ExportConfig(out=folder, stages=1, weights=base, reblock=int(group) if group else None,
-                            isolate=False, progress=False))
-    return folder
 
 
 def perplexity(logits: np.ndarray, ids: list[int]) -> float:
@@ -163,7 +128,7 @@ def main() -> int:
     prompts, n = (PROMPTS[:2], min(args.tokens, 32)) if args.quick else (PROMPTS, args.tokens)
     args.work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
-    folders = {w: shard_folder(args.work, w) for w in weights}
+    folders = {w: shard_folder(args.work, 1, w) for w in weights}
 
     sys.path.insert(0, str(REPO))
     import torch

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -33,9 +32,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx2 as httpx
-from procs import Proc  # bench/ is on sys.path when this script runs
-from shards import shard_folder
+from http_load import PROMPT, load  # bench/ is on sys.path when this script runs
+from kit import Proc, shard_folder
 
 from shardline.config import RunConfig, SamplingConfig
 from shardline.model.tokenizer import ChatTokenizer
@@ -43,14 +41,6 @@ from shardline.pipeline.remote import RemotePipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Request
 from shardline.serving.scheduler import SchedulerConfig
-
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
-
 
 # --- part 1: aggregate decode tok/s against concurrency -----------------------------------------
 
@@ -89,7 +79,7 @@ def part1(folder: Path, prompt: list[int], n: int, reps: int, pin: bool,
                   "--threads", str(threads), "--insecure"]
     worker = Proc(worker_cmd, "listening on ", cpus="1" if pin else None)
     try:
-        addr = [worker.line.split()[-1]]
+        addr = [worker.addr]
         # One coordinator per setting, all on the same worker: each is a session of its own there.
         pipes = {g: RemotePipeline(folder, addr, RunConfig(threads=threads)) for g in groups}
         engines = {g: Engine(p, Limits(max_streams=8, max_queue=8), 8192, SchedulerConfig(groups=g))
@@ -115,61 +105,14 @@ def part1(folder: Path, prompt: list[int], n: int, reps: int, pin: bool,
 # --- part 2: open-loop Poisson arrivals against the HTTP server ----------------------------------
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, object],
-                      scheduled: float, t0: float) -> dict[str, float]:
-    lag = time.perf_counter() - (t0 + scheduled)
-    start = time.perf_counter()
-    stamps: list[float] = []
-    cpu = 0.0
-    async with client.stream("POST", url, json=body) as r:
-        async for line in r.aiter_lines():
-            c0 = time.thread_time()
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0]["text"]:
-                    stamps.append(time.perf_counter())
-            cpu += time.thread_time() - c0
-    end = time.perf_counter()
-    return {"ttft": stamps[0] - start if stamps else float("nan"), "e2e": end - start, "tokens": len(stamps),
-            "tpot": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else float("nan"),
-            "lag": lag, "client_cpu": cpu}
-
-
-async def load(url: str, model: str, rate: float, count: int, tokens: int, seed: int) -> dict[str, float]:
-    rng = random.Random(seed)
-    offsets, t = [], 0.0
-    for _ in range(count):
-        t += rng.expovariate(rate)
-        offsets.append(t)
-    body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    async with httpx.AsyncClient(timeout=300) as client:
-        t0 = time.perf_counter()
-
-        async def fire(off: float) -> dict[str, float]:
-            await asyncio.sleep(max(0.0, t0 + off - time.perf_counter()))
-            return await one_request(client, url, body, off, t0)
-
-        results = await asyncio.wait_for(asyncio.gather(*(fire(o) for o in offsets)), timeout=900)
-        wall = time.perf_counter() - t0
-    tokens_out = sum(r["tokens"] for r in results)
-    row: dict[str, float] = {"rate": rate, "requests": count, "throughput_tok_s": tokens_out / wall}
-    for key in ("ttft", "tpot", "e2e"):
-        for p in (50, 90, 99):
-            row[f"{key}_p{p}_ms"] = 1000 * pct([r[key] for r in results], p)
-    row["client_lag_p99_ms"] = 1000 * pct([r["lag"] for r in results], 99)
-    row["client_cpu_per_req_ms"] = 1000 * statistics.mean(r["client_cpu"] for r in results)
-    return row
-
-
 def part2(folder: Path, rates: list[float], count: int, tokens: int, pin: bool) -> list[dict[str, float]]:
     threads = "1" if pin else "2"
     worker = Proc(["worker", "--shards", str(folder), "--stage", "1", "--listen", "127.0.0.1:0",
                    "--threads", threads, "--insecure"], "listening on ", cpus="1" if pin else None)
-    server = Proc(["serve", "--shards", str(folder), "--workers", worker.line.split()[-1], "--port", "0", "--insecure",
+    server = Proc(["serve", "--shards", str(folder), "--workers", worker.addr, "--port", "0", "--insecure",
                    "--model-id", "m", "--threads", threads, "--max-streams", "8"], "serving ",
                   cpus="0" if pin else None, stream="stderr")
-    url = server.line.split()[-1].removesuffix("/v1") + "/v1/completions"
+    url = server.url + "/completions"
     try:
         rows = []
         for rate in rates:

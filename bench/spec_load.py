@@ -25,9 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from procs import Proc  # bench/ is on sys.path when this script runs
-from shards import shard_folder
-from speculative import draft_path
+from kit import Proc, relay, shard_folder, worker  # bench/ is on sys.path when this script runs
+from spec_kit import draft_path
 
 from shardline.config import RunConfig, SamplingConfig, ServeConfig, SpeculationConfig
 from shardline.model.tokenizer import ChatTokenizer
@@ -140,13 +139,13 @@ def _workers(folder: Path, n: int, delay_ms: float, procs: list[Proc]) -> list[s
     """n workers for stages 1..n, each behind a relay when delay_ms > 0; their addresses in order."""
     addrs = []
     for stage in range(1, n + 1):
-        w = Proc(["worker", "--shards", str(folder), "--stage", str(stage), "--insecure"], "listening on")
+        w = worker(folder, stage)
         procs.append(w)
-        addr = w.line.split()[-1]
+        addr = w.addr
         if delay_ms:
-            relay = Proc(["relay", "--listen", "127.0.0.1:0", "--to", addr, "--delay-ms", str(delay_ms)], "relaying")
-            procs.append(relay)
-            addr = relay.line.split()[1]
+            r = relay(addr, delay_ms)
+            procs.append(r)
+            addr = r.addr
         addrs.append(addr)
     return addrs
 
