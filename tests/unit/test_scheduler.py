@@ -7,6 +7,7 @@ import pytest
 from shardline.config import SamplingParams
 from shardline.errors import ShardlineError
 from shardline.pipeline.plan import DecodeStep, PrefillStep, Step, execute
+from shardline.serving.kv_table import KvTable, group_lease
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
 from shardline.serving.stream import Stream
 
@@ -150,3 +151,28 @@ def test_a_plan_releases_the_keys_of_ended_streams_before_its_steps() -> None:
     execute(pipe, plan, lambda step, why: failed.append((step.key, why)))  # type: ignore[arg-type]
     assert pipe.calls == [("release", 1), ("submit", 2)]
     assert failed == [(3, "RuntimeError: cannot start")]
+
+
+def test_a_kv_table_issues_fresh_leases_and_hands_freed_ones_over_once() -> None:
+    table = KvTable()
+    leases = [table.lease() for _ in range(3)]
+    assert leases == [0, 1, 2] and all(group_lease(g) < 0 for g in range(4))
+    assert len({group_lease(g) for g in range(4)}) == 4
+    table.free(leases[1])
+    table.free(group_lease(0))
+    assert table.take_freed() == [1, -1] and table.take_freed() == []
+
+
+def test_a_replayed_stream_keeps_its_id_and_frees_its_old_lease() -> None:
+    sched = Scheduler(SchedulerConfig(chunk=8, groups=0))
+    s = _stream(7, 3)
+    s.key = sched.kv.lease()
+    sched.add(s)
+    for step in sched.plan().steps:
+        _complete(sched, step)
+    new = sched.kv.lease()
+    sched.replay(s, new)
+    plan = sched.plan()
+    assert plan.releases == (0,) and list(sched.streams) == [7]
+    (step,) = plan.steps
+    assert (step.key, step.streams) == (new, (7,)) and isinstance(step, PrefillStep) and step.first

@@ -133,7 +133,6 @@ class Engine:
         self._taken = 0
         self._observed: object = None  # the last step timing the scheduler was told of (rows share one)
         self._ids = count()  # requests (tickets)
-        self._leases = count()  # KV states on this engine's pipeline (a stream's own; groups' are negative)
         self._running = True
         self.failed: str | None = None  # why the engine thread stopped, if it did (then unhealthy)
         # After the last round, for readers on any thread (the fleet page): decode groups with
@@ -263,7 +262,7 @@ class Engine:
             self.scheduler.add(ticket.stream)
 
     def _lease(self) -> Lease:
-        return Lease(next(self._leases))
+        return self.scheduler.kv.lease()
 
     def _next_waiting(self, n: int) -> list[Ticket]:
         """The `n` waiting tickets that start now, taken off the queue (under the lock): the

@@ -27,6 +27,7 @@ import numpy as np
 
 from shardline.decoding.drafts import NO_DRAFTS, Proposal, drafted
 from shardline.pipeline.plan import DecodeStep
+from shardline.serving.kv_table import group_lease
 from shardline.serving.speculation import GroupPace
 from shardline.serving.stream import Stream
 from shardline.stage.cache import StepInputs
@@ -112,7 +113,7 @@ class Groups:
     """The decode groups and which one each stream is in."""
 
     def __init__(self, n: int, max_rows: int = MAX_ROWS) -> None:
-        self._all = [Group(key=-1 - g) for g in range(n)]
+        self._all = [Group(key=group_lease(g)) for g in range(n)]
         self._max_rows = max_rows
         self._of: dict[int, Group] = {}
 
@@ -140,7 +141,7 @@ class Groups:
         """`stream` has its first token: it joins the least loaded group (a new one if all are full)."""
         g = least_loaded([len(x.members()) for x in self._all], self._max_rows)
         if g is None:
-            self._all.append(Group(key=-1 - len(self._all)))
+            self._all.append(Group(key=group_lease(len(self._all))))
         group = self._of[stream] = self._all[-1 if g is None else g]
         group.joining.append(stream)
         return group

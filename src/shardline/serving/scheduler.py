@@ -28,6 +28,7 @@ from shardline.errors import ShardlineError
 from shardline.pipeline.plan import Lease, Plan, Step, decode, prefill
 from shardline.pipeline.timing import Timing
 from shardline.serving.groups import MAX_ROWS, Groups
+from shardline.serving.kv_table import KvTable
 from shardline.serving.pacing import Pacing
 from shardline.serving.stream import Stream
 
@@ -53,7 +54,7 @@ class Scheduler:
         self.groups = Groups(self.cfg.groups, self.cfg.max_rows)
         self.pacing = Pacing(self.cfg.pacing, self.cfg.chunk) if self.cfg.pacing else None
         self.streams: dict[int, Stream] = {}  # running, by id, in admission order
-        self._releases: list[int] = []  # leases to free on every stage
+        self.kv = KvTable()  # the leases of this scheduler's pipeline, and those to release
 
     def add(self, stream: Stream) -> None:
         self.streams[stream.id] = stream
@@ -64,9 +65,9 @@ class Scheduler:
         if stream.in_flight:
             raise ShardlineError(f"stream {stream.id} still has a step in flight")
         self.streams.pop(stream.id, None)
-        self._releases.append(stream.key)
+        self.kv.free(stream.key)
         if (emptied := self.groups.leave(stream.id)) is not None:
-            self._releases.append(emptied)
+            self.kv.free(Lease(emptied))
 
     def replay(self, stream: Stream, key: Lease) -> None:
         """`stream`'s KV went with a broken pipeline: free its lease, and its group's if it
@@ -74,13 +75,12 @@ class Scheduler:
         id and its place among the streams (the oldest prompts prefill first)."""
         old = stream.key
         stream.restart(key)
-        self._releases.append(old)
+        self.kv.free(old)
         if (emptied := self.groups.leave(stream.id)) is not None:
-            self._releases.append(emptied)
+            self.kv.free(Lease(emptied))
 
     def releases(self) -> list[int]:
-        out, self._releases = self._releases, []
-        return out
+        return list(self.kv.take_freed())
 
     def plan(self, drafts: Mapping[int, Proposal] | None = None) -> Plan:
         """This round's plan; `drafts`: the drafts each stream about to decode offers, by stream
