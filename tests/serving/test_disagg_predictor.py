@@ -48,10 +48,10 @@ def test_a_live_prediction_equals_the_offline_one(balanced: Path) -> None:
     assert len(by_prompt) == len(prompts)
     for p in prompts:
         m, offline = by_prompt[tuple(p)], extract(p)
-        assert m.stream.hidden is not None and m.stream.hidden.positions == len(p)
-        np.testing.assert_allclose(m.stream.hidden.vector(), offline, rtol=1e-4, atol=1e-3)
+        assert m.stream.handover.hidden is not None and m.stream.handover.hidden.positions == len(p)
+        np.testing.assert_allclose(m.stream.handover.hidden.vector(), offline, rtol=1e-4, atol=1e-3)
         assert m.predicted == predictor.predict(offline)
-        assert m.stream.expect == m.predicted.lo
+        assert m.stream.handover.expect == m.predicted.lo
     assert len({m.predicted for m in got}) > 1, "the model named one bucket for every prompt"
 
 
@@ -67,7 +67,7 @@ def test_a_pipeline_that_does_not_summarize_carries_no_summary(balanced: Path) -
             m = moved.get(timeout=WAIT_S)
         finally:
             engine.stop()
-    assert m.stream.hidden is None
+    assert m.stream.handover.hidden is None
     assert m.predicted.lo == 256  # max_tokens' bucket: the fallback
 
 

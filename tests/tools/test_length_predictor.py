@@ -25,7 +25,7 @@ from shardline.disagg.prefill import trained_predict
 from shardline.disagg.state import LengthRange, bucket
 from shardline.errors import ShardlineError
 from shardline.pipeline.hidden import HiddenChunk, PromptHidden
-from shardline.serving.stream import Stream
+from shardline.serving.stream import Handover, Stream
 
 
 def _doc(**changes: Any) -> dict[str, Any]:
@@ -245,7 +245,7 @@ def test_a_model_fits_only_the_export_whose_stage_0_made_its_features() -> None:
 
 
 def _stream(hidden: PromptHidden | None, max_tokens: int = 100) -> Stream:
-    return Stream(7, [1, 2, 3], SamplingParams(), max_tokens, hidden=hidden)
+    return Stream(7, [1, 2, 3], SamplingParams(), max_tokens, handover=Handover(hidden=hidden))
 
 
 def test_a_trained_prediction_reads_the_streams_stage_0_summary() -> None:

@@ -3,13 +3,14 @@ them in decode groups (TetriInfer).
 
 A stream arrives (`adopt`, any thread) with its KV. It waits in the instance's queue until
 the admission policy (instance.py: vanilla, reserve-static, reserve-dynamic, on the low end of
-each prediction) and a free stream slot let it in; then its KV is imported under a key of this
-engine, in queue order, and once that is done it joins the scheduler as a decoding stream: the
+each prediction) and a free stream slot let it in; then its KV is imported on a lease of
+this engine, in queue order, and once that is done it joins the scheduler as a decoding stream: the
 token sampled at the end of its prefill is fed next. A stream that outlives its prediction
 decodes on; nothing is evicted.
 
 Invariants:
-- The stream record moves with the request; only its id (the key) changes on arrival.
+- The stream record moves with the request and keeps its id; only its lease (the key of its
+  state here) and its book change on arrival.
 - Every arrival gets exactly one final event: cancelled or failed before it runs, or from
   the engine when it ends.
 """
@@ -62,7 +63,7 @@ class DecodeEngine(Engine):
         return not self._arrivals and not self._landing and self.active == 0 and self.waiting == 0
 
     def _load(self, streams: list[Stream], queued: int) -> DecodeLoad:
-        heavy = sum(s.expect >= self.heavy_from for s in streams)
+        heavy = sum(s.handover.expect >= self.heavy_from for s in streams)
         used = min(self.kv_tokens, sum(_held(s) for s in streams))
         return DecodeLoad(len(streams), heavy, len(streams) - heavy, used, self.kv_tokens, queued)
 
@@ -93,7 +94,7 @@ class DecodeEngine(Engine):
         if self._taken >= self.limits.max_streams:
             return False
         streams = list(self.scheduler.streams.values())
-        running = [Running(len(s.prefix()), len(s.generated), LengthRange(s.expect)) for s in streams]
+        running = [Running(len(s.prefix()), len(s.generated), LengthRange(s.handover.expect)) for s in streams]
         load = self._load(streams, 0)
         return admits(self.admission, load, m.predicted, m.prompt_tokens, running)
 

@@ -77,7 +77,7 @@ class _Export:
 
 
 # A prefilled stream's predicted decode length, named as it leaves: from its request (an oracle)
-# or from what stage 0 saw of its prompt (stream.hidden, made by a summarizing pipeline).
+# or from what stage 0 saw of its prompt (stream.handover.hidden, made by a summarizing pipeline).
 Predict = Callable[[Stream], LengthRange]
 
 
@@ -116,8 +116,8 @@ class PrefillEngine(Engine):
     def _apply(self, outcome: Outcome) -> None:
         stream = self.scheduler.streams.get(outcome.stream)
         if stream is not None and outcome.hidden is not None and not outcome.failed:
-            stream.hidden = stream.hidden or PromptHidden(int(outcome.hidden.total.shape[0]))
-            stream.hidden.add(outcome.hidden)
+            stream.handover.hidden = stream.handover.hidden or PromptHidden(int(outcome.hidden.total.shape[0]))
+            stream.handover.hidden.add(outcome.hidden)
         super()._apply(outcome)
 
     def _next_waiting(self, n: int) -> list[Ticket]:
@@ -141,26 +141,26 @@ class PrefillEngine(Engine):
         if stream.decoding and not stream.done:
             self._leave(stream)
         elif self.chunked_kv and not stream.decoding:
-            stream.kv_sent.append(self._export_rest(stream))
+            stream.handover.kv_sent.append(self._export_rest(stream))
 
     def _export_rest(self, stream: Stream) -> Future[KvSnapshot]:
         """The slots of `stream`'s cache not exported yet, queued behind its steps so far (none
         is in flight: the book's slots are those the stages hold)."""
-        future = self.pipe.export_kv(stream.key, stream.kv_through)
-        stream.kv_through = stream.book.slots
+        future = self.pipe.export_kv(stream.key, stream.handover.kv_through)
+        stream.handover.kv_through = stream.book.slots
         return future
 
     def _leave(self, stream: Stream) -> None:
         """`stream` has its first token: the rest of its KV is exported (all of it, unless
         chunk by chunk), then its key released (queue order)."""
         ticket = self._ticket(stream)
-        slices = [*stream.kv_sent, self._export_rest(stream)]
-        stream.kv_sent, stream.kv_through = [], 0  # the slices leave with the export, not the stream
+        slices = [*stream.handover.kv_sent, self._export_rest(stream)]
+        stream.handover.kv_sent, stream.handover.kv_through = [], 0  # the slices leave with the export, not the stream
         self.scheduler.remove(stream)
         self._release_slot()
         ticket.stream = None
         predicted = self.predict(stream)
-        stream.expect = predicted.lo
+        stream.handover.expect = predicted.lo
         self._exports.append(_Export(ticket, stream, predicted, slices))
         for f in slices:
             f.add_done_callback(lambda _: self.pipe.wake())
@@ -215,9 +215,9 @@ def trained_predict(predictor: LengthPredictor) -> Predict:
     max_tokens instead, with a warning: the request goes on; only the scheduler's guess is worse."""
     def predict(s: Stream) -> LengthRange:
         try:
-            if s.hidden is None:
+            if s.handover.hidden is None:
                 raise ShardlineError("no stage-0 summary of its prompt")
-            return predictor.predict(s.hidden.vector())
+            return predictor.predict(s.handover.hidden.vector())
         except ShardlineError as e:
             log.warning("stream %d: predicted by its max_tokens (%s)", s.id, e)
             return bucket(s.max_tokens, predictor.g, predictor.buckets)

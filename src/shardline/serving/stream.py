@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Any
+from typing import TYPE_CHECKING
 
 from shardline.config import SamplingParams
 from shardline.pipeline.hidden import PromptHidden
@@ -20,6 +20,9 @@ from shardline.pipeline.kv import KvSnapshot
 from shardline.pipeline.plan import Lease, StreamId
 from shardline.serving.speculation import Speculation
 from shardline.stage.cache import KVBook
+
+if TYPE_CHECKING:
+    from shardline.serving.engine import Ticket
 
 # Stream ids are unique in the process (engines and instances share them): a stream that moves
 # to a decode instance keeps its id there. Taking the next is atomic (one bytecode under the GIL).
@@ -31,6 +34,24 @@ def new_stream_id() -> StreamId:
     return StreamId(next(_ids))
 
 
+@dataclass
+class Handover:
+    """What disaggregated serving (disagg/) keeps on a stream: the decode tokens predicted for it
+    (the low end of a length prediction; 0: none made), for which a decode instance reserves KV;
+    what stage 0 saw of its prefix so far on a prefill instance whose pipeline summarizes (the
+    length predictor's input); and the slices of its KV already exported, in slot order, by a
+    prefill instance that transfers chunk by chunk (the slots [0, kv_through))."""
+
+    expect: int = 0
+    hidden: PromptHidden | None = None
+    kv_sent: list[Future[KvSnapshot]] = field(default_factory=list)
+    kv_through: int = 0
+
+    def restart(self) -> None:
+        """A replay prefills anew, on a new lease: nothing seen or exported of the old one counts."""
+        self.hidden, self.kv_sent, self.kv_through = None, [], 0
+
+
 @dataclass(eq=False)
 class Stream:
     id: StreamId  # for the stream's whole life, replays and moves included: outcomes name it
@@ -39,7 +60,7 @@ class Stream:
     max_tokens: int
     stop_ids: frozenset[int] = frozenset()
     want_logits: bool = False
-    owner: Any = None  # the engine's handle on the request (its Ticket)
+    owner: Ticket | None = None  # the engine's handle on the request
     book: KVBook = field(default_factory=KVBook)
     prefilled: int = 0  # tokens of `prefix()` sent to the stages
     chunk: tuple[int, int] | None = None  # its last prompt chunk: (tokens, tokens cached before it)
@@ -50,19 +71,10 @@ class Stream:
     resumed: int = 0  # generated tokens its prefill feeds after the prompt (since a restart)
     replays: int = 0  # restarts so far
     lost_at: float | None = None  # when the pipeline broke under it, until it ran again
-    # Decode tokens predicted for it (the low end of a length prediction; 0: none made). A
-    # decode instance of disaggregated serving reserves KV for them (disagg/instance.py).
-    expect: int = 0
-    # What stage 0 saw of its prefix so far, on a prefill instance whose pipeline summarizes
-    # (the length predictor's input; pipeline/hidden.py). A restart prefills anew: None again.
-    hidden: PromptHidden | None = None
+    handover: Handover = field(default_factory=lambda: Handover())  # disaggregated serving's part
     # The lease of its own state on every stage (while it is not a group's row); a replay or a
     # move to another instance takes a new one. Unset at construction: its id.
     key: Lease = _UNSET
-    # Slices of its KV already exported, in slot order, on a prefill instance that transfers
-    # chunk by chunk (each chunk's slots as soon as it has run; disagg/prefill.py).
-    kv_sent: list[Future[KvSnapshot]] = field(default_factory=list)
-    kv_through: int = 0  # the slots those slices cover: [0, kv_through)
 
     def __post_init__(self) -> None:
         if self.key == _UNSET:
@@ -82,8 +94,8 @@ class Stream:
         decode step would have fed next: the prefill's last chunk samples what follows it)."""
         if self.in_flight:
             raise ValueError(f"stream {self.id} still has a step in flight")
-        self.key, self.book, self.prefilled, self.sent, self.hidden = key, KVBook(), 0, None, None
-        self.kv_sent, self.kv_through = [], 0  # slices of the old key: the new one is exported anew
+        self.key, self.book, self.prefilled, self.sent = key, KVBook(), 0, None
+        self.handover.restart()
         self.resumed = len(self.generated)
         self.replays += 1
         if self.spec is not None:
