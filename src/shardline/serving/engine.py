@@ -1,9 +1,10 @@
 """The serving engine: many streams through one pipeline, each stage kept busy.
 
-One engine thread owns the streams. Its loop reads in a few lines: take the outcomes that came
-back and apply them to their streams, apply cancellations, admit waiting requests, then submit
-what the scheduler plans. Graph work never runs on this thread (every stage has its own), so
-planning and applying outcomes never wait for a long prompt.
+One engine thread owns the streams. Each round (`step`) reads in a few lines: take the outcomes
+that came back and apply them to their streams, apply cancellations, admit waiting requests,
+then execute the round's `Plan` (releases, then steps) that the scheduler makes. Graph work
+never runs on this thread (every stage has its own), so planning and applying outcomes never
+wait for a long prompt.
 
 Invariants:
 - A stream has at most one step in flight; it ends (its keys released) only when none is.
@@ -210,19 +211,25 @@ class Engine:
     def _loop(self) -> None:
         try:
             while self._running:
-                drew = self.spec.draft_ahead()
-                for outcome in self.pipe.outcomes(timeout=0.0 if drew else 1.0):
-                    self._apply(outcome)
-                self._apply_cancels()
-                self._admit()
-                self.spec.draft()
-                self._dispatch()
+                self.step()
             self._fail_all("cancelled", "")
         except BaseException as e:  # noqa: BLE001 - the thread must not die silently
             log.exception("the engine thread stopped")
             with self._lock:
                 self.failed = f"{type(e).__name__}: {e}"
             self._fail_all("error", f"the engine stopped: {self.failed}")
+
+    def step(self) -> None:
+        """One round of the engine thread: apply the outcomes that came back (waiting for them
+        only when nothing else can be done), take the callers' messages (cancels, then new and
+        arriving streams), then plan and execute the round."""
+        drew = self.spec.draft_ahead()  # this machine is idle while every step is out on workers
+        for outcome in self.pipe.outcomes(timeout=0.0 if drew else 1.0):
+            self._apply(outcome)
+        self._apply_cancels()
+        self._admit()
+        self.spec.draft()  # drafts before planning: the plan places them in the rows
+        self._dispatch()
 
     def _dispatch(self) -> None:
         plan = self.scheduler.plan(self.spec.proposals())
