@@ -28,9 +28,8 @@ from shardline.disagg.policies import DEFAULT_PREFILL_BATCH, PrefillPolicy, Queu
 from shardline.disagg.predictor import LengthPredictor
 from shardline.disagg.state import LengthRange, PrefillLoad, bucket
 from shardline.errors import ShardlineError
-from shardline.pipeline.hidden import PromptHidden
 from shardline.pipeline.kv import Handoff, KvSnapshot, handoff, join
-from shardline.pipeline.plan import Outcome, Pipeline
+from shardline.pipeline.plan import Pipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Ticket
 from shardline.serving.replay import Replays
@@ -112,13 +111,6 @@ class PrefillEngine(Engine):
         return not self._exports and self.active == 0 and self.waiting == 0
 
     # --- the engine thread ---------------------------------------------------------------------
-
-    def _apply(self, outcome: Outcome) -> None:
-        stream = self.scheduler.streams.get(outcome.stream)
-        if stream is not None and outcome.hidden is not None and not outcome.failed:
-            stream.handover.hidden = stream.handover.hidden or PromptHidden(int(outcome.hidden.total.shape[0]))
-            stream.handover.hidden.add(outcome.hidden)
-        super()._apply(outcome)
 
     def _next_waiting(self, n: int) -> list[Ticket]:
         out = []

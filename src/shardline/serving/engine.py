@@ -302,6 +302,8 @@ class Engine:
             if outcome.failed:
                 return self._finish(stream, "error", outcome.error)
             stream.lost_at = None  # it runs again: a later loss is a new repair
+            if outcome.hidden is not None:  # a summarizing pipeline's (a prefill instance's)
+                stream.handover.saw(outcome.hidden)
             stood = self.spec.verified(stream, outcome)
             self.spec.settled(stream, len(stood))
             for choice in stood:

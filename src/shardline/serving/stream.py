@@ -15,7 +15,7 @@ from itertools import count
 from typing import TYPE_CHECKING
 
 from shardline.config import SamplingParams
-from shardline.pipeline.hidden import PromptHidden
+from shardline.pipeline.hidden import HiddenChunk, PromptHidden
 from shardline.pipeline.kv import KvSnapshot
 from shardline.pipeline.plan import Lease, StreamId
 from shardline.serving.speculation import Speculation
@@ -46,6 +46,11 @@ class Handover:
     hidden: PromptHidden | None = None
     kv_sent: list[Future[KvSnapshot]] = field(default_factory=list)
     kv_through: int = 0
+
+    def saw(self, chunk: HiddenChunk) -> None:
+        """Stage 0's summary of one more prompt chunk (a summarizing pipeline's outcome)."""
+        self.hidden = self.hidden or PromptHidden(int(chunk.total.shape[0]))
+        self.hidden.add(chunk)
 
     def restart(self) -> None:
         """A replay prefills anew, on a new lease: nothing seen or exported of the old one counts."""
