@@ -24,12 +24,18 @@ admits up to `max_streams` (the rest wait, first come first served), and only wh
 prompt fits the KV tokens it has (`Costs.kv_tokens`) beside what its admitted requests hold (a
 prefilling one its prompt, a decoding one its context): the vanilla admission a decode instance
 uses, so both modes run on the same memory. As there, a stream outgrowing the capacity is never
-evicted, and how far past it went is reported (`kv_overflow_peak`). Each iteration plans what the
-real `Scheduler.plan()` submits at once: one step of every decode group, then one chunk of each of
-the `max_prefills` oldest prompts; its steps run in that order, and the next iteration is planned
-when the last ends. So a long prompt's chunks sit between a running stream's tokens: the
-interference disaggregation removes. A prefilled stream joins the decode group with the fewest
-members (a new group when all have `max_rows`) and decodes from the next iteration.
+evicted, and how far past it went is reported (`kv_overflow_peak`). Each iteration runs the real
+`Scheduler.plan()` (planner.py: the instance's requests are real streams): one step of every
+decode group, then one chunk of each of the `max_prefills` oldest prompts, with fixed chunks; its
+steps run in that order, and the next iteration is planned when the last ends. So a long
+prompt's chunks sit between a running stream's tokens: the interference disaggregation removes.
+A prefilled stream joins the decode group with the fewest members (a new group when all have
+`max_rows`) and decodes from the next iteration.
+
+The real scheduler's rows are fixed when a round is planned. The simulator's own copy of its
+groups (before issue 24) read a group's rows when its step started, so on a decode instance a
+stream that landed mid-round rode a step planned before it: disaggregated figures moved by up to
+a few seconds on 120-request workloads (coupled ones are identical to the copy's).
 """
 
 from __future__ import annotations
@@ -42,13 +48,14 @@ from dataclasses import dataclass, field
 from functools import partial
 from types import MappingProxyType
 
-from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK
+from shardline.config import DEFAULT_PREFILL_CHUNK
 from shardline.disagg.state import LengthRange, Role
 from shardline.errors import ShardlineError
 from shardline.serving.groups import MAX_ROWS as ENGINE_MAX_ROWS
 from shardline.serving.scheduler import SchedulerConfig
 from shardline_tools.sim.costs import Costs
 from shardline_tools.sim.metrics import Interval, RequestRecord, Slo, Summary, summarize
+from shardline_tools.sim.planner import Hooks, Planner, Request, Step
 from shardline_tools.sim.workloads import RequestSpec
 
 # The real engine's defaults, imported (serving/ is pure: it loads no OpenVINO).
@@ -58,8 +65,6 @@ MAX_PREFILLS = SchedulerConfig().max_prefills  # prompts prefilling at once
 # context (BENCHMARKS.md, "What the serving engine does with this": 30 streams).
 MAX_STREAMS = 30
 
-Finish = Callable[[float], None]  # a step's effect, applied at its end time
-Step = Callable[[], tuple[float, Finish]]  # called when the step starts: its seconds and its effect
 
 
 class EventLoop:
@@ -127,48 +132,6 @@ class Req:
         return RequestRecord(self.spec.arrival_s, self.first_s, self.finish_s, self.generated)
 
 
-@dataclass(eq=False)
-class Group:
-    """One decode group: its members, the rows its state holds (those of its last step) and
-    that state's width in slots. Invariant: `held` and `width` are empty and 0 once it has no
-    members (its state was released)."""
-
-    rows: list[Req] = field(default_factory=list)
-    held: list[Req] = field(default_factory=list)
-    width: int = 0
-
-
-class Groups:
-    """Decode groups as serving/groups.py forms them: a stream joins the group with the fewest
-    members (the lowest index on a tie; a new group when all have `max_rows`) and leaves when it
-    ends; empty groups stay and are reused."""
-
-    def __init__(self, n: int, max_rows: int) -> None:
-        self._all: list[Group] = [Group() for _ in range(n)]
-        self._max_rows = max_rows
-
-    def join(self, r: Req) -> None:
-        room = [g for g in range(len(self._all)) if len(self._all[g].rows) < self._max_rows]
-        if not room:
-            self._all.append(Group())
-        g = min(room, key=lambda g: (len(self._all[g].rows), g)) if room else -1
-        self._all[g].rows.append(r)
-
-    def leave(self, r: Req) -> None:
-        for g in self._all:
-            if r in g.rows:
-                g.rows.remove(r)
-                if not g.rows:
-                    g.held, g.width = [], 0
-
-    def members(self) -> int:
-        return sum(len(g.rows) for g in self._all)
-
-    def ready(self) -> list[Group]:
-        """The groups with members: each steps next over the members it has then."""
-        return [g for g in self._all if g.rows]
-
-
 class Server:
     """An instance's cores: runs its planned steps one at a time; plans again when they run out.
     Subclasses say what to run (`next_plan`) and call `kick` when new work may have come."""
@@ -216,46 +179,6 @@ class Server:
             self.kick()
 
         self.loop.at(start + seconds, done)
-
-
-def decode_step(costs: Costs, group: Group, ended: Callable[[Req], None]) -> Step:
-    """One step of `group` over its members as of the step's start (module docstring: how it is
-    charged); `ended` is called for each row whose last token this step made."""
-
-    def start() -> tuple[float, Finish]:
-        rows = list(group.rows)
-        seconds = _regroup(costs, group, rows) + costs.decode_s(len(rows), group.width)
-
-        def finish(t: float) -> None:
-            for r in rows:
-                if r.advance(t):
-                    ended(r)
-
-        return seconds, finish
-
-    return start
-
-
-def _regroup(costs: Costs, group: Group, rows: list[Req]) -> float:
-    """Bring `group`'s state to `rows` as the engine does before a step (joiners merged, departed
-    rows dropped, or the state compacted) and return what that adds to the step's time."""
-    kept = [r for r in group.held if r in rows]
-    joiners = [r for r in rows if r not in group.held]
-    grown = group.width + 1 if kept else 0  # the kept rows' slots, the token fed now included
-    group.width = max([grown] + [r.context for r in joiners])
-    # A first joiner of an empty group takes its own state over (no copy); any other join copies.
-    copies = bool(joiners) and (bool(kept) or len(joiners) > 1)
-    dropped = len(group.held) > len(kept)
-    group.held = rows
-    if copies:  # rows departed at the same step are left out of that copy
-        return costs.merge_s(len(rows), group.width)
-    if dropped:
-        return costs.drop_s(len(rows), group.width)
-    longest = max(r.context for r in rows)
-    if group.width - longest >= COMPACT_AT:
-        before, group.width = group.width, longest
-        return costs.drop_s(len(rows), before)
-    return 0.0
 
 
 @dataclass(frozen=True)
@@ -318,12 +241,14 @@ class _Coupled(Server):
         self.costs, self.cfg = costs, cfg
         self.queue: deque[Req] = deque()  # not admitted yet (the stream limit)
         self.prefilling: list[Req] = []  # admitted, in admission order: the oldest prefill first
-        self.groups = Groups(cfg.groups, cfg.max_rows)
         self.decoding: list[Req] = []  # prefilled, in a decode group
         self.kv_overflow_peak = 0  # most KV tokens held past the capacity at once
+        scheduling = SchedulerConfig(chunk=cfg.chunk, groups=cfg.groups, max_rows=cfg.max_rows,
+                                     max_prefills=cfg.max_prefills, pacing=None)
+        self.planner = Planner(costs, scheduling, Hooks(self._prefilled, self._ended, self._after))
 
     def load(self) -> int:
-        return len(self.queue) + len(self.prefilling) + self.groups.members()
+        return len(self.queue) + len(self.prefilling) + len(self.decoding)
 
     def offer(self, r: Req) -> None:
         self.queue.append(r)
@@ -335,7 +260,7 @@ class _Coupled(Server):
         return sum(r.prompt for r in self.prefilling) + sum(r.context for r in self.decoding)
 
     def _admit(self) -> None:
-        while self.queue and len(self.prefilling) + self.groups.members() < self.cfg.max_streams:
+        while self.queue and len(self.prefilling) + len(self.decoding) < self.cfg.max_streams:
             head = self.queue[0]
             if head.prompt > self.costs.kv_tokens - self._held():
                 if not self.prefilling and not self.decoding:
@@ -344,49 +269,23 @@ class _Coupled(Server):
                                          f"{self.costs.kv_tokens} KV tokens")
                 return
             self.prefilling.append(self.queue.popleft())
+            self.planner.add(head.spec.index, head, head.spec.decode_tokens)
 
     def next_plan(self) -> list[Step]:
-        decodes = [self._decode(group) for group in self.groups.ready()]
-        return decodes + [self._chunk(r) for r in self.prefilling[: self.cfg.max_prefills]]
+        return self.planner.plan()
 
-    def _decode(self, group: Group) -> Step:
-        step = decode_step(self.costs, group, self._ended)
+    def _prefilled(self, r: Request) -> None:
+        assert isinstance(r, Req)
+        self.prefilling.remove(r)
+        self.decoding.append(r)
 
-        def start() -> tuple[float, Finish]:
-            seconds, finish = step()
-
-            def done(t: float) -> None:
-                finish(t)
-                self.kv_overflow_peak = max(self.kv_overflow_peak, self._held() - self.costs.kv_tokens)
-
-            return seconds, done
-
-        return start
-
-    def _ended(self, r: Req) -> None:
-        self.groups.leave(r)
-        self.decoding.remove(r)
+    def _ended(self, r: Request) -> None:
+        assert isinstance(r, Req)
+        (self.decoding if r in self.decoding else self.prefilling).remove(r)
         self._admit()
 
-    def _chunk(self, r: Req) -> Step:
-        def start() -> tuple[float, Finish]:
-            n = min(self.cfg.chunk, r.prompt - r.prefilled)
-            seconds = self.costs.prefill_s(n, r.prefilled)
-
-            def finish(t: float) -> None:
-                r.prefilled += n
-                if r.prefilled < r.prompt:
-                    return
-                self.prefilling.remove(r)
-                if r.first_token(t):
-                    self._admit()
-                else:
-                    self.groups.join(r)
-                    self.decoding.append(r)
-
-            return seconds, finish
-
-        return start
+    def _after(self) -> None:
+        self.kv_overflow_peak = max(self.kv_overflow_peak, self._held() - self.costs.kv_tokens)
 
 
 def simulate_coupled(specs: Sequence[RequestSpec], costs: Costs, cfg: CoupledConfig | None = None) -> SimResult:

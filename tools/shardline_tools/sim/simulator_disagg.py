@@ -24,7 +24,8 @@ event loop and time model, with the pure decisions of policies.py and instance.p
   backlog on the link) follows the prefill. A request of one token needs no decode: no transfer.
 - A decode instance queues arrived requests first come first served and admits the head while
   it has a stream slot and `admits` (the admission policy, on the low end of the prediction)
-  says yes. Admitted streams decode in groups (simulator.Groups), one group step at a time.
+  says yes. Admitted streams decode in groups as the real scheduler forms them (planner.py), one
+  group step at a time.
   KV capacity binds at admission only: a stream outliving its prediction keeps growing (no
   request is lost); how far past capacity that went is reported (`kv_overflow_peak`).
 - Flips (optional): at each monitor tick, an idle instance with nothing in flight takes the
@@ -56,21 +57,18 @@ from shardline.disagg.policies import (
 )
 from shardline.disagg.state import ClusterState, DecodeLoad, LengthRange, PrefillLoad, Role, sent_decode, sent_prefill
 from shardline.errors import ShardlineError
+from shardline.serving.scheduler import SchedulerConfig
 from shardline_tools.sim.costs import Costs
+from shardline_tools.sim.planner import Finish, Hooks, Planner, Request, Step
 from shardline_tools.sim.simulator import (
     MAX_ROWS,
     MAX_STREAMS,
     EventLoop,
-    Finish,
     Flipped,
-    Group,
-    Groups,
     Req,
     Server,
     SimResult,
-    Step,
     check_counts,
-    decode_step,
     requests,
     result,
 )
@@ -200,7 +198,9 @@ class _Node(Server):
         self.incoming = 0  # decode: requests dispatched here whose KV has not landed
         self.waiting: deque[Req] = deque()  # decode: landed, not admitted
         self.streams: list[Req] = []  # decode: admitted streams
-        self.groups = Groups(cluster.cfg.groups, cluster.cfg.max_rows)
+        scheduling = SchedulerConfig(chunk=cluster.cfg.chunk, groups=cluster.cfg.groups, max_rows=cluster.cfg.max_rows,
+                                     pacing=None)
+        self.planner = Planner(cluster.costs, scheduling, Hooks(self._never, self._ended, self._after))
 
     # --- what the monitor and the flip policy read
 
@@ -312,31 +312,23 @@ class _Node(Server):
                                          f"its {self.c.costs.kv_tokens} KV tokens under {cfg.admission.value}")
                 return
             self.streams.append(self.waiting.popleft())
-            self.groups.join(head)
+            self.planner.adopt(head.spec.index, head, head.spec.decode_tokens, head.generated)
 
     def _decode_plan(self) -> list[Step]:
-        return [self._decode(group) for group in self.groups.ready()]
+        return self.planner.plan()
 
-    def _decode(self, group: Group) -> Step:
-        step = decode_step(self.c.costs, group, self._ended)
+    def _never(self, r: Request) -> None:
+        raise ShardlineError("simulator: a decode instance prefilled a prompt")
 
-        def start() -> tuple[float, Finish]:
-            seconds, finish = step()
-
-            def done(t: float) -> None:
-                finish(t)
-                excess = self._held() - self.c.costs.kv_tokens
-                self.c.kv_overflow_peak = max(self.c.kv_overflow_peak, excess)
-                self._admit()
-
-            return seconds, done
-
-        return start
-
-    def _ended(self, r: Req) -> None:
+    def _ended(self, r: Request) -> None:
+        assert isinstance(r, Req)
         self.streams.remove(r)
-        self.groups.leave(r)
         self.c.unfinished -= 1
+
+    def _after(self) -> None:
+        excess = self._held() - self.c.costs.kv_tokens
+        self.c.kv_overflow_peak = max(self.c.kv_overflow_peak, excess)
+        self._admit()
 
 
 def simulate_disaggregated(specs: Sequence[RequestSpec], costs: Costs, predict: Predict,
