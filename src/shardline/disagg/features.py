@@ -28,6 +28,7 @@ from shardline.model.manifest import load_manifest
 from shardline.pipeline.hidden import HiddenChunk, PromptHidden
 from shardline.stage.cache import KVBook
 from shardline.stage.runner import StageRunner
+from shardline.stage.runners import open_stage
 
 FEATURE_KIND = "stage0-mean-last-loglen"  # recorded with datasets and models: what the vector is
 
@@ -77,7 +78,7 @@ class FeatureExtractor:
         self.size = feature_size(manifest.arch.hidden)
         self.chunk = chunk
         run = run or RunConfig(precision="exact")
-        self.runner = StageRunner(folder, manifest.stages[0], replace(run, device=run.devices[0]),
+        self.runner = open_stage(folder, manifest.stages[0], replace(run, device=run.devices[0]),
                                   vocab=manifest.arch.vocab)
 
     def __call__(self, tokens: Sequence[int]) -> np.ndarray:

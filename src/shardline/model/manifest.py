@@ -50,6 +50,9 @@ class StageEntry:
     # Under --weights gguf: the file's types the stage's matrices were kept in, and their bytes.
     weights_kept: dict[str, int] = field(default_factory=dict)
     weights_bytes: dict[str, int] = field(default_factory=dict)
+    # What runs the stage (stage/runners.py): "stateful", its KV cache in the compiled model's
+    # state. A manifest without the key was made before runner kinds existed: stateful.
+    runner: str = "stateful"
 
     @property
     def name(self) -> str:

@@ -13,6 +13,7 @@ from shardline.model.context import run_context
 from shardline.model.manifest import Manifest, load_manifest, verify
 from shardline.node.delivery import CHUNK, DeliveryError, fetch, stage_files
 from shardline.stage.runner import StageRunner
+from shardline.stage.runners import open_stage
 from shardline.wire.link import Link, chunk_payload, refuse
 from shardline.wire.messages import PROTOCOL, Activations, Hello, Role
 
@@ -70,7 +71,7 @@ class Shard:
     def _load(self, manifest: Manifest) -> None:
         entries = manifest.stages[self.first : self.last + 1]
         context = run_context(manifest.arch, self.run.context)
-        self.stages = [StageRunner(self.folder, e, self.run.for_stage(k, len(entries)), vocab=manifest.arch.vocab,
+        self.stages = [open_stage(self.folder, e, self.run.for_stage(k, len(entries)), vocab=manifest.arch.vocab,
                                    context=context) for k, e in enumerate(entries)]
         self.is_last = entries[-1].has_head
         self.hello = Hello(PROTOCOL, Role.WORKER, manifest.model_hash, entries[0].first_layer,

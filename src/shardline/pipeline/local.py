@@ -38,6 +38,7 @@ from shardline.pipeline.plan import Outcome, Placed, PrefillStep, Step
 from shardline.pipeline.timing import Timing
 from shardline.stage import executor as stage_work
 from shardline.stage.runner import StageRunner
+from shardline.stage.runners import open_stage
 from shardline.stage.work import StageWork
 
 
@@ -115,7 +116,7 @@ class LocalPipeline:
         vocab = self.manifest.arch.vocab
         self.context = run_context(self.manifest.arch, run.context)
         n = len(self.manifest.stages)
-        self.stages = [StageRunner(folder, e, run.for_stage(k, n), core, vocab, self.context)
+        self.stages = [open_stage(folder, e, run.for_stage(k, n), core, vocab, self.context)
                        for k, e in enumerate(self.manifest.stages)]
         self.n_stages = len(self.stages)
         self.outbox = Outbox()

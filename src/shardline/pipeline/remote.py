@@ -55,7 +55,7 @@ from shardline.pipeline.star import StarRefused, relay
 from shardline.pipeline.timing import breakdown
 from shardline.pipeline.watchdog import overdue, watch
 from shardline.stage import executor as stage_work
-from shardline.stage.runner import StageRunner
+from shardline.stage.runners import open_stage
 from shardline.wire.codec import WireError
 from shardline.wire.link import Link, LinkClosed, Refused
 from shardline.wire.messages import (
@@ -99,7 +99,7 @@ class RemotePipeline:
         verify(folder, self.manifest, only=[entry.xml, entry.bin])
         run = run or RunConfig()
         self.context = run_context(self.manifest.arch, run.context)
-        self.stage0 = StageRunner(folder, entry, run.for_stage(0, 1), vocab=self.manifest.arch.vocab,
+        self.stage0 = open_stage(folder, entry, run.for_stage(0, 1), vocab=self.manifest.arch.vocab,
                                   context=self.context)
         self.n_stages = len(self.manifest.stages)
         if summarize and self.n_stages < 2:

@@ -20,7 +20,7 @@ from shardline.decoding.drafts import Draw, Proposal, draw, proposal
 from shardline.errors import ShardlineError
 from shardline.model.manifest import Manifest, load_manifest, verify
 from shardline.stage.cache import KVBook
-from shardline.stage.runner import StageRunner
+from shardline.stage.runners import open_stage
 
 CATCH_UP_CHUNK = 256  # tokens per draft-model call when it catches up (a prompt)
 
@@ -41,7 +41,7 @@ class DraftModel:
             raise ShardlineError(f"draft model {folder} does not share the target's tokenizer")
         run = run or RunConfig()
         # beside stage 0, on its device
-        self.runner = StageRunner(folder, self.manifest.stages[0], replace(run, device=run.devices[0]),
+        self.runner = open_stage(folder, self.manifest.stages[0], replace(run, device=run.devices[0]),
                                   vocab=self.manifest.arch.vocab)
         self.lock = threading.Lock()  # one call at a time (the engine thread; a bench may share it)
         self._keys = count(1)

@@ -1,16 +1,31 @@
 """The architectures shardline builds, by name, GGUF architecture and Hugging Face model type.
 
-Adding one: a module here with its Family, and a line in FAMILIES.
+Adding one is one module in this package: it declares its Family (its names, its tensors, its
+layer written in LayerOps) in a module-level `FAMILIES` tuple, and is found here by itself.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from shardline.errors import ShardlineError
 from shardline.model.families.base import LINEARS, Family, LayerOps
-from shardline.model.families.llama import LLAMA, MISTRAL
-from shardline.model.families.qwen2 import QWEN2
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2)}
+
+def _discovered() -> dict[str, Family]:
+    """Every Family the package's modules declare, by name (each name once)."""
+    found: dict[str, Family] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for f in getattr(module, "FAMILIES", ()):
+            if f.name in found:
+                raise ShardlineError(f"architecture {f.name!r} is declared twice ({info.name})")
+            found[f.name] = f
+    return found
+
+
+FAMILIES: dict[str, Family] = _discovered()
 
 __all__ = ["FAMILIES", "LINEARS", "Family", "LayerOps", "family", "for_gguf", "for_hf"]
 

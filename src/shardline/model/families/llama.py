@@ -35,3 +35,4 @@ LLAMA = Family(name="llama", gguf_archs=("llama",), hf_model_types=("llama",), l
 # GGUF files of Mistral 7B and its kin say "llama": they are read as LLAMA.
 MISTRAL = Family(name="mistral", gguf_archs=(), hf_model_types=("mistral",), layer=llama_layer,
                  hf_biases=_hf_biases)
+FAMILIES = (LLAMA, MISTRAL)

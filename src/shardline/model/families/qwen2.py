@@ -18,3 +18,4 @@ def _hf_biases(cfg: Mapping[str, Any]) -> tuple[str, ...]:
 
 QWEN2 = Family(name="qwen2", gguf_archs=("qwen2",), hf_model_types=("qwen2",), layer=llama_layer,
                gguf_qk_permuted=False, required_biases=QKV, hf_biases=_hf_biases)
+FAMILIES = (QWEN2,)
