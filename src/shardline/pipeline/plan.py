@@ -17,7 +17,7 @@ last stage computes logits for those alone and the sampler chooses a token at ea
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import ClassVar, NewType, Protocol
@@ -168,29 +168,56 @@ class Pipeline(Protocol):
     def placement(self) -> list[Placed]: ...  # in chain order, from stage 0 (any thread)
 
 
+def reserve(step: Step, books: Sequence[KVBook]) -> None:
+    """`step` is about to be sent: each row's book takes the step's mask row (the step's cache
+    from then on, compacted first if it compacts; a row's left padding included) and advances
+    its position. The one place books are committed; a rejected draft is masked back out when
+    its outcome is applied (the engine's speculation)."""
+    if len(books) != step.inputs.rows:
+        raise ShardlineError(f"a step of {step.inputs.rows} rows needs a book per row, got {len(books)}")
+    kept = step.inputs.compacted()[1] if isinstance(step, DecodeStep) and step.compact else step.inputs
+    for row, book in enumerate(books):
+        book.commit(kept, row)
+
+
+def prefill_step(stream: int, book: KVBook, tokens: list[int], params: SamplingParams, *, first: bool,
+                 last: bool, want_logits: bool = False, key: int | None = None) -> PrefillStep:
+    """A prompt chunk of `stream` on its lease `key` (None: the stream's id), over its book as
+    it is (not committed: `reserve`); the last chunk samples the token after its last position."""
+    at = np.array([[0, len(tokens) - 1]] if last else np.zeros((0, 2)), np.int64)
+    return PrefillStep(stream if key is None else key, (stream,), (params,), book.plan(tokens), at, want_logits,
+                       first=first)
+
+
+def decode_step(stream: int, book: KVBook, tokens: list[int], params: SamplingParams, *, sample_all: bool = False,
+                want_logits: bool = False, compact: bool = False, drafted: Drafted | None = None,
+                key: int | None = None) -> DecodeStep:
+    """`tokens` fed to one stream on its own state (lease `key`; None: the stream's id), over
+    its book as it is (not committed: `reserve`): the next token after the last (or, with
+    `sample_all`, after each of them, as a verify step needs); `compact` first drops the cache's
+    masked slots."""
+    ts = range(len(tokens)) if sample_all else [len(tokens) - 1]
+    at = np.array([[0, t] for t in ts], np.int64)
+    return DecodeStep(stream if key is None else key, (stream,), (params,), book.plan(tokens), at, want_logits,
+                      compact=compact, drafted=drafted)
+
+
 def prefill(stream: int, book: KVBook, tokens: list[int], params: SamplingParams, *, first: bool,
             last: bool, want_logits: bool = False, key: int | None = None) -> PrefillStep:
-    """A prompt chunk of `stream` on its lease `key` (None: the stream's id), committed to its
-    book (its next step is planned after this one is sent): the last chunk samples the token
-    after its last position."""
-    inputs = book.plan(tokens)
-    book.commit(inputs)
-    at = np.array([[0, len(tokens) - 1]] if last else np.zeros((0, 2)), np.int64)
-    return PrefillStep(stream if key is None else key, (stream,), (params,), inputs, at, want_logits, first=first)
+    """`prefill_step`, reserved at once (one stream's steps by hand: tests, benchmarks)."""
+    step = prefill_step(stream, book, tokens, params, first=first, last=last, want_logits=want_logits, key=key)
+    reserve(step, [book])
+    return step
 
 
 def decode(stream: int, book: KVBook, tokens: list[int], params: SamplingParams, *, sample_all: bool = False,
            want_logits: bool = False, compact: bool = False, drafted: Drafted | None = None,
            key: int | None = None) -> DecodeStep:
-    """`tokens` fed to one stream on its own state (lease `key`; None: the stream's id),
-    committed to its book: the next token after the last (or, with `sample_all`, after each of
-    them, as a verify step needs); `compact` first drops the cache's masked slots (the book's too)."""
-    inputs = book.plan(tokens)
-    book.commit(inputs.compacted()[1] if compact else inputs)
-    ts = range(len(tokens)) if sample_all else [len(tokens) - 1]
-    at = np.array([[0, t] for t in ts], np.int64)
-    return DecodeStep(stream if key is None else key, (stream,), (params,), inputs, at, want_logits, compact=compact,
-                      drafted=drafted)
+    """`decode_step`, reserved at once (one stream's steps by hand: tests, benchmarks)."""
+    step = decode_step(stream, book, tokens, params, sample_all=sample_all, want_logits=want_logits, compact=compact,
+                       drafted=drafted, key=key)
+    reserve(step, [book])
+    return step
 
 
 def run(pipe: Pipeline, step: Step, timeout: float | None = 600.0) -> list[Outcome]:

@@ -66,8 +66,8 @@ class Group:
 
     def launch(self, streams: dict[int, Stream], drafts: Mapping[int, Proposal] | None = None,
                compact_at: int = 0) -> DecodeStep:
-        """The next step: every member's last token (and its drafts, by stream) as one row,
-        committed to each book; the group then holds its rows as launched. A step without joins
+        """The next step: every member's last token (and its drafts, by stream) as one row, over
+        each book as it is (the scheduler reserves it); the group then holds its rows as launched. A step without joins
         or leaves compacts the state once `compact_at` slots of every row are masked (0: never)."""
         keep = [self.held.index(s) for s in self.rows]
         rows = self.rows + self.joining
@@ -77,7 +77,7 @@ class Group:
         proposals = [(drafts or {}).get(s, NO_DRAFTS) for s in rows]
         compact = bool(compact_at) and not joiners and not drops and wasted(members) >= compact_at
         feeds = [m.feed(p.tokens) for m, p in zip(members, proposals, strict=True)]
-        inputs = batch_inputs(members, feeds, np.asarray(keep, np.int32) if drops else None, compact)
+        inputs = batch_inputs(members, feeds, np.asarray(keep, np.int32) if drops else None)
         self.rows, self.held, self.joining = rows, list(rows), []
         at = np.array([[r, t] for r, fed in enumerate(feeds) for t in range(len(fed))], np.int64)
         return DecodeStep(self.key, tuple(rows), tuple(m.params for m in members), inputs, at,
@@ -92,21 +92,14 @@ def wasted(members: list[Stream]) -> int:
     return max(m.book.slots for m in members) - max(m.book.slots - m.book.masked for m in members)
 
 
-def batch_inputs(members: list[Stream], feeds: list[list[int]], beam_idx: np.ndarray | None,
-                 compact: bool = False) -> StepInputs:
+def batch_inputs(members: list[Stream], feeds: list[list[int]], beam_idx: np.ndarray | None) -> StepInputs:
     """One row per member feeding `feeds[r]` (its last token and drafts), right-padded to the
-    longest feed, committed to its book (compacted first when `compact`). Every book is first
-    left-padded to the widest (a joiner longer than the group pads every row)."""
+    longest feed, each over its book left-padded to the widest (a joiner longer than the group
+    pads every row). Books are not committed here (pipeline.plan.reserve)."""
     width = max(m.book.slots for m in members)
     longest = max(len(f) for f in feeds)
-    for m in members:
-        m.book.pad_left(width - m.book.slots)
-    inputs = StepInputs.stack([m.book.plan(f, longest - len(f)) for m, f in zip(members, feeds, strict=True)],
-                              beam_idx)
-    kept = inputs.compacted()[1] if compact else inputs
-    for r, m in enumerate(members):
-        m.book.commit(kept, r)
-    return inputs
+    rows = [m.book.plan(f, longest - len(f), width - m.book.slots) for m, f in zip(members, feeds, strict=True)]
+    return StepInputs.stack(rows, beam_idx)
 
 
 class Groups:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK, PacingConfig
 from shardline.decoding.drafts import NO_DRAFTS, Proposal, drafted
 from shardline.errors import ShardlineError
-from shardline.pipeline.plan import Lease, Plan, Step, decode, prefill
+from shardline.pipeline.plan import Lease, Plan, Step, decode_step, prefill_step, reserve
 from shardline.pipeline.timing import Timing
 from shardline.serving.groups import MAX_ROWS, Groups
 from shardline.serving.kv_table import KvTable
@@ -87,9 +87,11 @@ class Scheduler:
         (the engine's speculation chose them; the scheduler only places them in the rows)."""
         releases = tuple(self.releases())  # before the steps: see Plan
         steps = self._decodes(drafts or {}) + self._prefills()
-        for step in steps:
-            for s in step.streams:
-                self.streams[s].in_flight = True
+        for step in steps:  # each stream is in one step at most: its book is reserved once
+            rows = [self.streams[s] for s in step.streams]
+            reserve(step, [s.book for s in rows])
+            for s in rows:
+                s.in_flight = True
         return Plan(releases, tuple(steps))
 
     def _decodes(self, drafts: Mapping[int, Proposal]) -> list[Step]:
@@ -103,8 +105,9 @@ class Scheduler:
 
     def _alone(self, s: Stream, proposal: Proposal) -> Step:
         """A decode step of `s` on its own request: its token and drafts, each position sampled."""
-        return decode(s.id, s.book, s.feed(proposal.tokens), s.params, sample_all=True, want_logits=s.want_logits,
-                      compact=s.book.masked >= self.cfg.compact_at, drafted=drafted([proposal]), key=s.key)
+        return decode_step(s.id, s.book, s.feed(proposal.tokens), s.params, sample_all=True,
+                           want_logits=s.want_logits, compact=s.book.masked >= self.cfg.compact_at,
+                           drafted=drafted([proposal]), key=s.key)
 
     def _prefills(self) -> list[Step]:
         waiting = [s for s in self.streams.values() if s.prefilling][: self.cfg.max_prefills]
@@ -121,8 +124,8 @@ class Scheduler:
         start, source = s.prefilled, s.prefix()
         s.prefilled = min(len(source), start + n)
         s.chunk = (s.prefilled - start, start)
-        return prefill(s.id, s.book, source[start : s.prefilled], s.params, first=start == 0,
-                       last=not s.prefilling, want_logits=s.want_logits, key=s.key)
+        return prefill_step(s.id, s.book, source[start : s.prefilled], s.params, first=start == 0,
+                            last=not s.prefilling, want_logits=s.want_logits, key=s.key)
 
     def observe(self, stream: Stream, timing: Timing) -> None:
         """What one step of `stream` cost (its graph seconds over every stage), for the pacing."""

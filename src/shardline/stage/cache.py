@@ -105,12 +105,13 @@ class KVBook:
         """Physical slots no step will attend again (rejected drafts, pads, left padding)."""
         return self.slots - int(self._keep.sum())
 
-    def plan(self, tokens: list[int], pad: int = 0) -> StepInputs:
+    def plan(self, tokens: list[int], pad: int = 0, left: int = 0) -> StepInputs:
         """Inputs for feeding `tokens` next (one row), then `pad` masked tokens (a row of a group
-        whose others carry more); call `commit` once the step is sent."""
+        whose others carry more), over the cache left-padded by `left` masked slots (a row of a
+        group state wider than its own); call `commit` once the step is sent."""
         t = len(tokens)
         new = np.concatenate([np.ones(t, np.int64), np.zeros(pad, np.int64)])
-        mask = np.concatenate([self._keep, new])[None, :]
+        mask = np.concatenate([np.zeros(left, np.int64), self._keep, new])[None, :]
         positions = np.arange(self.position, self.position + t + pad, dtype=np.int64)[None, :]
         ids = tokens + [tokens[-1]] * pad
         return StepInputs(np.asarray([ids], dtype=np.int64), mask, positions)

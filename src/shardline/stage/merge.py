@@ -2,7 +2,7 @@
 the group's state, left-padded to the longest (see serving/groups.py for who joins when).
 
 Invariant: row r of a group's KV state belongs to the group's r-th stream; every row has the
-same number of slots, the shorter ones left-padded with masked slots (KVBook.pad_left keeps
+same number of slots, the shorter ones left-padded with masked slots (KVBook.plan's `left` keeps
 each stream's mask in step on the coordinator).
 """
 
