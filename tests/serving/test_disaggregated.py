@@ -129,6 +129,30 @@ def test_tokens_equal_a_coupled_engine(pipes: list[LocalPipeline], prompts: list
         front.stop()
 
 
+def test_a_moved_stream_keeps_its_id_and_takes_a_lease_of_the_decode_instance(
+        pipes: list[LocalPipeline], prompts: list[list[int]], stop_ids: frozenset[int],
+        coupled: list[tuple[list[int], str]]) -> None:
+    """Identity apart from state: the decode instance imports a stream's KV on a lease of its
+    own (its first streams get 0, 1, ...) and the stream keeps the id it had when prefilled."""
+    front = _front(list(pipes), 1)
+    decode, seen = front.decodes["decode-0"], list[tuple[Any, int]]()
+    adopt = decode.adopt
+
+    def recording(moving: Any) -> None:
+        seen.append((moving, moving.stream.id))
+        adopt(moving)
+
+    decode.adopt = recording  # type: ignore[method-assign]
+    try:
+        assert _run(front, _requests(prompts, stop_ids)) == coupled
+    finally:
+        front.stop()
+    moved = [(m, sid) for m, sid in seen if m.stream.generated]
+    assert moved and all(m.stream.id == sid for m, sid in moved)
+    assert sorted(m.stream.key for m, _ in moved) == list(range(len(moved)))
+    assert len({m.stream.id for m, _ in moved}) == len(moved)
+
+
 class Exports:
     """A pipeline that records every KV export asked of it (key, start), and runs it."""
 
