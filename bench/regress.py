@@ -50,7 +50,10 @@ sys.path.insert(0, {bench!r})
 os.sched_setaffinity(0, {{0}})  # as serving.py's main: this process on core 0, the worker on core 1
 import serving
 import shardline
-from kit import shard_folder
+try:
+    from kit import shard_folder
+except ImportError:  # a tree before bench/kit.py
+    from shards import shard_folder
 from shardline.model.tokenizer import ChatTokenizer
 print("shardline from", shardline.__file__, file=sys.stderr)
 folder = shard_folder(Path({work!r}), 2, balance=True)
@@ -66,7 +69,11 @@ BURST_SHIM = """
 import json, os, statistics, sys, threading, time
 from pathlib import Path
 sys.path.insert(0, {bench!r})
-from kit import Proc, shard_folder
+try:
+    from kit import Proc, shard_folder
+except ImportError:  # a tree before bench/kit.py
+    from procs import Proc
+    from shards import shard_folder
 from shardline.config import RunConfig, SamplingConfig
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.serving.admission import Limits
@@ -86,7 +93,7 @@ if mode == "remote":  # as serving.py: this process on core 0, the worker on cor
     worker = Proc(["worker", "--shards", str(folder), "--stage", "1", "--listen", "127.0.0.1:0", "--threads", "1",
                    *clear], "listening on ", cpus="1")
     from shardline.pipeline.remote import RemotePipeline
-    pipe = RemotePipeline(folder, [worker.addr], RunConfig(threads=1), **extra)
+    pipe = RemotePipeline(folder, [worker.line.split()[-1]], RunConfig(threads=1), **extra)  # either tree's Proc
 else:
     from shardline.pipeline.local import LocalPipeline
     pipe = LocalPipeline(folder, RunConfig(), **extra)
