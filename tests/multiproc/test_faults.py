@@ -153,15 +153,16 @@ def test_a_hung_worker_ends_the_request_with_why_within_the_deadline(three: Path
 
 
 def test_generate_takes_its_recovery_settings_from_the_command_line(three: Path) -> None:
-    """`shardline generate --step-deadline 1 --reconnect-window 2 --replay-within 2` on workers,
-    its last worker stopped once the answer has begun: the command ends within seconds with the
+    """`shardline generate --step-deadline 1 --reconnect-window 2 --replay-within 2` on workers
+    (and `--step-deadline-multiple 1`: under load, 20 x a 55 ms step outgrew the 1 s floor), its
+    last worker stopped once the answer has begun: the command ends within seconds with the
     pipeline's reason, naming the deadline and the window it was given (not the defaults: 10 s
     each, which would take 20 s and more)."""
     first, last = worker(three, "1"), worker(three, "2")
     cmd = with_dispositions([SHARDLINE, "generate", TEXTS[0], "--shards", str(three), "--workers",
                              f"{first.addr},{last.addr}", "--insecure", "--activations", "f32",
                              "--max-tokens", "400", "--step-deadline", "1", "--reconnect-window", "2",
-                             "--replay-within", "2"])
+                             "--replay-within", "2", "--step-deadline-multiple", "1"])
     gen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert gen.stdout is not None and select.select([gen.stdout], [], [], 60)[0], "no answer began"
