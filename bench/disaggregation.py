@@ -46,11 +46,11 @@ from shardline_tools.sim.simulator_disagg import DisaggConfig, from_length, simu
 from shardline_tools.sim.workloads import KINDS, THRESHOLDS, RequestSpec, Workload, generate
 
 from shardline.config import DEFAULT_PREFILL_CHUNK, RunConfig, SamplingConfig
-from shardline.disagg.decode import DecodeEngine
+from shardline.disagg.decode import decode_instance
 from shardline.disagg.front import Disaggregated, FrontConfig
 from shardline.disagg.instance import Admission
 from shardline.disagg.predictor import Oracle
-from shardline.disagg.prefill import PrefillEngine, oracle_predict
+from shardline.disagg.prefill import oracle_predict, prefill_instance
 from shardline.pipeline.local import LocalPipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Request, Serving
@@ -93,10 +93,11 @@ def coupled(pipes: list[LocalPipeline]) -> Balanced:
 
 def disaggregated(pipes: list[LocalPipeline]) -> Disaggregated:
     front = Disaggregated(FrontConfig(heavy_from=THRESHOLDS.heavy_decode[0]))
-    prefill = PrefillEngine(pipes[0], Limits(STREAMS, 256), 8192, DEFAULT_PREFILL_CHUNK, front.dispatch,
-                            oracle_predict(G, BUCKETS))
-    decode = DecodeEngine(pipes[1], Limits(STREAMS, 256), 8192, SchedulerConfig(chunk=DEFAULT_PREFILL_CHUNK, groups=1),
-                          Admission.VANILLA, STREAMS * 8192, THRESHOLDS.heavy_decode[0])
+    prefill = prefill_instance(pipes[0], Limits(STREAMS, 256), 8192, DEFAULT_PREFILL_CHUNK, front.dispatch,
+                               oracle_predict(G, BUCKETS))
+    decode = decode_instance(pipes[1], Limits(STREAMS, 256), 8192,
+                             SchedulerConfig(chunk=DEFAULT_PREFILL_CHUNK, groups=1),
+                             Admission.VANILLA, STREAMS * 8192, THRESHOLDS.heavy_decode[0])
     front.start({"prefill": prefill}, {"decode": decode})
     return front
 

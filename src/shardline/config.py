@@ -390,7 +390,7 @@ class ServeConfig:
 
 ADMISSIONS = ("vanilla", "reserve-static", "reserve-dynamic")  # disagg/instance.py Admission
 PREFILL_POLICIES = ("fcfs", "sjf", "ljf")  # disagg/policies.py PrefillPolicy
-KV_TRANSFERS = ("request", "chunk")  # disagg/prefill.py PrefillEngine(chunked_kv=...)
+KV_TRANSFERS = ("request", "chunk")  # disagg/prefill.py PrefillOnly(chunked_kv=...)
 
 
 def disaggregation(text: str) -> tuple[int, int]:

@@ -131,11 +131,11 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
     own (the workers given, split evenly in order: instance 0's chain first); KV then moves
     between instances over the workers' links. Decode lengths are predicted as
     `cfg.length_predictor` says (length_prediction)."""
-    from shardline.disagg.decode import DecodeEngine
+    from shardline.disagg.decode import DecodeRole, decode_instance
     from shardline.disagg.front import Disaggregated, FrontConfig
     from shardline.disagg.instance import Admission, FlipConfig
     from shardline.disagg.policies import PrefillPolicy
-    from shardline.disagg.prefill import PrefillEngine
+    from shardline.disagg.prefill import PrefillRole, prefill_instance
     from shardline.disagg.state import HEAVY_DECODE_FROM, Role
 
     assert cfg.disaggregate is not None
@@ -153,16 +153,17 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
                                       flip=FlipConfig() if cfg.flip else None))
     predict, summarize = length_prediction(cfg.length_predictor, manifest)
 
-    def prefill_on(pipe: Pipeline) -> PrefillEngine:
-        return PrefillEngine(pipe, limits, context, cfg.prefill_chunk, front.dispatch, predict,
-                             PrefillPolicy(cfg.prefill_policy), replays=replays, chunked_kv=cfg.kv_transfer == "chunk")
+    def prefill_on(pipe: Pipeline) -> PrefillRole:
+        return prefill_instance(pipe, limits, context, cfg.prefill_chunk, front.dispatch, predict,
+                                PrefillPolicy(cfg.prefill_policy), replays=replays,
+                                chunked_kv=cfg.kv_transfer == "chunk")
 
-    def decode_on(pipe: Pipeline) -> DecodeEngine:
-        return DecodeEngine(pipe, limits, context, scheduling(cfg, len(manifest.stages), bool(workers)),
-                            Admission(cfg.admission), limits.max_streams * context, HEAVY_DECODE_FROM,
-                            replays=replays)
+    def decode_on(pipe: Pipeline) -> DecodeRole:
+        return decode_instance(pipe, limits, context, scheduling(cfg, len(manifest.stages), bool(workers)),
+                               Admission(cfg.admission), limits.max_streams * context, HEAVY_DECODE_FROM,
+                               replays=replays)
 
-    def make(role: Role, pipe: Pipeline) -> PrefillEngine | DecodeEngine:
+    def make(role: Role, pipe: Pipeline) -> PrefillRole | DecodeRole:
         return prefill_on(pipe) if role is Role.PREFILL else decode_on(pipe)
 
     # Every instance's pipeline summarizes prompts when a trained predictor needs it: a decode

@@ -15,7 +15,7 @@ import pytest
 from shardline.config import DEFAULT_PREFILL_CHUNK, RunConfig, SamplingConfig
 from shardline.disagg.features import FeatureExtractor
 from shardline.disagg.predictor import BUNDLED, LengthPredictor
-from shardline.disagg.prefill import Moving, PrefillEngine, trained_predict
+from shardline.disagg.prefill import Moving, prefill_instance, trained_predict
 from shardline.errors import ShardlineError
 from shardline.model.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
@@ -35,8 +35,8 @@ def test_a_live_prediction_equals_the_offline_one(balanced: Path) -> None:
     assert len(prompts[-1]) > 2 * DEFAULT_PREFILL_CHUNK
     moved: queue.Queue[Moving] = queue.Queue()
     with LocalPipeline(balanced, EXACT, summarize=True) as pipe:
-        engine = PrefillEngine(pipe, Limits(4, 8), 4096, DEFAULT_PREFILL_CHUNK, moved.put,
-                               trained_predict(predictor))
+        engine = prefill_instance(pipe, Limits(4, 8), 4096, DEFAULT_PREFILL_CHUNK, moved.put,
+                                  trained_predict(predictor)).engine
         try:
             for p in prompts:
                 engine.submit(Request(p, SamplingConfig(max_tokens=300), frozenset()), lambda ev: None)
@@ -59,8 +59,8 @@ def test_a_pipeline_that_does_not_summarize_carries_no_summary(balanced: Path) -
     tok = ChatTokenizer(balanced)
     moved: queue.Queue[Moving] = queue.Queue()
     with LocalPipeline(balanced, EXACT) as pipe:
-        engine = PrefillEngine(pipe, Limits(1, 1), 4096, DEFAULT_PREFILL_CHUNK, moved.put,
-                               trained_predict(LengthPredictor.load(BUNDLED)))
+        engine = prefill_instance(pipe, Limits(1, 1), 4096, DEFAULT_PREFILL_CHUNK, moved.put,
+                                  trained_predict(LengthPredictor.load(BUNDLED))).engine
         try:
             engine.submit(Request(tok.encode_chat([{"role": "user", "content": CHAT_PROMPTS[0]}]),
                                   SamplingConfig(max_tokens=300), frozenset()), lambda ev: None)

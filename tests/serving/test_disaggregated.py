@@ -15,11 +15,11 @@ from typing import Any, cast
 import pytest
 
 from shardline.config import RunConfig, SamplingConfig
-from shardline.disagg.decode import DecodeEngine
+from shardline.disagg.decode import DecodeRole, decode_instance
 from shardline.disagg.front import Disaggregated, FrontConfig
 from shardline.disagg.instance import Admission, FlipConfig
 from shardline.disagg.policies import PrefillPolicy
-from shardline.disagg.prefill import Moving, PrefillEngine, oracle_predict
+from shardline.disagg.prefill import Moving, PrefillRole, oracle_predict, prefill_instance
 from shardline.disagg.state import Role
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.kv import KvSnapshot
@@ -94,10 +94,11 @@ def _run(serving: Serving, requests: list[Request]) -> list[tuple[list[int], str
 def _front(pipes: list[Pipeline], decodes: int, admission: Admission = Admission.RESERVE_DYNAMIC,
            decode_streams: int = 8, policy: PrefillPolicy = PrefillPolicy.FCFS, chunked: bool = False) -> Disaggregated:
     front = Disaggregated(FrontConfig(heavy_from=64, period_s=0.02))
-    prefill = PrefillEngine(pipes[0], Limits(8, 16), CONTEXT, 16, front.dispatch, PREDICT, policy, chunked_kv=chunked)
-    decode = {f"decode-{i}": DecodeEngine(pipes[1 + i], Limits(decode_streams, 16), CONTEXT,
-                                          SchedulerConfig(chunk=16, groups=1), admission,
-                                          decode_streams * CONTEXT, 64) for i in range(decodes)}
+    prefill = prefill_instance(pipes[0], Limits(8, 16), CONTEXT, 16, front.dispatch, PREDICT, policy,
+                               chunked_kv=chunked)
+    decode = {f"decode-{i}": decode_instance(pipes[1 + i], Limits(decode_streams, 16), CONTEXT,
+                                             SchedulerConfig(chunk=16, groups=1), admission,
+                                             decode_streams * CONTEXT, 64) for i in range(decodes)}
     front.start({"prefill-0": prefill}, decode)
     return front
 
@@ -247,9 +248,9 @@ def test_reserve_static_admits_only_what_its_predictions_fit(pipes: list[LocalPi
     fewer than 200 runs; while it runs, one whose prompt plus predicted decode (64..) would not
     fit beside it waits, then runs once the first ends. Both complete."""
     front = Disaggregated(FrontConfig(heavy_from=64, period_s=0.02))
-    prefill = PrefillEngine(pipes[0], Limits(8, 16), CONTEXT, 16, front.dispatch, PREDICT)
-    decode = DecodeEngine(pipes[1], Limits(8, 16), CONTEXT, SchedulerConfig(chunk=16, groups=1),
-                          Admission.RESERVE_STATIC, 200, 64)
+    prefill = prefill_instance(pipes[0], Limits(8, 16), CONTEXT, 16, front.dispatch, PREDICT)
+    decode = decode_instance(pipes[1], Limits(8, 16), CONTEXT, SchedulerConfig(chunk=16, groups=1),
+                             Admission.RESERVE_STATIC, 200, 64)
     front.start({"p": prefill}, {"d": decode})
     short = len(prompts[0])
     assert short + 64 < 200 < 2 * (short + 64)
@@ -274,7 +275,7 @@ def test_a_request_no_decode_instance_takes_fails_alone(pipes: list[LocalPipelin
     def refuse(m: Moving) -> None:
         raise RuntimeError("no room anywhere")
 
-    engine = PrefillEngine(pipes[0], Limits(4, 4), CONTEXT, 16, refuse, PREDICT)
+    engine = prefill_instance(pipes[0], Limits(4, 4), CONTEXT, 16, refuse, PREDICT).engine
     try:
         got = Collect(2)
         engine.submit(Request(prompts[0], SamplingConfig(max_tokens=5), frozenset()), got.on(0))
@@ -296,7 +297,7 @@ def test_sjf_and_ljf_order_a_queued_batch(pipes: list[LocalPipeline], prompts: l
     queued = [middle, short, long]
     blocker = [t for p in prompts for t in p] * 2
     for policy, want in ((PrefillPolicy.SJF, [1, 0, 2]), (PrefillPolicy.LJF, [2, 0, 1])):
-        engine = PrefillEngine(pipes[0], Limits(1, 8), CONTEXT, 16, lambda m: None, PREDICT, policy)
+        engine = prefill_instance(pipes[0], Limits(1, 8), CONTEXT, 16, lambda m: None, PREDICT, policy).engine
         order: list[int] = []
         got = Collect(4)
 
@@ -329,12 +330,12 @@ def test_an_idle_decode_instance_flips_to_prefill_and_no_request_is_lost(
         engine.stop()
     front = Disaggregated(FrontConfig(heavy_from=64, period_s=0.02, flip=FlipConfig(idle_s=0.05, pressure=1.0)))
 
-    def prefill_on(pipe: Pipeline) -> PrefillEngine:
-        return PrefillEngine(pipe, Limits(8, 16), CONTEXT, 16, front.dispatch, PREDICT)
+    def prefill_on(pipe: Pipeline) -> PrefillRole:
+        return prefill_instance(pipe, Limits(8, 16), CONTEXT, 16, front.dispatch, PREDICT)
 
-    def decode_on(pipe: Pipeline) -> DecodeEngine:
-        return DecodeEngine(pipe, Limits(8, 16), CONTEXT, SchedulerConfig(chunk=16, groups=1), Admission.VANILLA,
-                            8 * CONTEXT, 64)
+    def decode_on(pipe: Pipeline) -> DecodeRole:
+        return decode_instance(pipe, Limits(8, 16), CONTEXT, SchedulerConfig(chunk=16, groups=1), Admission.VANILLA,
+                               8 * CONTEXT, 64)
 
     front.start({"i0": prefill_on(pipes[0])}, {"i1": decode_on(pipes[1]), "i2": decode_on(pipes[2])},
                 lambda role, pipe: prefill_on(pipe) if role is Role.PREFILL else decode_on(pipe))

@@ -103,10 +103,11 @@ def test_the_package_never_imports_the_research_tools() -> None:
     assert users == []
 
 
-# Every module of serving/ and disagg/'s pure decisions, imported in a fresh interpreter: what
+# Every module of serving/ and disagg/'s decisions and roles, imported in a fresh interpreter: what
 # importing them pulls in, transitively.
 PURE = sorted(f"shardline.serving.{p.stem}" for p in (ROOT / "serving").glob("*.py") if p.stem != "__init__") + [
-    "shardline.disagg.policies", "shardline.disagg.instance", "shardline.disagg.state"]
+    "shardline.disagg.policies", "shardline.disagg.instance", "shardline.disagg.state", "shardline.disagg.prefill",
+    "shardline.disagg.decode", "shardline.disagg.front"]
 
 
 def test_the_deciding_layers_import_no_openvino() -> None:

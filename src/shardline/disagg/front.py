@@ -25,21 +25,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shardline.disagg.decode import DecodeEngine
+from shardline.disagg.decode import DecodeRole
 from shardline.disagg.flips import Flipped, IdleClock, due
 from shardline.disagg.instance import FlipConfig
 from shardline.disagg.policies import dispatch, is_heavy, least_loaded_prefill
-from shardline.disagg.prefill import Moving, PrefillEngine
+from shardline.disagg.prefill import Moving, PrefillRole
 from shardline.disagg.state import ClusterState, Role, sent_decode, sent_prefill
 from shardline.errors import ShardlineError
 from shardline.pipeline.plan import Pipeline, Placed
 from shardline.serving.admission import Limits
-from shardline.serving.engine import Event, Request, Ticket
+from shardline.serving.engine import Engine, Event, Request, Ticket
 from shardline.serving.speculation import SpecStats
 
 log = logging.getLogger("shardline.disagg")
 
-Instance = PrefillEngine | DecodeEngine
+Instance = PrefillRole | DecodeRole  # an engine in that role (.engine)
 Make = Callable[[Role, Pipeline], Instance]
 MONITOR_PERIOD_S = 0.1  # TetriInfer's cluster monitor period
 
@@ -60,8 +60,8 @@ class FrontConfig:
 class Disaggregated:
     def __init__(self, cfg: FrontConfig) -> None:
         self.cfg = cfg
-        self.prefills: dict[str, PrefillEngine] = {}
-        self.decodes: dict[str, DecodeEngine] = {}
+        self.prefills: dict[str, PrefillRole] = {}
+        self.decodes: dict[str, DecodeRole] = {}
         self._rng = random.Random(cfg.seed)
         self._lock = threading.Lock()  # guards _state and _rng (callers' and prefill engines' threads)
         self._state = ClusterState({})
@@ -71,7 +71,7 @@ class Disaggregated:
         self._idle = IdleClock()
         self.flips: list[Flipped] = []  # role changes so far (the monitor's thread appends)
 
-    def start(self, prefills: dict[str, PrefillEngine], decodes: dict[str, DecodeEngine],
+    def start(self, prefills: dict[str, PrefillRole], decodes: dict[str, DecodeRole],
               make: Make | None = None) -> None:
         """Serve through these instances (built with `self.dispatch` as their send); `make`
         builds an instance of a role over a pipeline when one flips."""
@@ -95,7 +95,7 @@ class Disaggregated:
         with self._lock:  # held through the submit: an instance taken out to flip gets nothing after
             name = least_loaded_prefill(self._state)
             self._state = sent_prefill(self._state, name, len(request.prompt))
-            return self.prefills[name].submit(request, on_event)
+            return self.prefills[name].engine.submit(request, on_event)
 
     def dispatch(self, moving: Moving) -> None:
         """A prefilled stream's decode instance (a prefill engine's thread calls this)."""
@@ -119,12 +119,12 @@ class Disaggregated:
 
     @property
     def failed(self) -> str | None:
-        return next((f"{n}: {e.failed}" for n, e in self._named() if e.failed), None)
+        return next((f"{n}: {r.engine.failed}" for n, r in self._named() if r.engine.failed), None)
 
     @property
     def limits(self) -> Limits:
-        return Limits(sum(e.limits.max_streams for e in self.decodes.values()),
-                      sum(e.limits.max_queue for e in self.prefills.values()))
+        return Limits(sum(r.engine.limits.max_streams for r in self.decodes.values()),
+                      sum(r.engine.limits.max_queue for r in self.prefills.values()))
 
     def speculating(self) -> dict[int, SpecStats]:
         return {}  # decode instances do not speculate (yet)
@@ -169,12 +169,12 @@ class Disaggregated:
         if (chosen := due(state, self._idle.read(state, now), self.cfg.flip)) is None:
             return
         name, new = chosen
-        if (engine := self._take_out(name)) is None:
+        if (taken := self._take_out(name)) is None:
             return
-        engine.stop()
-        fresh = self._make(new, engine.pipe)
+        taken.engine.stop()
+        fresh = self._make(new, taken.engine.pipe)
         with self._lock:
-            if isinstance(fresh, PrefillEngine):
+            if isinstance(fresh, PrefillRole):
                 self.prefills[name] = fresh
             else:
                 self.decodes[name] = fresh
@@ -186,23 +186,23 @@ class Disaggregated:
         """Instance `name` out of routing, if it is still empty (none of its requests in flight)
         and not the last of its role; None (and left in place) otherwise."""
         with self._lock:
-            engine: Instance | None = self.prefills.get(name) or self.decodes.get(name)
-            peers = len(self.prefills) if isinstance(engine, PrefillEngine) else len(self.decodes)
-            if engine is None or peers < 2 or not engine.empty():
+            taken: Instance | None = self.prefills.get(name) or self.decodes.get(name)
+            peers = len(self.prefills) if isinstance(taken, PrefillRole) else len(self.decodes)
+            if taken is None or peers < 2 or not taken.engine.empty():
                 return None
             self.prefills.pop(name, None)
             self.decodes.pop(name, None)
             self._state = ClusterState({n: x for n, x in self._state.loads.items() if n != name})
-            return engine
+            return taken
 
     def placements(self) -> dict[str, list[Placed]]:
         """Each instance's chain, by name (/health: every one must be up)."""
-        return {name: e.pipe.placement() for name, e in self._named()}
+        return {name: e.engine.pipe.placement() for name, e in self._named()}
 
     def _named(self) -> list[tuple[str, Instance]]:
         """Every instance, by name: a snapshot (a flip changes the pools on the monitor's thread)."""
         with self._lock:
             return [*self.prefills.items(), *self.decodes.items()]
 
-    def _engines(self) -> list[Instance]:
-        return [e for _, e in self._named()]
+    def _engines(self) -> list[Engine]:
+        return [e.engine for _, e in self._named()]

@@ -1,17 +1,18 @@
-"""A prefill instance: an engine over its own pipeline that only prefills (TetriInfer).
+"""A prefill instance: an engine over its own pipeline, in the prefill role: it only prefills (TetriInfer).
 
 Requests wait in its queue; its local policy (FCFS, SJF, LJF) orders each batch of up to
 `batch` queued requests, which then run to their end before the next batch is ordered
 (non-preemptive: a short prompt arriving meanwhile waits). Prompts go through in fixed-size
 chunks, one prompt at a time. When a prompt's last chunk has sampled its first token (sent to
 the caller from here, so the time to first token never waits for a transfer), the stream
-leaves: its KV is exported in queue order (behind every step already submitted), its key
-released, and the stream with its KV, its book and its predicted decode length is handed to
-`send` (the front end's dispatcher), which gives it to a decode instance.
+leaves: the scheduler's next plan exports its KV (behind every step already submitted) and
+releases its lease (PrefillOnly, the handoff policy it is given), and the stream with its KV,
+its book and its predicted decode length is handed to `send` (the front end's dispatcher),
+which gives it to a decode instance.
 
 Invariants:
-- A stream is in at most one place: this engine's scheduler, its exports in transit, or
-  handed on. Once handed on, this engine never touches its ticket again.
+- A stream is in at most one place: this engine's scheduler, leaving (its exports in
+  transit), or handed on. Once handed on, this engine never touches its ticket again.
 - Every ticket gets exactly one final event: here (stop, length 1, cancelled, an export that
   failed, a dispatch that failed, the engine stopping) or from the decode instance.
 """
@@ -23,18 +24,21 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shardline.disagg.policies import DEFAULT_PREFILL_BATCH, PrefillPolicy, Queued, next_batch
-from shardline.disagg.predictor import LengthPredictor
 from shardline.disagg.state import LengthRange, PrefillLoad, bucket
 from shardline.errors import ShardlineError
 from shardline.pipeline.kv import Handoff, KvSnapshot, handoff, join
 from shardline.pipeline.plan import Pipeline
 from shardline.serving.admission import Limits
-from shardline.serving.engine import Engine, Event, Ticket
+from shardline.serving.engine import Engine, Event, Ticket, ticket_of
 from shardline.serving.replay import Replays
-from shardline.serving.scheduler import SchedulerConfig
+from shardline.serving.scheduler import Handoffs, SchedulerConfig
 from shardline.serving.stream import Stream
+
+if TYPE_CHECKING:  # the predictor's features run stage 0's graph (OpenVINO); the role only passes it on
+    from shardline.disagg.predictor import LengthPredictor
 
 log = logging.getLogger("shardline.disagg")
 
@@ -56,7 +60,7 @@ class Moving:
 
 
 @dataclass(eq=False)
-class _Export:
+class _Leaving:
     """A stream leaving: its KV's slices on their way out of the stages (one, the whole cache,
     for a request-level transfer; the chunks' slices and the rest for a chunk-level one)."""
 
@@ -80,91 +84,84 @@ class _Export:
 Predict = Callable[[Stream], LengthRange]
 
 
-class PrefillEngine(Engine):
-    def __init__(self, pipe: Pipeline, limits: Limits, max_context: int, chunk: int,
-                 send: Callable[[Moving], None], predict: Predict,
-                 policy: PrefillPolicy = PrefillPolicy.FCFS, batch: int = DEFAULT_PREFILL_BATCH,
-                 replays: Replays | None = None, chunked_kv: bool = False) -> None:
-        """`chunked_kv`: chunk-level KV transfer. Each prompt chunk's slots are exported once it
-        has run (in queue order, before the stream's next chunk), so a leaving stream's export
-        is its last chunk's slots alone; else the whole cache is exported as it leaves."""
+@dataclass(frozen=True)
+class PrefillOnly:
+    """The prefill instance's handoff policy, which its scheduler is given (serving/scheduler.py
+    Handoffs): a stream leaves once its prompt is prefilled and its first token out (a stream
+    that ends there, on a stop or at length 1, ends here); with `chunked_kv`, each prompt chunk's
+    slots are exported once it has run, before the stream's next chunk, so a leaving stream's
+    export is its last chunk's slots alone."""
+
+    chunked_kv: bool = False
+
+    def leaves(self, s: Stream) -> bool:
+        return s.decoding and not s.done
+
+    def exports(self, s: Stream) -> bool:
+        return self.chunked_kv and s.prefilling and s.book.slots > s.handover.kv_through
+
+
+class PrefillRole:
+    """What makes an engine a prefill instance: its policy's batches, its handoff policy, and
+    the leaving streams until their exports are done and they are sent on."""
+
+    def __init__(self, send: Callable[[Moving], None], predict: Predict, policy: PrefillPolicy = PrefillPolicy.FCFS,
+                 batch: int = DEFAULT_PREFILL_BATCH, chunked_kv: bool = False) -> None:
         self.send, self.predict, self.policy, self.batch = send, predict, policy, batch
-        self.chunked_kv = chunked_kv
+        self.handoffs: Handoffs | None = PrefillOnly(chunked_kv)
         self._batch_left = 0  # tickets at the head of the queue that form the current batch
-        self._exports: deque[_Export] = deque()  # engine thread only
-        # No decode groups: a stream never decodes here. One prompt at a time, in policy order.
-        scheduling = SchedulerConfig(chunk=chunk, groups=0, max_prefills=1, pacing=None)  # fixed chunks (TetriInfer)
-        super().__init__(pipe, limits, max_context, scheduling, None, replays)
+        self._leaving: deque[_Leaving] = deque()  # engine thread only
+        self.engine: Engine
+
+    def bind(self, engine: Engine) -> None:
+        self.engine = engine
 
     def load(self) -> PrefillLoad:
         """What the cluster monitor reads (any thread): requests waiting for or in their
         prefill, and their prompt tokens not yet prefilled."""
-        with self._lock:
-            waiting = [len(t.request.prompt) for t in self._waiting]
-        streams = self._streams()
+        waiting = [len(t.request.prompt) for t in self.engine.queued()]
+        streams = self.engine.streams()
         prefilling = [s for s in streams if not s.decoding]
         left = sum(max(1, len(s.prefix()) - s.prefilled) for s in prefilling)
         return PrefillLoad(len(waiting) + len(prefilling), sum(waiting) + left, any(s.in_flight for s in streams))
 
     def empty(self) -> bool:
-        """No request here: none waiting, prefilling or leaving (any thread; a flip checks it)."""
-        return not self._exports and self.active == 0 and self.waiting == 0
+        return not self._leaving
 
-    # --- the engine thread ---------------------------------------------------------------------
-
-    def _next_waiting(self, n: int) -> list[Ticket]:
+    def order(self, waiting: deque[Ticket], n: int) -> list[Ticket]:
         out = []
         for _ in range(n):
             if self._batch_left == 0:
-                self._order_batch()
-            out.append(self._waiting.popleft())
+                self._order_batch(waiting)
+            out.append(waiting.popleft())
             self._batch_left -= 1
         return out
 
-    def _order_batch(self) -> None:
+    def _order_batch(self, waiting: deque[Ticket]) -> None:
         """The next `batch` queued tickets, reordered in place by the policy (under the lock)."""
-        window = [self._waiting.popleft() for _ in range(min(self.batch, len(self._waiting)))]
+        window = [waiting.popleft() for _ in range(min(self.batch, len(waiting)))]
         order = next_batch([Queued(t.id, t.id, len(t.request.prompt)) for t in window], self.policy, self.batch)
         by_id = {t.id: t for t in window}
-        self._waiting.extendleft(reversed([by_id[q.id] for q in order]))
+        waiting.extendleft(reversed([by_id[q.id] for q in order]))
         self._batch_left = len(window)
 
-    def _stepped(self, stream: Stream) -> None:
-        if stream.decoding and not stream.done:
-            self._leave(stream)
-        elif self.chunked_kv and not stream.decoding:
-            stream.handover.kv_sent.append(self._export_rest(stream))
+    def left(self, streams: list[Stream]) -> None:
+        """Streams the plan handed off, their exports under way: the engine lets them go."""
+        for stream in streams:
+            ticket = ticket_of(stream)
+            slices, stream.handover.kv_sent, stream.handover.kv_through = stream.handover.kv_sent, [], 0
+            self.engine.release_slot()
+            ticket.stream = None
+            predicted = self.predict(stream)
+            stream.handover.expect = predicted.lo
+            self._leaving.append(_Leaving(ticket, stream, predicted, slices))
+            for f in slices:
+                f.add_done_callback(lambda _: self.engine.pipe.wake())
 
-    def _export_rest(self, stream: Stream) -> Future[KvSnapshot]:
-        """The slots of `stream`'s cache not exported yet, queued behind its steps so far (none
-        is in flight: the book's slots are those the stages hold)."""
-        future = self.pipe.export_kv(stream.key, stream.handover.kv_through)
-        stream.handover.kv_through = stream.book.slots
-        return future
-
-    def _leave(self, stream: Stream) -> None:
-        """`stream` has its first token: the rest of its KV is exported (all of it, unless
-        chunk by chunk), then its key released (queue order)."""
-        ticket = self._ticket(stream)
-        slices = [*stream.handover.kv_sent, self._export_rest(stream)]
-        stream.handover.kv_sent, stream.handover.kv_through = [], 0  # the slices leave with the export, not the stream
-        self.scheduler.remove(stream)
-        self._release_slot()
-        ticket.stream = None
-        predicted = self.predict(stream)
-        stream.handover.expect = predicted.lo
-        self._exports.append(_Export(ticket, stream, predicted, slices))
-        for f in slices:
-            f.add_done_callback(lambda _: self.pipe.wake())
-
-    def _admit(self) -> None:
-        self._hand_on()
-        super()._admit()
-
-    def _hand_on(self) -> None:
+    def tend(self) -> None:
         """Exports that finished go on to `send`, in the order they left."""
-        while self._exports and self._exports[0].done():
-            x = self._exports.popleft()
+        while self._leaving and self._leaving[0].done():
+            x = self._leaving.popleft()
             kv, error = None, x.error()
             if error is None:
                 try:
@@ -178,21 +175,28 @@ class PrefillEngine(Engine):
             else:
                 self._send(x, kv)
 
-    def _send(self, x: _Export, kv: KvSnapshot) -> None:
+    def _send(self, x: _Leaving, kv: KvSnapshot) -> None:
         try:
             self.send(Moving(x.ticket, x.stream, handoff(kv, x.stream.book), x.predicted))
         except Exception as e:  # noqa: BLE001 - no decode instance takes it: this request alone fails
             log.warning("request %d: no decode instance took it (%s: %s)", x.ticket.id, type(e).__name__, e)
             x.ticket.on_event(Event(None, finish="error", error=f"no decode instance took the request: {e}"))
 
-    def _fail_all(self, reason: str, error: str) -> None:
-        exports, self._exports = list(self._exports), deque()
-        for x in exports:
-            try:
-                x.ticket.on_event(Event(None, finish=reason, error=error))
-            except Exception:  # noqa: BLE001 - logged; the others must still be told
-                log.exception("while ending a request")
-        super()._fail_all(reason, error)
+    def drop(self) -> list[Ticket]:
+        leaving, self._leaving = list(self._leaving), deque()
+        return [x.ticket for x in leaving]
+
+
+def prefill_instance(pipe: Pipeline, limits: Limits, max_context: int, chunk: int, send: Callable[[Moving], None],
+                     predict: Predict, policy: PrefillPolicy = PrefillPolicy.FCFS, batch: int = DEFAULT_PREFILL_BATCH,
+                     replays: Replays | None = None, chunked_kv: bool = False) -> PrefillRole:
+    """An engine over `pipe` in the prefill role (`chunked_kv`: chunk-level KV transfer; else the
+    whole cache is exported as a stream leaves). No decode groups: a stream never decodes here;
+    one prompt at a time, in fixed chunks (TetriInfer), in the policy's order."""
+    role = PrefillRole(send, predict, policy, batch, chunked_kv)
+    scheduling = SchedulerConfig(chunk=chunk, groups=0, max_prefills=1, pacing=None)
+    Engine(pipe, limits, max_context, scheduling, None, replays, role)
+    return role
 
 
 def oracle_predict(g: int, buckets: int) -> Predict:

@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import ClassVar, NewType, Protocol
+from functools import partial
+from typing import ClassVar, NewType, Protocol, TypeVar
 
 import numpy as np
 
@@ -39,6 +40,7 @@ from shardline.wire.messages import Phase
 # KV state it runs on is a lease, a key every stage holds state under: the stream's own, or its
 # decode group's (negative). A replay or a move to another instance takes a new lease.
 StreamId = NewType("StreamId", int)
+T = TypeVar("T")
 Lease = NewType("Lease", int)
 
 
@@ -97,25 +99,71 @@ class DecodeStep(Step):
                          compact=self.compact, want_logits=self.want_logits, drafted=self.drafted)
 
 
+@dataclass(frozen=True, eq=False)
+class KvExport:
+    """A lease's KV out of every stage, from slot `start` on (the lease stays open), after every
+    step submitted before it; what came out (or why not) lands in `done`."""
+
+    lease: int
+    start: int = 0
+    done: Future[KvSnapshot] = field(default_factory=Future)
+
+
+@dataclass(frozen=True, eq=False)
+class KvImport:
+    """A fresh lease opened on every stage with `snap`'s state, before every step submitted
+    after it; `done` says when it is in (or why not)."""
+
+    lease: int
+    snap: KvSnapshot
+    done: Future[None] = field(default_factory=Future)
+
+
 @dataclass(frozen=True)
 class Plan:
-    """One round's stage work, in the order a pipeline takes it: the keys released first, then
-    the steps. (A group emptied this round may be re-entered by this round's steps, a joiner
-    merged into its key; a release after that merge would free the new state.)"""
+    """One round's stage work, in the order a pipeline takes it: KV exports, the leases
+    released, KV imports, then the steps. (A stream leaving this instance has its KV exported
+    before its lease is released; a group emptied this round may be re-entered by this round's
+    steps, a joiner merged into its lease: a release after that merge would free the new state;
+    an imported lease is open before any step runs on it.)"""
 
     releases: tuple[int, ...] = ()
     steps: tuple[Step, ...] = ()
+    exports: tuple[KvExport, ...] = ()
+    imports: tuple[KvImport, ...] = ()
 
 
 def execute(pipe: Pipeline, plan: Plan, failed: Callable[[Step, str], None]) -> None:
-    """Hand `plan` to `pipe` in its order; a step that cannot start fails its rows (`failed`)."""
+    """Hand `plan` to `pipe` in its order; a step that cannot start fails its rows (`failed`),
+    a KV move that cannot start fails its `done`."""
+    for x in plan.exports:
+        _settle(x.done, partial(pipe.export_kv, x.lease, x.start))
     for key in plan.releases:
         pipe.release(key)
+    for y in plan.imports:
+        _settle(y.done, partial(pipe.import_kv, y.lease, y.snap))
     for step in plan.steps:
         try:
             pipe.submit(step)
         except Exception as e:  # noqa: BLE001 - a step that cannot start fails its streams
             failed(step, f"{type(e).__name__}: {e}")
+
+
+def _settle(done: Future[T], start: Callable[[], Future[T]]) -> None:
+    """`done` takes the result of the pipeline's future that `start` returns."""
+    try:
+        moved = start()
+    except Exception as e:  # noqa: BLE001 - a move that cannot start fails its own future alone
+        done.set_exception(e)
+        return
+
+    def copy(f: Future[T]) -> None:
+        if (e := f.exception()) is not None:
+            done.set_exception(e)
+        else:
+            done.set_result(f.result())
+
+    moved.add_done_callback(copy)
 
 
 @dataclass(frozen=True)
@@ -158,7 +206,8 @@ class Pipeline(Protocol):
 
     def submit(self, step: Step) -> None: ...
     def release(self, key: int) -> None: ...
-    # A key's KV out of every stage / into a fresh key, in order with the steps (pipeline/kv.py).
+    # A key's KV out of every stage / into a fresh key, in order with the steps (pipeline/kv.py);
+    # called by `execute` alone: a KV move is a plan's item like a step.
     def export_kv(self, key: int, start: int = 0) -> Future[KvSnapshot]: ...
     def import_kv(self, key: int, snap: KvSnapshot) -> Future[None]: ...
     def outcomes(self, timeout: float | None = None) -> list[Outcome]: ...

@@ -1,8 +1,10 @@
 """The serving engine: many streams through one pipeline, each stage kept busy.
 
 One engine thread owns the streams. Each round (`step`) reads in a few lines: take the outcomes
-that came back and apply them to their streams, apply cancellations, admit waiting requests,
-then execute the round's `Plan` (releases, then steps) that the scheduler makes. Graph work
+that came back and apply them to their streams, apply cancellations, let the role tend its
+queues, admit waiting requests, then execute the round's `Plan` (KV exports, releases, KV
+imports, steps) that the scheduler makes, and give the streams it handed off to the role
+(roles.py: coupled, or a disaggregated prefill or decode instance). Graph work
 never runs on this thread (every stage has its own), so planning and applying outcomes never
 wait for a long prompt.
 
@@ -13,7 +15,7 @@ Invariants:
 - An exception while applying one stream's outcome fails that stream alone. If the loop itself
   dies, `failed` says why, every request gets an error event, and new ones are refused.
 - A stream whose step the pipeline lost (it broke under it) is replayed (replay.py): it starts
-  again under a new key, and its caller sees one uninterrupted answer.
+  again under a new lease with its id, and its caller sees one uninterrupted answer.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from shardline.pipeline.plan import DecodeStep, Lease, Outcome, Pipeline, Step, 
 from shardline.serving.admission import Limits, accepts, to_admit
 from shardline.serving.engine_spec import SpecDriver
 from shardline.serving.replay import Replays, refusal
+from shardline.serving.roles import Coupled, Role
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
 from shardline.serving.speculation import Drafts, SpecStats
 from shardline.serving.stops import Detokenizer, StopText
@@ -94,6 +97,12 @@ class Ticket:
     text: StopText | None = None  # with the request's detokenizer: what its client sees
 
 
+def ticket_of(stream: Stream) -> Ticket:
+    """The caller's ticket of a stream an engine runs."""
+    assert isinstance(stream.owner, Ticket)
+    return stream.owner
+
+
 class Serving(Protocol):
     """What the HTTP app serves through: one Engine, or a front end over several instances
     (disagg/front.py)."""
@@ -118,12 +127,15 @@ class Serving(Protocol):
 class Engine:
     def __init__(self, pipe: Pipeline, limits: Limits, max_context: int,
                  scheduling: SchedulerConfig | None = None, drafts: Drafts | None = None,
-                 replays: Replays | None = None) -> None:
+                 replays: Replays | None = None, role: Role | None = None) -> None:
+        """`role`: what this engine serves in disaggregated serving (disagg/: a prefill or a
+        decode instance); None: coupled, every request prefills and decodes here."""
         self.pipe = pipe
+        self.role: Role = role or Coupled()
         self.replays = replays or Replays()  # how often and how long a lost stream is replayed
         self.limits = limits
         self.max_context = max_context
-        self.scheduler = Scheduler(scheduling)
+        self.scheduler = Scheduler(scheduling, self.role.handoffs)
         self.spec = SpecDriver(drafts, self.scheduler, pipe)
         self._waiting: deque[Ticket] = deque()
         self._cancels: deque[Ticket] = deque()
@@ -135,6 +147,7 @@ class Engine:
         self._observed: object = None  # the last step timing the scheduler was told of (rows share one)
         self._ids = count()  # requests (tickets)
         self._running = True
+        self.role.bind(self)
         self.failed: str | None = None  # why the engine thread stopped, if it did (then unhealthy)
         # After the last round, for readers on any thread (the fleet page): decode groups with
         # members, and the KV slots the streams' own caches hold (a group pads to its longest).
@@ -188,7 +201,12 @@ class Engine:
     def spec_ended(self) -> SpecStats:
         return self.spec.ended
 
-    def _streams(self) -> list[Stream]:
+    def queued(self) -> list[Ticket]:
+        """The waiting tickets, oldest first (any thread: a snapshot)."""
+        with self._lock:
+            return list(self._waiting)
+
+    def streams(self) -> list[Stream]:
         """The running streams (read from any thread: a snapshot)."""
         for _ in range(10):  # the engine thread may add or remove a stream while this reads
             try:
@@ -227,6 +245,7 @@ class Engine:
         for outcome in self.pipe.outcomes(timeout=0.0 if drew else 1.0):
             self._apply(outcome)
         self._apply_cancels()
+        self.role.tend()  # a role's own queues: KV moves done, streams arriving
         self._admit()
         self.spec.draft()  # drafts before planning: the plan places them in the rows
         self._dispatch()
@@ -239,6 +258,8 @@ class Engine:
             if isinstance(step, DecodeStep):
                 self.spec.launched(step)
         execute(self.pipe, plan, self._step_failed)
+        if left := self.scheduler.take_left():
+            self.role.left(left)
 
     def _step_failed(self, step: Step, why: str) -> None:
         for s in step.streams:
@@ -248,14 +269,14 @@ class Engine:
                 self._finish(stream, "error", why)
 
     def _admit(self) -> None:
-        """Waiting requests start as streams while there are slots (a role may admit more)."""
+        """Waiting requests start as streams while there are slots, in the role's order."""
         with self._lock:
             n = to_admit(len(self._waiting), self._taken, self.limits)
-            starting = self._next_waiting(n)
+            starting = self.role.order(self._waiting, n)
             self._taken += n
         for ticket in starting:
             if ticket.cancelled:
-                self._release_slot()
+                self.release_slot()
                 ticket.on_event(Event(None, finish="cancelled"))
                 continue
             r = ticket.request
@@ -270,14 +291,6 @@ class Engine:
 
     def _lease(self) -> Lease:
         return self.scheduler.kv.lease()
-
-    def _next_waiting(self, n: int) -> list[Ticket]:
-        """The `n` waiting tickets that start now, taken off the queue (under the lock): the
-        oldest. A prefill instance orders them by its policy instead."""
-        return [self._waiting.popleft() for _ in range(n)]
-
-    def _stepped(self, stream: Stream) -> None:
-        """An outcome of `stream` was applied and it runs on (a prefill instance hands off here)."""
 
     def _apply_cancels(self) -> None:
         with self._lock:
@@ -309,9 +322,8 @@ class Engine:
             for choice in stood:
                 if self._emit(stream, choice):
                     return
-            if self._ticket(stream).cancelled:
+            if ticket_of(stream).cancelled:
                 return self._finish(stream, "cancelled")
-            self._stepped(stream)
         except Exception as e:  # noqa: BLE001 - a bug in one stream's handling fails it alone
             log.exception("stream %d failed", stream.id)
             if stream.id in self.scheduler.streams:
@@ -320,7 +332,7 @@ class Engine:
     def _lost(self, stream: Stream, why: str) -> None:
         """The pipeline broke under `stream`: replay it (a new lease; its old one released), or
         end it with why not."""
-        if self._ticket(stream).cancelled:
+        if ticket_of(stream).cancelled:
             return self._finish(stream, "cancelled")
         now = time.monotonic()
         stream.lost_at = now if stream.lost_at is None else stream.lost_at
@@ -333,7 +345,7 @@ class Engine:
 
     def _emit(self, stream: Stream, choice: Choice) -> bool:
         """Deliver one chosen token; True once the stream has ended."""
-        ticket = self._ticket(stream)
+        ticket = ticket_of(stream)
         if ticket.cancelled:
             self._finish(stream, "cancelled")
             return True
@@ -355,20 +367,24 @@ class Engine:
             return True
         return False
 
-    @staticmethod
-    def _ticket(stream: Stream) -> Ticket:
-        assert isinstance(stream.owner, Ticket)
-        return stream.owner
+    def take_slot(self, fits: Callable[[], bool]) -> bool:
+        """Hold a stream slot for a request that does not come through the queue (a decode
+        instance's arrival) if one is free and `fits()` (checked under the lock)."""
+        with self._lock:
+            if self._taken >= self.limits.max_streams or not fits():
+                return False
+            self._taken += 1
+            return True
 
-    def _release_slot(self) -> None:
+    def release_slot(self) -> None:
         with self._lock:
             self._taken -= 1
 
     def _finish(self, stream: Stream, reason: str, error: str = "") -> None:
         self.scheduler.remove(stream)
         stats = self.spec.closed(stream)
-        self._release_slot()
-        ticket = self._ticket(stream)
+        self.release_slot()
+        ticket = ticket_of(stream)
         text = ticket.text.flush() if ticket.text and reason in ("stop", "length") else ""
         ticket.on_event(Event(None, finish=reason, error=error, spec=stats, text=text))
 
@@ -384,10 +400,14 @@ class Engine:
                 log.exception("while ending a request")
 
         final = Event(None, finish=reason, error=error)
-        for ticket in waiting:
+        for ticket in [*waiting, *self.role.drop()]:
             guarded(ticket.on_event, final)
         for stream in list(self.scheduler.streams.values()):
             stream.in_flight = False
             guarded(self._finish, stream, reason, error)
         for key in self.scheduler.releases():
             guarded(self.pipe.release, key)
+
+    def empty(self) -> bool:
+        """No request here: none waiting, running or held by the role (any thread; a flip checks it)."""
+        return self.role.empty() and self.active == 0 and self.waiting == 0

@@ -4,14 +4,18 @@ A lease is the key every stage holds a state under. A stream's own state gets a 
 when it starts, when it is replayed and when a decode instance adopts it (the stream keeps its
 id); a decode group's state has a fixed negative lease, reused after the group empties. A lease
 freed here is released on every stage by the next plan (Plan.releases), after every step
-submitted before it. One table per engine: leases are unique on its pipeline, not across them.
+submitted before it. KV moves (a prefill instance's exports, a decode instance's imports) are
+asked for here and leave with the next plan too. One table per engine: leases are unique on
+its pipeline, not across them.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from itertools import count
 
-from shardline.pipeline.plan import Lease
+from shardline.pipeline.kv import KvSnapshot
+from shardline.pipeline.plan import KvExport, KvImport, Lease
 
 
 def group_lease(group: int) -> Lease:
@@ -23,6 +27,8 @@ class KvTable:
     def __init__(self) -> None:
         self._next = count()
         self._freed: list[Lease] = []
+        self._exports: list[KvExport] = []
+        self._imports: list[KvImport] = []
 
     def lease(self) -> Lease:
         """A fresh lease for a stream's own state."""
@@ -35,4 +41,20 @@ class KvTable:
     def take_freed(self) -> list[Lease]:
         """The leases freed since the last call, in the order they were freed."""
         out, self._freed = self._freed, []
+        return out
+
+    def export(self, lease: Lease, start: int = 0) -> Future[KvSnapshot]:
+        """`lease`'s KV from slot `start` on, out with the next plan (before its releases)."""
+        self._exports.append(x := KvExport(lease, start))
+        return x.done
+
+    def import_(self, snap: KvSnapshot) -> tuple[Lease, Future[None]]:
+        """A fresh lease opened with `snap`'s state by the next plan (before its steps)."""
+        self._imports.append(y := KvImport(self.lease(), snap))
+        return Lease(y.lease), y.done
+
+    def take_moves(self) -> tuple[tuple[KvExport, ...], tuple[KvImport, ...]]:
+        """The KV moves asked for since the last call, in the order they were asked."""
+        out = tuple(self._exports), tuple(self._imports)
+        self._exports, self._imports = [], []
         return out

@@ -11,6 +11,10 @@ to release, then the steps to submit now:
   a long prompt arrives, whatever its context. `pacing=None` keeps fixed chunks (the old
   policy, which let a 128-token chunk at a long context stall streams for ~0.5 s).
 
+- handoffs (a prefill instance's, given as a `Handoffs` policy): a stream with nothing in flight
+  whose policy says so has the slots of its KV not exported yet exported; one that leaves is
+  then removed (its lease released after the export) and handed to the engine (`take_left`).
+
 Every stream has at most one step in flight, so a stream's steps reach each stage in order.
 When a stream ends, `remove` frees its own key and, if it leaves a group empty, the group's:
 the next plan (or `releases()`, when nothing more is planned) hands those keys to the pipeline.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK, PacingConfig
 from shardline.decoding.drafts import NO_DRAFTS, Proposal, drafted
@@ -48,9 +53,18 @@ class SchedulerConfig:
             raise ShardlineError("chunk, max rows, max prefills and compact_at must be >= 1 and groups >= 0")
 
 
+class Handoffs(Protocol):
+    """Which streams leave this instance for another (pure, over a stream with no step in flight)."""
+
+    def leaves(self, s: Stream) -> bool: ...  # it leaves now, the rest of its KV exported first
+    def exports(self, s: Stream) -> bool: ...  # it stays, the slots of its KV not exported yet go out now
+
+
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig | None = None) -> None:
+    def __init__(self, cfg: SchedulerConfig | None = None, handoffs: Handoffs | None = None) -> None:
         self.cfg = cfg or SchedulerConfig()
+        self.handoffs = handoffs
+        self._left: list[Stream] = []  # handed off by the last plans, for the engine (take_left)
         self.groups = Groups(self.cfg.groups, self.cfg.max_rows)
         self.pacing = Pacing(self.cfg.pacing, self.cfg.chunk) if self.cfg.pacing else None
         self.streams: dict[int, Stream] = {}  # running, by id, in admission order
@@ -85,14 +99,34 @@ class Scheduler:
     def plan(self, drafts: Mapping[int, Proposal] | None = None) -> Plan:
         """This round's plan; `drafts`: the drafts each stream about to decode offers, by stream
         (the engine's speculation chose them; the scheduler only places them in the rows)."""
-        releases = tuple(self.releases())  # before the steps: see Plan
+        self._hand_off()
+        releases = tuple(self.releases())  # after the exports, before the steps: see Plan
         steps = self._decodes(drafts or {}) + self._prefills()
         for step in steps:  # each stream is in one step at most: its book is reserved once
             rows = [self.streams[s] for s in step.streams]
             reserve(step, [s.book for s in rows])
             for s in rows:
                 s.in_flight = True
-        return Plan(releases, tuple(steps))
+        exports, imports = self.kv.take_moves()
+        return Plan(releases, tuple(steps), exports, imports)
+
+    def take_left(self) -> list[Stream]:
+        """The streams handed off since the last call, each with its KV's exports (handover.kv_sent)."""
+        out, self._left = self._left, []
+        return out
+
+    def _hand_off(self) -> None:
+        if self.handoffs is None:
+            return
+        for s in [s for s in self.streams.values() if not s.in_flight]:
+            leaves = self.handoffs.leaves(s)
+            if leaves or self.handoffs.exports(s):
+                # the slots the stages hold (nothing in flight): those the book has committed
+                s.handover.kv_sent.append(self.kv.export(s.key, s.handover.kv_through))
+                s.handover.kv_through = s.book.slots
+            if leaves:
+                self.remove(s)
+                self._left.append(s)
 
     def _decodes(self, drafts: Mapping[int, Proposal]) -> list[Step]:
         idle = [s for s in self.streams.values() if s.idle_decoder()]

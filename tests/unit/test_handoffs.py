@@ -1,0 +1,133 @@
+"""KV moves as plan items: the prefill role's handoff policy in the scheduler, the KvTable's
+moves, and the order `execute` hands a plan's items to a pipeline (plain objects, no stages)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+from shardline.config import SamplingParams
+from shardline.disagg.prefill import PrefillOnly
+from shardline.pipeline.plan import KvExport, KvImport, Plan, PrefillStep, Step, execute
+from shardline.serving.kv_table import KvTable
+from shardline.serving.scheduler import Scheduler, SchedulerConfig
+from shardline.serving.stream import Stream
+
+
+def _prefill_scheduler(chunked: bool) -> tuple[Scheduler, Stream]:
+    sched = Scheduler(SchedulerConfig(chunk=4, groups=0, max_prefills=1, pacing=None), PrefillOnly(chunked))
+    s = Stream(5, list(range(100, 110)), SamplingParams(), 8, key=sched.kv.lease())
+    sched.add(s)
+    return sched, s
+
+
+def _complete(sched: Scheduler, step: Step) -> None:
+    for r, sid in enumerate(step.streams):
+        stream = sched.streams[sid]
+        stream.in_flight = False
+        stream.generated += [7] * step.entries(r)
+
+
+def _rounds(sched: Scheduler, n: int) -> list[Plan]:
+    plans = []
+    for _ in range(n):
+        plans.append(sched.plan())
+        for step in plans[-1].steps:
+            _complete(sched, step)
+    return plans
+
+
+def test_a_prefilled_stream_leaves_with_its_whole_kv_exported_before_its_lease_is_released() -> None:
+    sched, s = _prefill_scheduler(chunked=False)
+    plans = _rounds(sched, 4)
+    assert [len(p.steps) for p in plans] == [1, 1, 1, 0]  # three chunks of 4, 4, 2 tokens
+    assert all(not p.exports and not p.releases for p in plans[:3])
+    last = plans[3]
+    assert [(x.lease, x.start) for x in last.exports] == [(0, 0)] and last.releases == (0,)
+    assert sched.take_left() == [s] and sched.take_left() == [] and 5 not in sched.streams
+    assert s.handover.kv_sent == [last.exports[0].done] and s.handover.kv_through == 10
+    assert sched.plan() == Plan()  # nothing more: the stream left
+
+
+def test_chunk_level_transfer_exports_each_chunk_before_the_next_one_runs() -> None:
+    sched, s = _prefill_scheduler(chunked=True)
+    plans = _rounds(sched, 4)
+    assert [[(x.lease, x.start) for x in p.exports] for p in plans] == [[], [(0, 0)], [(0, 4)], [(0, 8)]]
+    assert [p.releases for p in plans] == [(), (), (), (0,)]
+    assert [type(p.steps[0]).__name__ for p in plans[:3]] == ["PrefillStep"] * 3
+    assert [p.steps[0].inputs.position_ids.tolist() for p in plans[1:3]] == [[[4, 5, 6, 7]], [[8, 9]]]
+    assert len(s.handover.kv_sent) == 3 and sched.take_left() == [s]
+
+
+def test_a_stream_ending_at_its_first_token_does_not_leave() -> None:
+    sched = Scheduler(SchedulerConfig(chunk=16, groups=0, max_prefills=1, pacing=None), PrefillOnly())
+    s = Stream(1, [3, 4, 5], SamplingParams(), 1, key=sched.kv.lease())
+    sched.add(s)
+    (plan, after) = _rounds(sched, 2)
+    assert isinstance(plan.steps[0], PrefillStep) and s.done
+    assert after == Plan() and sched.take_left() == []  # the engine ends it here
+
+
+def test_a_coupled_scheduler_moves_no_kv() -> None:
+    sched = Scheduler(SchedulerConfig(chunk=4, groups=0, pacing=None))
+    sched.add(Stream(1, list(range(10)), SamplingParams(), 3))
+    plans = _rounds(sched, 6)
+    assert all(not p.exports and not p.imports for p in plans) and sched.take_left() == []
+
+
+def test_a_kv_table_imports_on_a_fresh_lease_and_hands_each_move_over_once() -> None:
+    table = KvTable()
+    first = table.lease()
+    snap: Any = object()
+    lease, done = table.import_(snap)
+    exported = table.export(first, 3)
+    assert lease == 1 and not done.done() and not exported.done()
+    exports, imports = table.take_moves()
+    assert [(x.lease, x.start, x.done) for x in exports] == [(first, 3, exported)]
+    assert [(y.lease, y.snap, y.done) for y in imports] == [(1, snap, done)]
+    assert table.take_moves() == ((), ())
+
+
+class _Pipe:
+    """Records what it is handed, in order; resolves exports, refuses one import."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.exported: list[Future[Any]] = []
+
+    def export_kv(self, key: int, start: int = 0) -> Future[Any]:
+        self.calls.append(("export", key))
+        self.exported.append(f := Future[Any]())
+        return f
+
+    def release(self, key: int) -> None:
+        self.calls.append(("release", key))
+
+    def import_kv(self, key: int, snap: Any) -> Future[None]:
+        self.calls.append(("import", key))
+        if snap == "refused":
+            raise RuntimeError("no such layout")
+        f: Future[None] = Future()
+        f.set_result(None)
+        return f
+
+    def submit(self, step: Step) -> None:
+        self.calls.append(("submit", step.key))
+
+
+def test_execute_hands_exports_then_releases_then_imports_then_steps() -> None:
+    sched, _ = _prefill_scheduler(chunked=False)
+    (step,) = sched.plan().steps
+    out, bad, ok = KvExport(4), KvImport(8, "refused"), KvImport(9, "fine")
+    pipe = _Pipe()
+    execute(pipe, Plan((4, 6), (step,), (out,), (bad, ok)), lambda s, why: None)
+    assert pipe.calls == [("export", 4), ("release", 4), ("release", 6), ("import", 8), ("import", 9),
+                          ("submit", 0)]
+    assert isinstance(bad.done.exception(), RuntimeError) and ok.done.result() is None
+    assert not out.done.done()  # the pipeline's export has not finished: nor has the item's
+    pipe.exported[0].set_result("snapshot")
+    assert out.done.result() == "snapshot"
+    late = KvExport(2)
+    execute(pipe, Plan(exports=(late,)), lambda s, why: None)
+    pipe.exported[-1].set_exception(RuntimeError("a stage does not hold key 2"))
+    assert str(late.done.exception()) == "a stage does not hold key 2"
