@@ -68,7 +68,7 @@ from shardline.config import DEFAULT_PREFILL_CHUNK, RunConfig, SamplingParams
 from shardline.export.defaults import default_shards
 from shardline.pipeline.kv import KvSnapshot
 from shardline.pipeline.local import LocalPipeline
-from shardline.pipeline.plan import DecodeStep, Outcome, Step, prefill, run
+from shardline.pipeline.plan import DecodeStep, Outcome, Step, export_kv, import_kv, prefill, run
 from shardline.stage.cache import KVBook, StepInputs
 
 GREEDY = SamplingParams()
@@ -102,7 +102,7 @@ def snapshots(pipe: LocalPipeline, ids: list[int], lengths: set[int]) -> dict[in
             start = book.position
             end = min(n, start + DEFAULT_PREFILL_CHUNK)
             timed(pipe, prefill(key, book, ids[start:end], GREEDY, first=start == 0, last=False))
-        snaps[n] = pipe.export_kv(key).result(WAIT_S)
+        snaps[n] = export_kv(pipe, key).result(WAIT_S)
     pipe.release(key)
     return snaps
 
@@ -110,7 +110,7 @@ def snapshots(pipe: LocalPipeline, ids: list[int], lengths: set[int]) -> dict[in
 def opened(pipe: LocalPipeline, ids: list[int], snaps: dict[int, KvSnapshot], n: int) -> tuple[int, KVBook]:
     """A fresh key holding the stream's first n tokens (imported), and its book."""
     key = next(KEYS)
-    pipe.import_kv(key, snaps[n]).result(WAIT_S)
+    import_kv(pipe, key, snaps[n]).result(WAIT_S)
     return key, book_of(ids, n)
 
 
@@ -278,9 +278,9 @@ def part_transfer(pipe: LocalPipeline, ids: list[int], snaps: dict[int, KvSnapsh
             key, _ = opened(pipe, ids, snaps, n)
             to = next(KEYS)
             start = time.perf_counter()
-            snap = pipe.export_kv(key).result(WAIT_S)
+            snap = export_kv(pipe, key).result(WAIT_S)
             mid = time.perf_counter()
-            pipe.import_kv(to, snap).result(WAIT_S)
+            import_kv(pipe, to, snap).result(WAIT_S)
             end = time.perf_counter()
             pipe.release(key)
             pipe.release(to)

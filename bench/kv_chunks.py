@@ -40,7 +40,7 @@ from shardline.config import RunConfig, SamplingParams
 from shardline.export.defaults import default_shards
 from shardline.pipeline.kv import KvSnapshot, join
 from shardline.pipeline.local import LocalPipeline
-from shardline.pipeline.plan import Pipeline, prefill
+from shardline.pipeline.plan import Pipeline, export_kv, import_kv, prefill
 from shardline.pipeline.remote import RemotePipeline
 from shardline.stage.cache import KVBook
 from shardline.wire.tls import Credentials
@@ -67,12 +67,12 @@ def once(a: Pipeline, b: Pipeline, n: int, mode: str, key: int) -> tuple[float, 
         a.submit(prefill(key, book, ids[at:at + CHUNK], SamplingParams(), first=at == 0, last=at + CHUNK >= n))
         _outcome(a)
         if mode == "chunk" and at + CHUNK < n:
-            slices.append(a.export_kv(key, through))
+            slices.append(export_kv(a, key, through))
             through = book.slots
     first = time.perf_counter()
-    slices.append(a.export_kv(key, through))
+    slices.append(export_kv(a, key, through))
     kv: KvSnapshot = join([f.result(WAIT_S) for f in slices])  # type: ignore[attr-defined]
-    b.import_kv(key, kv).result(WAIT_S)
+    import_kv(b, key, kv).result(WAIT_S)
     landed = time.perf_counter()
     a.release(key)
     b.release(key)

@@ -27,7 +27,7 @@ from kit import wait_quiet  # bench/ is on sys.path when this script runs
 from shardline.config import RunConfig, SamplingParams
 from shardline.export.defaults import default_shards
 from shardline.pipeline.local import LocalPipeline
-from shardline.pipeline.plan import prefill, run
+from shardline.pipeline.plan import export_kv, import_kv, prefill, run
 from shardline.stage.cache import KVBook
 
 CHUNK = 512  # prompt tokens per prefill step, as serving would chunk a long prompt
@@ -54,10 +54,10 @@ def measure(pipe: LocalPipeline, n: int, reps: int) -> dict[str, float]:
     export_s, import_s, nbytes = [], [], 0
     for _ in range(reps):
         start = time.perf_counter()
-        snap = pipe.export_kv(key).result(WAIT_S)
+        snap = export_kv(pipe, key).result(WAIT_S)
         export_s.append(time.perf_counter() - start)
         start = time.perf_counter()
-        pipe.import_kv(IMPORTED, snap).result(WAIT_S)
+        import_kv(pipe, IMPORTED, snap).result(WAIT_S)
         import_s.append(time.perf_counter() - start)
         pipe.release(IMPORTED)  # queued ahead of the next import: the key is free again by then
         nbytes = snap.nbytes

@@ -73,6 +73,18 @@ class LoadWatch:
                 "samples": len(self.loads)}
 
 
+def provenance(s: Setup, watch: LoadWatch, git: dict[str, Any]) -> dict[str, Any]:
+    """Print what the run measured and under what load (the commit, the load during and at its
+    start, a pytest seen meanwhile, its minutes); the same as figures for the JSON line."""
+    minutes = (time.monotonic() - s.started) / 60
+    during = watch.stop()
+    print(f"\ncommit {git['commit']}{' (src/ had uncommitted changes)' if git['src_dirty'] else ''}; load during the "
+          f"run: median {during['load_median']}, max {during['load_max']}, a pytest running in "
+          f"{during['pytest_share']:.0%} of {during['samples']} samples; load average {s.load:.1f} at start; "
+          f"{minutes:.1f} min")
+    return {"load_avg_1m_at_start": round(s.load, 2), "load_during": during, "minutes": round(minutes, 1)} | git
+
+
 def git_state() -> dict[str, Any]:
     """The commit measured, and whether src/ had uncommitted changes (another engineer's work)."""
     root = Path(__file__).resolve().parent.parent

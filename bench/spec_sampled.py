@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
 from spec_kit import (  # bench/ is on sys.path when this script runs
@@ -29,6 +28,7 @@ from spec_kit import (  # bench/ is on sys.path when this script runs
     f,
     git_state,
     measure_spec,
+    provenance,
     rounded,
     setup,
     show,
@@ -73,11 +73,7 @@ def main() -> int:
         # per step that drafts, as the step builds it: (its drafts + 1) entries of Q_ENTRY_BYTES
         x["drafted_entry_bytes_per_drafting_step_at_k"] = {k_: (k_ + 1) * Q_ENTRY_BYTES for k_ in (1, 4, 8)}
 
-    minutes = (time.monotonic() - s.started) / 60
-    during = watch.stop()
-    print(f"\ncommit {git['commit']}{' (src/ had uncommitted changes)' if git['src_dirty'] else ''}; load during the "
-          f"run: median {during['load_median']}, max {during['load_max']}; load average {s.load:.1f} at start; "
-          f"{minutes:.1f} min")
+    ran = provenance(s, watch, git)
     headers = ["source", "mean x", "acceptance", "K", "q support B/step"]
     rows = [[src, f(x["mean_speedup"]), f(x["acceptance"]), f(x["k_mean"], ".1f"),
              f(x["q_support_bytes_per_step"], ".0f")] for src, x in sampled["sources"].items()]
@@ -88,8 +84,7 @@ def main() -> int:
          "; 'q support B/step' is the mean over every verify step (K from the table)", headers, rows)
     figures: dict[str, Any] = {f"ratio_mean_speedup_{src}": round(x["mean_speedup"], 3)
                                for src, x in sampled["sources"].items()}
-    figures |= {"tokens": n, "rounds": rounds, "temperature": args.temperature, "k": args.k,
-                "load_avg_1m_at_start": round(s.load, 2), "load_during": during, "minutes": round(minutes, 1)} | git
+    figures |= {"tokens": n, "rounds": rounds, "temperature": args.temperature, "k": args.k} | ran
     figures["sampled"] = rounded(sampled)
     print(json.dumps(figures))
     return 0

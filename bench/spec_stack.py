@@ -38,6 +38,7 @@ from spec_kit import (
     f,
     git_state,
     med,
+    provenance,
     rounded,
     run_all,
     setup,
@@ -150,11 +151,7 @@ def main() -> int:
         for w in procs:
             w.stop()
 
-    minutes = (time.monotonic() - s.started) / 60
-    during = watch.stop()
-    print(f"\ncommit {git['commit']}{' (src/ had uncommitted changes)' if git['src_dirty'] else ''}; load during the "
-          f"run: median {during['load_median']}, max {during['load_max']}; load average {s.load:.1f} at start; "
-          f"{minutes:.1f} min")
+    ran = provenance(s, watch, git)
     headers = ["delay/hop", "tokens", "naive tok/s", "top-1 1 stream", "groups no spec", "full stack",
                "full / naive", "groups / naive", "top-1 / naive", "full acc", "full K", "full sum / naive"]
     rows = [[d, str(x["tokens"]), f(x["naive"]["tok_s"], ".1f"), f(x["top1"]["tok_s"], ".1f"),
@@ -173,8 +170,7 @@ def main() -> int:
     if "100ms" in results:
         figures["targets_met"] = {"full_stack_ge_8x_naive_at_100ms": results["100ms"]["full"]["vs_naive"] >= 8}
     figures |= {"tokens": n, "far_tokens": far_n, "rounds": rounds, "source": args.source, "streams": args.streams,
-                "rate_mbit": args.rate_mbit, "load_avg_1m_at_start": round(s.load, 2), "load_during": during,
-                "minutes": round(minutes, 1), "skipped": skipped} | git
+                "rate_mbit": args.rate_mbit, "skipped": skipped} | ran
     figures["stack"] = rounded(results)
     print(json.dumps(figures))
     return 0

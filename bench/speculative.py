@@ -51,6 +51,7 @@ from spec_kit import (
     git_state,
     measure_spec,
     print_spec,
+    provenance,
     rounded,
     setup,
     show,
@@ -118,14 +119,9 @@ def main() -> int:
             for w in procs:
                 w.stop()
 
-    minutes = (time.monotonic() - s.started) / 60
-    during = watch.stop()
-    print(f"\ncommit {git['commit']}{' (src/ had uncommitted changes)' if git['src_dirty'] else ''}; load during the "
-          f"run: median {during['load_median']}, max {during['load_max']}, a pytest running in "
-          f"{during['pytest_share']:.0%} of {during['samples']} samples")
+    ran = provenance(s, watch, git)
     print(f"default model (SmolLM2-135M, gguf weights, exact precision), greedy, stop tokens "
-          f"{'ignored' if args.ignore_stops else 'honoured'}, K {args.k} (max {args.k_max}); load average "
-          f"{s.load:.1f} at start; {minutes:.1f} min")
+          f"{'ignored' if args.ignore_stops else 'honoured'}, K {args.k} (max {args.k_max})")
     for place, x in results.items():
         print_spec(place, x, sources, tokens[place], tokens_at(None if place == "inproc" else float(place[8:-2]))[1])
     if results:
@@ -154,8 +150,7 @@ def main() -> int:
     figures["targets_met"] = targets
     figures |= {"tokens": n, "far_tokens": far_n, "far_from_ms": args.far_from, "rounds": rounds,
                 "far_rounds": far_rounds, "stops_honoured": not args.ignore_stops, "k": args.k, "k_max": args.k_max,
-                "load_avg_1m_at_start": round(s.load, 2), "load_during": during, "minutes": round(minutes, 1),
-                "skipped": skipped} | git
+                "skipped": skipped} | ran
     figures["spec"] = rounded(results)
     print(json.dumps(figures))
     return 0

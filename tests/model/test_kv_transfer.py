@@ -18,7 +18,7 @@ from shardline.errors import ShardlineError
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.kv import KvSnapshot, handoff, join
 from shardline.pipeline.local import LocalPipeline
-from shardline.pipeline.plan import Outcome, decode, prefill, run
+from shardline.pipeline.plan import Outcome, decode, export_kv, import_kv, prefill, run
 from shardline.stage.cache import KVBook
 from tests.conftest import CHAT_PROMPTS
 from tests.helpers import GREEDY, greedy_ours, ok
@@ -52,7 +52,7 @@ def sent(pipes: tuple[LocalPipeline, LocalPipeline], prompt: list[int]) -> tuple
     a, _ = pipes
     book = KVBook()
     (out,) = ok(run(a, prefill(1, book, prompt, GREEDY, first=True, last=True)))
-    return a.export_kv(1).result(WAIT_S), book, out.choices[0].token
+    return export_kv(a, 1).result(WAIT_S), book, out.choices[0].token
 
 
 def _greedy(pipe: LocalPipeline, key: int, book: KVBook, first: int) -> list[int]:
@@ -71,7 +71,7 @@ def test_decoding_after_a_transfer_gives_the_tokens_of_staying(
     assert (snap.rows, snap.slots, len(snap.stages)) == (1, len(prompt), 2)
     assert snap.nbytes == sum(x.nbytes for s in snap.stages for x in s.arrays.values()) > 0
     moved = handoff(snap, book)
-    imported = b.import_kv(7, moved.kv)
+    imported = import_kv(b, 7, moved.kv)
     # Not waited for: the decode steps go in behind the import and must run on its state.
     on_b = _greedy(b, 7, moved.book(), first)
     imported.result(WAIT_S)
@@ -94,7 +94,7 @@ def test_slices_exported_chunk_by_chunk_join_into_the_whole_cache(
     assert len(chunks) >= 3
     for i, chunk in enumerate(chunks):
         a.submit(prefill(3, book, chunk, GREEDY, first=i == 0, last=i == len(chunks) - 1))
-        slices.append(a.export_kv(3, sent_slots))
+        slices.append(export_kv(a, 3, sent_slots))
         sent_slots = book.slots
     outs: list[Outcome] = []
     while len(outs) < len(chunks):
@@ -102,14 +102,14 @@ def test_slices_exported_chunk_by_chunk_join_into_the_whole_cache(
     assert len(outs) == len(chunks) and not any(o.failed for o in outs)
     parts = [f.result(WAIT_S) for f in slices]
     assert [(s.start, s.slots) for s in parts] == [(16 * i, len(c)) for i, c in enumerate(chunks)]
-    joined, whole = join(parts), a.export_kv(3).result(WAIT_S)
+    joined, whole = join(parts), export_kv(a, 3).result(WAIT_S)
     assert (joined.start, joined.slots) == (whole.start, whole.slots) == (0, len(prompt))
     for got, want in zip(joined.stages, whole.stages, strict=True):
         assert all(np.array_equal(got.arrays[n], want.arrays[n]) for n in want.arrays)
     with pytest.raises(ShardlineError, match=f"KV from slot {len(prompt) + 1} of key 3, which holds {len(prompt)}"):
-        a.export_kv(3, len(prompt) + 1).result(WAIT_S)
+        export_kv(a, 3, len(prompt) + 1).result(WAIT_S)
     first = outs[-1].choices[0].token
-    b.import_kv(11, joined).result(WAIT_S)
+    import_kv(b, 11, joined).result(WAIT_S)
     assert _greedy(b, 11, copy.deepcopy(book), first) == _greedy(a, 3, book, first)
     a.release(3)
     b.release(11)
@@ -117,7 +117,7 @@ def test_slices_exported_chunk_by_chunk_join_into_the_whole_cache(
 
 def _refusal(b: LocalPipeline, key: int, snap: KvSnapshot) -> str:
     with pytest.raises(ShardlineError) as caught:
-        b.import_kv(key, snap).result(WAIT_S)
+        import_kv(b, key, snap).result(WAIT_S)
     return str(caught.value)
 
 
@@ -160,7 +160,7 @@ def test_imports_that_do_not_fit_fail_and_leave_nothing_open(
     assert not b.stages[0].has(9) and b.stages[1].has(9)
     b.stages[1].close(9)
     with pytest.raises(ShardlineError, match="unknown key 4"):
-        b.export_kv(4).result(WAIT_S)
+        export_kv(b, 4).result(WAIT_S)
 
     # The stage threads still run steps; nothing but key 5 was ever left open on B.
     assert greedy_ours(b, prompt, 4)[0] == greedy_ours(pipes[0], prompt, 4)[0]

@@ -31,7 +31,7 @@ from shardline.node import kv as node_kv
 from shardline.node.worker import StageWorker
 from shardline.pipeline.kv import KvSnapshot, join
 from shardline.pipeline.local import LocalPipeline
-from shardline.pipeline.plan import Pipeline, decode, prefill, run
+from shardline.pipeline.plan import Pipeline, decode, export_kv, import_kv, prefill, run
 from shardline.pipeline.remote import RemotePipeline
 from shardline.pipeline.remote_kv import KvImport
 from shardline.stage.cache import KVBook
@@ -94,7 +94,7 @@ def _prefilled(pipe: Pipeline, key: int, prompt: list[int]) -> tuple[KvSnapshot,
     """`prompt` prefilled under `key` (left open): its exported KV, its book, its first token."""
     book = KVBook()
     (out,) = ok(run(pipe, prefill(key, book, prompt, GREEDY, first=True, last=True), timeout=WAIT_S))
-    return pipe.export_kv(key).result(WAIT_S), book, out.choices[0].token
+    return export_kv(pipe, key).result(WAIT_S), book, out.choices[0].token
 
 
 def _greedy(pipe: Pipeline, key: int, book: KVBook, first: int) -> list[int]:
@@ -111,7 +111,7 @@ def _moved(source: Pipeline, target: Pipeline, prompt: list[int], keys: tuple[in
     snap, book, first = _prefilled(source, keys[0], prompt)
     source.release(keys[0])
     assert (snap.rows, snap.slots, len(snap.stages)) == (1, len(prompt), source.n_stages)
-    landed = target.import_kv(keys[1], snap)
+    landed = import_kv(target, keys[1], snap)
     tokens = _greedy(target, keys[1], book, first)
     landed.result(WAIT_S)
     return tokens
@@ -167,16 +167,16 @@ def test_slices_pulled_chunk_by_chunk_join_into_the_whole_cache(folder: Path, cl
         chunks = [prompt[i:i + 16] for i in range(0, len(prompt), 16)]
         for i, chunk in enumerate(chunks):
             remote.submit(prefill(21, book, chunk, GREEDY, first=i == 0, last=i == len(chunks) - 1))
-            slices.append(remote.export_kv(21, at))
+            slices.append(export_kv(remote, 21, at))
             at = book.slots
         parts = [f.result(WAIT_S) for f in slices]
         assert [(x.start, x.slots) for x in parts] == [(16 * i, len(c)) for i, c in enumerate(chunks)]
-        joined, whole = join(parts), remote.export_kv(21).result(WAIT_S)
+        joined, whole = join(parts), export_kv(remote, 21).result(WAIT_S)
         for got, want in zip(joined.stages, whole.stages, strict=True):
             assert (got.first_layer, got.last_layer) == (want.first_layer, want.last_layer)
             assert all(np.array_equal(got.arrays[n], want.arrays[n]) for n in want.arrays)
         assert f"KV from slot {len(prompt) + 1} of key 21, which holds {len(prompt)}" in _error(
-            remote.export_kv(21, len(prompt) + 1))
+            export_kv(remote, 21, len(prompt) + 1))
         remote.release(21)
     finally:
         remote.shutdown()
@@ -196,16 +196,16 @@ def test_moves_that_cannot_be_done_fail_clearly_and_leave_nothing_open(
     remote = _remote(folder, workers[0], cluster)
     w = workers[0].addr
     try:
-        assert "cannot export the KV of key 4: stage 0: unknown key 4 on stage0" in _error(remote.export_kv(4))
+        assert "cannot export the KV of key 4: stage 0: unknown key 4 on stage0" in _error(export_kv(remote, 4))
         remote.stage0.open(5)  # open here alone (the stage-0 thread is idle): only the worker lacks it
-        assert f"cannot export the KV of key 5: worker {w}: unknown key 5 on stage1" in _error(remote.export_kv(5))
+        assert f"cannot export the KV of key 5: worker {w}: unknown key 5 on stage1" in _error(export_kv(remote, 5))
         remote.stage0.close(5)
         snap, book, first = _prefilled(local, 6, prompt)
         local.release(6)
 
         # Refused before any stage sees it: another layout, another export.
-        assert "stage 1 state" in _error(remote.import_kv(10, _shorter(snap)))
-        assert "cannot go into export" in _error(remote.import_kv(10, replace(snap, export="0" * 64 + "/gguf/None")))
+        assert "stage 1 state" in _error(import_kv(remote, 10, _shorter(snap)))
+        assert "cannot go into export" in _error(import_kv(remote, 10, replace(snap, export="0" * 64 + "/gguf/None")))
         # Past the coordinator's check (as a coordinator of another layout would send it): the
         # worker refuses it, stage 0's copy is undone before the Future fails.
         future: Future[None] = Future()
@@ -215,14 +215,14 @@ def test_moves_that_cannot_be_done_fail_clearly_and_leave_nothing_open(
         assert not remote.stage0.has(10)
 
         ok(run(remote, prefill(11, KVBook(), prompt[:8], GREEDY, first=True, last=True), timeout=WAIT_S))
-        assert "stage 0: key 11 is already open on stage0" in _error(remote.import_kv(11, snap))
+        assert "stage 0: key 11 is already open on stage0" in _error(import_kv(remote, 11, snap))
         remote.stage0.close(11)  # now open on the worker alone: the worker refuses, stage 0 is undone
-        assert f"worker {w}: key 11 is already open on stage1" in _error(remote.import_kv(11, snap))
+        assert f"worker {w}: key 11 is already open on stage1" in _error(import_kv(remote, 11, snap))
         assert not remote.stage0.has(11)
         remote.release(11)  # the worker's own key 11, which the refused import did not touch
 
         # The pipeline serves on, and the key imports once it is free everywhere.
-        remote.import_kv(11, snap).result(WAIT_S)
+        import_kv(remote, 11, snap).result(WAIT_S)
         assert _greedy(remote, 11, book, first) == plain
     finally:
         remote.shutdown()
@@ -236,7 +236,7 @@ def test_a_worker_killed_under_a_move_fails_it(folder: Path, cluster: Path, prom
             book = KVBook()
             ok(run(remote, prefill(1, book, prompt, GREEDY, first=True, last=True), timeout=WAIT_S))
             os.kill(w.proc.pid, signal.SIGSTOP)  # hung: the pull waits on it
-            pending = remote.export_kv(1)
+            pending = export_kv(remote, 1)
             time.sleep(0.5)
             assert not pending.done()
             w.proc.kill()

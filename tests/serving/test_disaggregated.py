@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, cast
 
@@ -22,9 +21,8 @@ from shardline.disagg.policies import PrefillPolicy
 from shardline.disagg.prefill import Moving, PrefillRole, oracle_predict, prefill_instance
 from shardline.disagg.state import Role
 from shardline.model.tokenizer import ChatTokenizer
-from shardline.pipeline.kv import KvSnapshot
 from shardline.pipeline.local import LocalPipeline
-from shardline.pipeline.plan import Pipeline
+from shardline.pipeline.plan import KvExport, KvMove, Pipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Request, Serving
 from shardline.serving.scheduler import SchedulerConfig
@@ -160,9 +158,10 @@ class Exports:
     def __init__(self, pipe: LocalPipeline) -> None:
         self.pipe, self.asked = pipe, list[tuple[int, int]]()
 
-    def export_kv(self, key: int, start: int = 0) -> Future[KvSnapshot]:
-        self.asked.append((key, start))
-        return self.pipe.export_kv(key, start)
+    def move(self, item: KvMove) -> None:
+        if isinstance(item, KvExport):
+            self.asked.append((item.lease, item.start))
+        self.pipe.move(item)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.pipe, name)

@@ -3,12 +3,11 @@ moves, and the order `execute` hands a plan's items to a pipeline (plain objects
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from typing import Any
 
 from shardline.config import SamplingParams
 from shardline.disagg.prefill import PrefillOnly
-from shardline.pipeline.plan import KvExport, KvImport, Plan, PrefillStep, Step, execute
+from shardline.pipeline.plan import KvExport, KvImport, KvMove, Plan, PrefillStep, Step, execute
 from shardline.serving.kv_table import KvTable
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
 from shardline.serving.stream import Stream
@@ -89,27 +88,20 @@ def test_a_kv_table_imports_on_a_fresh_lease_and_hands_each_move_over_once() -> 
 
 
 class _Pipe:
-    """Records what it is handed, in order; resolves exports, refuses one import."""
+    """Records what it is handed, in order; holds exports, refuses one import, lands the others."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
-        self.exported: list[Future[Any]] = []
 
-    def export_kv(self, key: int, start: int = 0) -> Future[Any]:
-        self.calls.append(("export", key))
-        self.exported.append(f := Future[Any]())
-        return f
+    def move(self, item: KvMove) -> None:
+        self.calls.append((type(item).__name__, item.lease))
+        if isinstance(item, KvImport):
+            if item.snap == "refused":
+                raise RuntimeError("no such layout")
+            item.done.set_result(None)
 
     def release(self, key: int) -> None:
         self.calls.append(("release", key))
-
-    def import_kv(self, key: int, snap: Any) -> Future[None]:
-        self.calls.append(("import", key))
-        if snap == "refused":
-            raise RuntimeError("no such layout")
-        f: Future[None] = Future()
-        f.set_result(None)
-        return f
 
     def submit(self, step: Step) -> None:
         self.calls.append(("submit", step.key))
@@ -118,16 +110,10 @@ class _Pipe:
 def test_execute_hands_exports_then_releases_then_imports_then_steps() -> None:
     sched, _ = _prefill_scheduler(chunked=False)
     (step,) = sched.plan().steps
-    out, bad, ok = KvExport(4), KvImport(8, "refused"), KvImport(9, "fine")
+    out, bad, ok = KvExport(4), KvImport(8, "refused"), KvImport(9, "fine")  # type: ignore[arg-type]
     pipe = _Pipe()
-    execute(pipe, Plan((4, 6), (step,), (out,), (bad, ok)), lambda s, why: None)
-    assert pipe.calls == [("export", 4), ("release", 4), ("release", 6), ("import", 8), ("import", 9),
+    execute(pipe, Plan((4, 6), (step,), (out,), (bad, ok)), lambda s, why: None)  # type: ignore[arg-type]
+    assert pipe.calls == [("KvExport", 4), ("release", 4), ("release", 6), ("KvImport", 8), ("KvImport", 9),
                           ("submit", 0)]
-    assert isinstance(bad.done.exception(), RuntimeError) and ok.done.result() is None
-    assert not out.done.done()  # the pipeline's export has not finished: nor has the item's
-    pipe.exported[0].set_result("snapshot")
-    assert out.done.result() == "snapshot"
-    late = KvExport(2)
-    execute(pipe, Plan(exports=(late,)), lambda s, why: None)
-    pipe.exported[-1].set_exception(RuntimeError("a stage does not hold key 2"))
-    assert str(late.done.exception()) == "a stage does not hold key 2"
+    assert str(bad.done.exception()) == "no such layout" and ok.done.result() is None
+    assert not out.done.done() and not out.done.cancel()  # under way: no one can cancel it

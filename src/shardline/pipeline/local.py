@@ -6,10 +6,10 @@ stage 0 can work on the next (OpenVINO releases the GIL inside infer), and the c
 submitted; each stage opens a first prefill's request and applies a decode step's merges just
 before running it, so a stage's state changes in exactly the order of its steps.
 
-Releases, KV exports and KV imports travel the same queues as the steps: each stage acts on its
-own part when the item reaches it, so an export sees every step submitted before it and a step
-submitted after an import runs on the imported state. An export or import that fails fails its
-Future (ShardlineError), never the stage thread.
+Releases, KV exports and KV imports (the plan's items, pipeline/plan.py) travel the same queues
+as the steps: each stage acts on its own part when the item reaches it, so an export sees every
+step submitted before it and a step submitted after an import runs on the imported state. An
+export or import that fails fails its `done` (ShardlineError), never the stage thread.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import openvino as ov
@@ -33,8 +32,8 @@ from shardline.model.manifest import Manifest, load_manifest, verify
 from shardline.pipeline import metrics
 from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.inflight import Outbox
-from shardline.pipeline.kv import KvSnapshot, StageKv, StageLayout, check, export_identity, frozen, snapshot
-from shardline.pipeline.plan import Outcome, Placed, PrefillStep, Step
+from shardline.pipeline.kv import KvSnapshot, StageKv, StageLayout, export_identity, frozen, snapshot
+from shardline.pipeline.plan import KvExport, KvImport, KvMove, Outcome, Placed, PrefillStep, Release, Step, unfit
 from shardline.pipeline.timing import Timing
 from shardline.stage import executor as stage_work
 from shardline.stage.runner import StageRunner
@@ -58,28 +57,22 @@ class _Trace:
 
 
 @dataclass(frozen=True)
-class _Release:
-    key: int
-
-
-@dataclass(frozen=True)
 class _Export:
-    """Each stage adds its copy of the key's KV to `parts` in turn; the last one resolves."""
+    """An export on its way down the stages: each adds its copy of the lease's KV to `parts`
+    in turn; the last one resolves the item. (An import needs no more than the plan's item:
+    each stage opens the lease and writes its part in turn; the last one resolves it.)"""
 
-    key: int
-    export: str
-    future: Future[KvSnapshot]
-    start: int = 0  # the first slot copied (a chunk-level transfer's slice); 0: the whole cache
+    item: KvExport
+    export: str  # the pipeline's export identity, which the snapshot names
     parts: list[StageKv] = field(default_factory=list)
 
+    @property
+    def lease(self) -> int:
+        return self.item.lease
 
-@dataclass(frozen=True)
-class _Import:
-    """Each stage opens the key and writes its part in turn; the last one resolves."""
-
-    key: int
-    snapshot: KvSnapshot
-    future: Future[None]
+    @property
+    def done(self) -> Future[KvSnapshot]:
+        return self.item.done
 
 
 @dataclass(frozen=True)
@@ -88,13 +81,13 @@ class _Undo:
     (in queue order, from stage 0); the last of them fails the import's Future, so no key is left
     half imported once the caller hears of the failure."""
 
-    key: int
+    lease: int
     upto: int
-    future: Future[None]
+    done: Future[None]
     error: ShardlineError
 
 
-_Control = _Release | _Export | _Import | _Undo
+_Control = Release | _Export | KvImport | _Undo
 _Work = tuple[Step, StageWork, "np.ndarray | None", _Trace] | _Control | None  # None stops the thread
 
 
@@ -133,30 +126,19 @@ class LocalPipeline:
     def release(self, key: int) -> None:
         """Free `key` on every stage, after every step submitted before."""
         self._start_threads()
-        self._inboxes[0].put(_Release(key))
+        self._inboxes[0].put(Release(key))
 
-    def export_kv(self, key: int, start: int = 0) -> Future[KvSnapshot]:
-        """A copy of `key`'s KV on every stage, after every step submitted before (the key stays
-        open): the slots from `start` on (0: all of them). Fails (ShardlineError) for a key some
-        stage does not hold, a start past its slots, or a key whose stages disagree."""
-        future: Future[KvSnapshot] = _started()
+    def move(self, item: KvMove) -> None:
+        """An export copies the lease's KV on every stage from its `start` (0: all of it), after
+        every step submitted before (the lease stays open); it fails for a lease some stage does
+        not hold, a start past its slots, or stages that disagree. An import opens its lease on
+        every stage with the snapshot's state, before every step submitted after; it fails,
+        leaving the lease closed everywhere, for a snapshot of another export or layout (checked
+        here, before any stage sees it) or a lease already open."""
+        if unfit(item, self.identity, self.layout):
+            return
         self._start_threads()
-        self._inboxes[0].put(_Export(key, self.identity, future, start))
-        return future
-
-    def import_kv(self, key: int, snap: KvSnapshot) -> Future[None]:
-        """Open `key` on every stage with the state of `snap`, before every step submitted after.
-        Fails (ShardlineError), leaving the key closed everywhere, for a snapshot of another
-        export or layout (checked here, before any stage sees it) or a key already open."""
-        future: Future[None] = _started()
-        try:
-            check(snap, self.identity, self.layout())
-        except ShardlineError as e:
-            future.set_exception(e)
-            return future
-        self._start_threads()
-        self._inboxes[0].put(_Import(key, snap, future))
-        return future
+        self._inboxes[0].put(_Export(item, self.identity) if isinstance(item, KvExport) else item)
 
     def layout(self) -> list[StageLayout]:
         """Each stage's layers and state variables (dtype, kv_heads, head_dim), as an empty
@@ -259,21 +241,21 @@ def _control(k: int, stage: StageRunner, work: _Control, nxt: queue.Queue[_Work]
 
 def _apply(k: int, stage: StageRunner, work: _Control, last: bool) -> bool:
     """Stage k's part of `work`; whether the item ends here."""
-    if isinstance(work, _Release):
-        stage.close(work.key)
+    if isinstance(work, Release):
+        stage.close(work.lease)
     elif isinstance(work, _Export):
-        e = stage.entry
-        work.parts.append(StageKv(e.first_layer, e.last_layer, frozen(stage.kv(work.key, work.start))))
+        e, x = stage.entry, work.item
+        work.parts.append(StageKv(e.first_layer, e.last_layer, frozen(stage.kv(x.lease, x.start))))
         if last:
-            work.future.set_result(snapshot(work.export, work.parts, work.start))
-    elif isinstance(work, _Import):
-        write_kv(stage, work.key, work.snapshot.stages[k])
+            x.done.set_result(snapshot(work.export, work.parts, x.start))
+    elif isinstance(work, KvImport):
+        write_kv(stage, work.lease, work.snap.stages[k])
         if last:
-            work.future.set_result(None)
+            work.done.set_result(None)
     else:
-        stage.close(work.key)
+        stage.close(work.lease)
         if k == work.upto - 1:
-            work.future.set_exception(work.error)
+            work.done.set_exception(work.error)
             return True
     return False
 
@@ -290,20 +272,15 @@ def write_kv(stage: StageRunner, key: int, part: StageKv) -> None:
 
 def _failed(k: int, work: _Control, e: Exception, head: queue.Queue[_Work]) -> None:
     """Fail `work`'s Future with `e`; an import that stage 0 had got past is undone first."""
-    what = type(work).__name__.strip("_").lower()
     why = str(e) if isinstance(e, ShardlineError) else f"{type(e).__name__}: {e}"
-    error = ShardlineError(f"cannot {what} the KV of key {work.key}: stage {k}: {why}")
-    if isinstance(work, _Import) and k > 0:
-        head.put(_Undo(work.key, k, work.future, error))
-    elif isinstance(work, _Export | _Import | _Undo) and not work.future.done():
-        work.future.set_exception(error)
+    error = ShardlineError(f"cannot {_VERBS[type(work)]} the KV of key {work.lease}: stage {k}: {why}")
+    if isinstance(work, KvImport) and k > 0:
+        head.put(_Undo(work.lease, k, work.done, error))
+    elif not isinstance(work, Release) and not work.done.done():
+        work.done.set_exception(error)
 
 
-def _started() -> Future[Any]:
-    """A Future the caller can no longer cancel: its item is on its way through the stages."""
-    future: Future[Any] = Future()
-    future.set_running_or_notify_cancel()
-    return future
+_VERBS = {Release: "release", _Export: "export", KvImport: "import", _Undo: "undo"}
 
 
 def _abandon(inbox: queue.Queue[_Work]) -> None:
@@ -313,8 +290,8 @@ def _abandon(inbox: queue.Queue[_Work]) -> None:
             work = inbox.get_nowait()
         except queue.Empty:
             return
-        if isinstance(work, _Export | _Import | _Undo) and not work.future.done():
-            work.future.set_exception(ShardlineError(f"the pipeline stopped before the KV of key {work.key} moved"))
+        if isinstance(work, _Export | KvImport | _Undo) and not work.done.done():
+            work.done.set_exception(ShardlineError(f"the pipeline stopped before the KV of key {work.lease} moved"))
 
 
 def _stage_layout(stage: StageRunner) -> StageLayout:

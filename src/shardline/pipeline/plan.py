@@ -20,8 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from functools import partial
-from typing import ClassVar, NewType, Protocol, TypeVar
+from typing import Any, ClassVar, NewType, Protocol
 
 import numpy as np
 
@@ -30,7 +29,7 @@ from shardline.decoding.sampler import Choice
 from shardline.decoding.speculative import Drafted
 from shardline.errors import ShardlineError
 from shardline.pipeline.hidden import HiddenChunk
-from shardline.pipeline.kv import KvSnapshot
+from shardline.pipeline.kv import KvSnapshot, StageLayout, check
 from shardline.pipeline.timing import Timing
 from shardline.stage.cache import KVBook, StepInputs
 from shardline.stage.work import StageWork
@@ -40,7 +39,6 @@ from shardline.wire.messages import Phase
 # KV state it runs on is a lease, a key every stage holds state under: the stream's own, or its
 # decode group's (negative). A replay or a move to another instance takes a new lease.
 StreamId = NewType("StreamId", int)
-T = TypeVar("T")
 Lease = NewType("Lease", int)
 
 
@@ -99,24 +97,54 @@ class DecodeStep(Step):
                          compact=self.compact, want_logits=self.want_logits, drafted=self.drafted)
 
 
+def _started() -> Future[Any]:
+    """A Future no one can cancel: its item is on its way to the stages."""
+    future: Future[Any] = Future()
+    future.set_running_or_notify_cancel()
+    return future
+
+
+@dataclass(frozen=True)
+class Release:
+    """A lease's state freed on every stage, after every step submitted before it."""
+
+    lease: int
+
+
 @dataclass(frozen=True, eq=False)
 class KvExport:
     """A lease's KV out of every stage, from slot `start` on (the lease stays open), after every
-    step submitted before it; what came out (or why not) lands in `done`."""
+    step submitted before it; what came out (or why not: ShardlineError) lands in `done`."""
 
     lease: int
     start: int = 0
-    done: Future[KvSnapshot] = field(default_factory=Future)
+    done: Future[KvSnapshot] = field(default_factory=_started)
 
 
 @dataclass(frozen=True, eq=False)
 class KvImport:
     """A fresh lease opened on every stage with `snap`'s state, before every step submitted
-    after it; `done` says when it is in (or why not)."""
+    after it; `done` says when it is in (or why not: ShardlineError, the lease closed everywhere)."""
 
     lease: int
     snap: KvSnapshot
-    done: Future[None] = field(default_factory=Future)
+    done: Future[None] = field(default_factory=_started)
+    made: float = field(default_factory=time.perf_counter, compare=False)  # as a step's
+
+
+KvMove = KvExport | KvImport
+
+
+def unfit(item: KvMove, identity: str, layout: Callable[[], list[StageLayout]]) -> bool:
+    """Whether `item` is an import whose snapshot another export made or that does not fit
+    `layout`: then its `done` fails here, before any stage sees it."""
+    if isinstance(item, KvImport):
+        try:
+            check(item.snap, identity, layout())
+        except ShardlineError as e:
+            item.done.set_exception(e)
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -137,11 +165,11 @@ def execute(pipe: Pipeline, plan: Plan, failed: Callable[[Step, str], None]) -> 
     """Hand `plan` to `pipe` in its order; a step that cannot start fails its rows (`failed`),
     a KV move that cannot start fails its `done`."""
     for x in plan.exports:
-        _settle(x.done, partial(pipe.export_kv, x.lease, x.start))
+        _move(pipe, x)
     for key in plan.releases:
         pipe.release(key)
     for y in plan.imports:
-        _settle(y.done, partial(pipe.import_kv, y.lease, y.snap))
+        _move(pipe, y)
     for step in plan.steps:
         try:
             pipe.submit(step)
@@ -149,21 +177,24 @@ def execute(pipe: Pipeline, plan: Plan, failed: Callable[[Step, str], None]) -> 
             failed(step, f"{type(e).__name__}: {e}")
 
 
-def _settle(done: Future[T], start: Callable[[], Future[T]]) -> None:
-    """`done` takes the result of the pipeline's future that `start` returns."""
+def _move(pipe: Pipeline, item: KvMove) -> None:
     try:
-        moved = start()
+        pipe.move(item)
     except Exception as e:  # noqa: BLE001 - a move that cannot start fails its own future alone
-        done.set_exception(e)
-        return
+        if not item.done.done():
+            item.done.set_exception(e)
 
-    def copy(f: Future[T]) -> None:
-        if (e := f.exception()) is not None:
-            done.set_exception(e)
-        else:
-            done.set_result(f.result())
 
-    moved.add_done_callback(copy)
+def export_kv(pipe: Pipeline, key: int, start: int = 0) -> Future[KvSnapshot]:
+    """`key`'s KV from slot `start` on, out of `pipe` now (in order with the steps submitted)."""
+    pipe.move(x := KvExport(key, start))
+    return x.done
+
+
+def import_kv(pipe: Pipeline, key: int, snap: KvSnapshot) -> Future[None]:
+    """`snap` into `pipe` under the fresh `key` now (in order with the steps submitted)."""
+    pipe.move(y := KvImport(key, snap))
+    return y.done
 
 
 @dataclass(frozen=True)
@@ -204,12 +235,11 @@ class Pipeline(Protocol):
     n_stages: int
     context: int  # the longest sequence it serves (RunConfig.context resolved; every stage agrees)
 
+    # The plan's items, each in order with the others (pipeline/kv.py for what a KV move holds);
+    # a move's result or error lands in its `done`.
     def submit(self, step: Step) -> None: ...
     def release(self, key: int) -> None: ...
-    # A key's KV out of every stage / into a fresh key, in order with the steps (pipeline/kv.py);
-    # called by `execute` alone: a KV move is a plan's item like a step.
-    def export_kv(self, key: int, start: int = 0) -> Future[KvSnapshot]: ...
-    def import_kv(self, key: int, snap: KvSnapshot) -> Future[None]: ...
+    def move(self, item: KvMove) -> None: ...
     def outcomes(self, timeout: float | None = None) -> list[Outcome]: ...
     def wake(self) -> None: ...
     def idle(self) -> bool: ...  # no graph work of this pipeline runs or waits on this machine

@@ -29,8 +29,6 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 
@@ -47,10 +45,9 @@ from shardline.pipeline.frames import choice, forward
 from shardline.pipeline.held import needs
 from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.inflight import Outbox
-from shardline.pipeline.kv import KvSnapshot
 from shardline.pipeline.life import ChainLife, Lost, Sent
-from shardline.pipeline.plan import Outcome, Placed, PrefillStep, Step
-from shardline.pipeline.remote_kv import KV_S, KvExport, KvImport, KvMoves, KvWork
+from shardline.pipeline.plan import KvImport, KvMove, Outcome, Placed, PrefillStep, Release, Step, unfit
+from shardline.pipeline.remote_kv import KV_S, KvMoves
 from shardline.pipeline.star import StarRefused, relay
 from shardline.pipeline.timing import breakdown
 from shardline.pipeline.watchdog import overdue, watch
@@ -63,10 +60,10 @@ from shardline.wire.messages import (
     KvDone,
     KvPart,
     Refuse,
-    Release,
     Sampled,
     StepFailed,
 )
+from shardline.wire.messages import Release as ReleaseMsg
 from shardline.wire.tls import Credentials
 
 log = logging.getLogger(__name__)
@@ -76,11 +73,6 @@ RECONNECT_S = 10.0  # how long a stream's first step waits for a chain that brok
 
 class _Repair:
     """Stage 0's thread: reopen the chain if it is still broken (queued by the watchdog)."""
-
-
-@dataclass(frozen=True)
-class _Release:
-    key: int
 
 
 class RemotePipeline:
@@ -117,7 +109,7 @@ class RemotePipeline:
         self.kv = KvMoves(self.manifest, self.stage0, max(KV_S, self._clock.limits.floor_s))
         self.life = ChainLife(self._open, self._read, reconnect_s)
         self._local = 0  # steps submitted that stage 0 has not finished sending (under life.lock)
-        self._inbox: queue.Queue[Step | _Release | _Repair | KvWork | None] = queue.Queue()
+        self._inbox: queue.Queue[Step | Release | _Repair | KvMove | None] = queue.Queue()
         self._stopping = threading.Event()
         self.life.connect()
         self._thread = threading.Thread(target=self._stage0_loop, daemon=True, name="stage-0")
@@ -156,15 +148,12 @@ class RemotePipeline:
         self._inbox.put(step)
 
     def release(self, key: int) -> None:
-        self._inbox.put(_Release(key))
+        self._inbox.put(Release(key))
 
-    def export_kv(self, key: int, start: int = 0) -> Future[KvSnapshot]:
-        """As LocalPipeline's; it also fails when the chain breaks under it."""
-        return self.kv.export(key, self._inbox.put, start)
-
-    def import_kv(self, key: int, snap: KvSnapshot) -> Future[None]:
-        """As LocalPipeline's; it also fails when the chain breaks under it."""
-        return self.kv.import_(key, snap, self._inbox.put)
+    def move(self, item: KvMove) -> None:
+        """As LocalPipeline's; a move also fails when the chain breaks under it."""
+        if not unfit(item, self.kv.identity, self.kv.layout):
+            self._inbox.put(item)
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome]:
         return self.outbox.take(timeout)
@@ -202,13 +191,13 @@ class RemotePipeline:
 
     def _stage0_loop(self) -> None:
         while (work := self._inbox.get()) is not None:
-            if isinstance(work, _Release):
-                self._release(work.key)
+            if isinstance(work, Release):
+                self._release(work.lease)
                 continue
             if isinstance(work, _Repair):
                 self._repair()
                 continue
-            if isinstance(work, KvExport | KvImport):
+            if isinstance(work, KvMove):
                 self._move_kv(work)
                 continue
             try:
@@ -229,9 +218,9 @@ class RemotePipeline:
             links = list(self.life.links)
         for link in links:
             with contextlib.suppress(LinkClosed):  # a dead worker holds nothing to free
-                link.send(Release(key))
+                link.send(ReleaseMsg(key))
 
-    def _move_kv(self, work: KvWork) -> None:
+    def _move_kv(self, work: KvMove) -> None:
         """Stage 0's part of a KV move here, the workers' over their links (remote_kv.py). An
         import may reopen a broken chain, as a stream's first step does."""
         life = self.life
@@ -246,7 +235,7 @@ class RemotePipeline:
             if not broken:
                 self.kv.track(move, links, self.workers)
                 if isinstance(work, KvImport):
-                    life.held.imported(work.key)
+                    life.held.imported(work.lease)
         if broken:
             return self.kv.end(move, f"the chain broke: {broken}")
         try:

@@ -21,8 +21,6 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,37 +31,14 @@ from shardline.model.manifest import Manifest
 from shardline.pipeline.held import Held
 from shardline.pipeline.kv import KvSnapshot, StageKv, StageLayout, check, export_identity, frozen, snapshot
 from shardline.pipeline.local import write_kv
+from shardline.pipeline.plan import KvExport, KvImport, KvMove
 from shardline.stage.runner import StageRunner
 from shardline.wire.codec import WireError
 from shardline.wire.link import Link, LinkClosed
-from shardline.wire.messages import MAX_KV_PARTS, KvDone, KvPart, KvPull, KvPush, Refuse, Release
+from shardline.wire.messages import MAX_KV_PARTS, KvDone, KvPart, KvPull, KvPush, Refuse
+from shardline.wire.messages import Release as ReleaseMsg
 
 KV_S = 60.0  # a worker that has not finished its part of a move by then is taken as hung
-
-
-def started() -> Future[Any]:
-    """A Future the caller can no longer cancel: its move is queued for the stage-0 thread."""
-    future: Future[Any] = Future()
-    future.set_running_or_notify_cancel()
-    return future
-
-
-@dataclass(frozen=True)
-class KvExport:
-    key: int
-    future: Future[KvSnapshot]
-    start: int = 0  # the first slot copied (chunk-level transfer); 0: the whole cache
-
-
-@dataclass(frozen=True)
-class KvImport:
-    key: int
-    snap: KvSnapshot
-    future: Future[None]
-    made: float = field(default_factory=time.perf_counter)  # as a step's: see RemotePipeline._reconnect
-
-
-KvWork = KvExport | KvImport
 
 
 class KvHeld(Held):
@@ -75,7 +50,7 @@ class KvHeld(Held):
 
 @dataclass(eq=False)
 class _Move:
-    work: KvWork
+    work: KvMove
     seq: int
     sends: list[list[KvPull | KvPush | KvPart]]  # per worker, in chain order
     head: StageKv | None  # an export's part of stage 0
@@ -117,43 +92,22 @@ class KvMoves:
                 StageLayout(e.first_layer, e.last_layer, dict.fromkeys(e.state, spec)) for e in rest]
         return self._layout
 
-    # --- the caller's thread ----------------------------------------------------------------------
-
-    def export(self, key: int, queue_up: Callable[[KvWork], None], start: int = 0) -> Future[KvSnapshot]:
-        """A copy of `key`'s KV from slot `start` on, on every stage, once the stage-0 thread
-        takes it (the key stays open)."""
-        future: Future[KvSnapshot] = started()
-        queue_up(KvExport(key, future, start))
-        return future
-
-    def import_(self, key: int, snap: KvSnapshot, queue_up: Callable[[KvWork], None]) -> Future[None]:
-        """`key` opened on every stage with the state of `snap` once the stage-0 thread takes it;
-        a snapshot that does not fit this export is refused here, before any stage sees it."""
-        future: Future[None] = started()
-        try:
-            check(snap, self.identity, self.layout())
-        except ShardlineError as e:
-            future.set_exception(e)
-            return future
-        queue_up(KvImport(key, snap, future))
-        return future
-
     # --- the stage-0 thread -----------------------------------------------------------------------
 
-    def begin(self, work: KvWork, seq: int, workers: int) -> _Move:
+    def begin(self, work: KvMove, seq: int, workers: int) -> _Move:
         """The messages for each of `workers`, and stage 0's part: an export's copy, an import's
         write. ShardlineError, with stage 0 as it was, when either cannot be done."""
         if isinstance(work, KvExport):
-            sends: list[list[KvPull | KvPush | KvPart]] = [[KvPull(seq, work.key, work.start)]
+            sends: list[list[KvPull | KvPush | KvPart]] = [[KvPull(seq, work.lease, work.start)]
                                                            for _ in range(workers)]
         else:
             sends = [_pushes(work, seq, i, workers) for i in range(workers)]
         try:
             if isinstance(work, KvExport):
                 e = self.stage0.entry
-                head = StageKv(e.first_layer, e.last_layer, frozen(self.stage0.kv(work.key, work.start)))
+                head = StageKv(e.first_layer, e.last_layer, frozen(self.stage0.kv(work.lease, work.start)))
                 return _Move(work, seq, sends, head)
-            write_kv(self.stage0, work.key, work.snap.stages[0])
+            write_kv(self.stage0, work.lease, work.snap.stages[0])
             return _Move(work, seq, sends, None)
         except Exception as e:  # noqa: BLE001 - the move fails with the reason; the thread goes on
             raise ShardlineError(f"stage 0: {_why(e)}") from None
@@ -193,14 +147,14 @@ class KvMoves:
         could reach a later worker of a daisy chain before it (bounded: a move that overruns
         its deadline is ended by the watchdog, with the chain)."""
         with self._lock:
-            moves = [m for m in self._moves.values() if m.work.key in keys]
+            moves = [m for m in self._moves.values() if m.work.lease in keys]
         for move in moves:
             move.landed.wait(max(0.0, move.deadline - time.monotonic()) + 5.0)
 
-    def refused(self, work: KvWork, why: str) -> None:
+    def refused(self, work: KvMove, why: str) -> None:
         """The move did not start (stage 0 left as it was)."""
         verb = "export" if isinstance(work, KvExport) else "import"
-        work.future.set_exception(ShardlineError(f"cannot {verb} the KV of key {work.key}: {why}"))
+        work.done.set_exception(ShardlineError(f"cannot {verb} the KV of key {work.lease}: {why}"))
 
     # --- answers and breaks -----------------------------------------------------------------------
 
@@ -229,7 +183,7 @@ class KvMoves:
             move = next((m for m in self._moves.values() if now > m.deadline), None)
         if move is None:
             return None
-        return f"did not finish the {move.verb} of the KV of key {move.work.key} within {self.limit_s:.0f} s"
+        return f"did not finish the {move.verb} of the KV of key {move.work.lease} within {self.limit_s:.0f} s"
 
     def stopped(self, inbox: queue.Queue[Any]) -> None:
         """The pipeline stopped: the moves under way, and those still queued, fail."""
@@ -254,12 +208,12 @@ class KvMoves:
                     self._undo(move)
                 raise ShardlineError(error)
             if isinstance(work, KvExport):
-                work.future.set_result(self._snapshot(move))
+                work.done.set_result(self._snapshot(move))
             else:
-                work.future.set_result(None)
+                work.done.set_result(None)
         except Exception as e:  # noqa: BLE001 - whatever went wrong is the Future's, not the reader's
-            if not work.future.done():
-                work.future.set_exception(ShardlineError(f"cannot {move.verb} the KV of key {work.key}: {_why(e)}"))
+            if not work.done.done():
+                work.done.set_exception(ShardlineError(f"cannot {move.verb} the KV of key {work.lease}: {_why(e)}"))
         finally:
             move.landed.set()
 
@@ -292,11 +246,11 @@ class KvMoves:
     def _undo(self, move: _Move) -> None:
         """Close the key on stage 0 and on every worker that opened it (a worker that refused it
         opened nothing: a key it held before is not touched)."""
-        self.stage0.close(move.work.key)
+        self.stage0.close(move.work.lease)
         for link, done in zip(move.links, move.done, strict=True):
             if done is not None and not done.error:
                 with contextlib.suppress(LinkClosed, WireError):  # a worker gone holds nothing of it
-                    link.send(Release(move.work.key))
+                    link.send(ReleaseMsg(move.work.lease))
 
 
 def _pushes(work: KvImport, seq: int, i: int, workers: int) -> list[KvPull | KvPush | KvPart]:
@@ -308,7 +262,7 @@ def _pushes(work: KvImport, seq: int, i: int, workers: int) -> list[KvPull | KvP
     try:
         parts = [KvPart(seq, s.first_layer, s.last_layer, name, s.arrays[name])
                  for s in share for name in sorted(s.arrays)]
-        return [KvPush(seq, work.key, snap.rows, snap.slots, len(parts)), *parts]
+        return [KvPush(seq, work.lease, snap.rows, snap.slots, len(parts)), *parts]
     except ValueError as e:  # what messages.py checks of every message, ours too
         raise ShardlineError(f"a KV snapshot of {snap.rows} rows of {snap.slots} slots cannot travel: {e}") from None
 
