@@ -58,7 +58,18 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--truncate", type=int, metavar="N",
                    help="keep only the first N decoder layers, then the final norm and head (a self-speculation draft)")
     e.add_argument("--context", type=int, metavar="N",
-                   help="the longest sequence the export serves (default and most: the model's own)")
+                   help="the longest sequence the export serves (default and most: the model's own; with --static, "
+                        "the host KV ring of every stage, default 1024)")
+    e.add_argument("--static", nargs="?", const="all", metavar="STAGES",
+                   help="static, stateless graphs (batch 1, every shape fixed, the KV cache on the host) for every "
+                        "stage, or for the stages listed (e.g. 1 or 1,2; the others stay stateful): for devices "
+                        "that take no dynamic shape or state, such as NPUs")
+    e.add_argument("--prefill-chunk", type=int, metavar="C",
+                   help="with --static: a second graph per stage that takes C prompt tokens at once (else prompts "
+                        "go in one token at a time)")
+    e.add_argument("--sinks", type=int, metavar="S",
+                   help="with --static: past the ring the first S slots stay (attention sinks) and the rest slide, "
+                        "so a stream goes on past --context (without: it ends there)")
     e.add_argument("--out", type=Path, required=True)
 
     i = sub.add_parser("inspect", help="print a shard folder's manifest and verify every checksum")
@@ -332,6 +343,18 @@ def _keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def static_stages(given: str | None, stages: int | None, layers: str | None) -> frozenset[int]:
+    """--static's stages: none, every one ("all"), or those listed."""
+    if given is None:
+        return frozenset()
+    if given == "all":
+        return frozenset(range(stages if stages is not None else len((layers or "").split(","))))
+    try:
+        return frozenset(int(k) for k in given.split(","))
+    except ValueError:
+        raise ShardlineError(f"--static takes stage numbers separated by commas (e.g. 1,2), got {given!r}") from None
+
+
 def _export(args: argparse.Namespace) -> int:
     from shardline.export.exporter import export
 
@@ -339,7 +362,8 @@ def _export(args: argparse.Namespace) -> int:
         out=args.out, model=args.model, stages=args.stages, layers=args.layers, balance=args.balance,
         weights=args.weights,
         group_size=args.group_size, isolate=not args.no_isolate, truncate=args.truncate, context=args.context,
-        reblock=args.reblock,
+        reblock=args.reblock, static=static_stages(args.static, args.stages, args.layers),
+        prefill_chunk=args.prefill_chunk, sinks=args.sinks,
     )
     out = export(cfg)
     print(out)

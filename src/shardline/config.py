@@ -19,6 +19,9 @@ WEIGHTS = ("fp32", "fp16", "int8", "int4", "gguf")
 DEFAULT_PREFILL_CHUNK = 128
 
 
+STATIC_CONTEXT = 1024  # a static export's ring when --context is not given
+
+
 @dataclass(frozen=True)
 class ExportConfig:
     out: Path
@@ -38,6 +41,20 @@ class ExportConfig:
     # Under gguf: matmul weights re-quantized into groups of this size (export/reblock.py: faster
     # int8 kernels, changed weights; an opt-in). None: the file's own blocks.
     reblock: int | None = None
+    # The stages exported static and stateless (export/static.py: NPUs take no dynamic shape or
+    # state): batch 1, the KV on the host in a ring of `context` slots (STATIC_CONTEXT when not
+    # given); with `prefill_chunk` a second graph per static stage takes that many prompt tokens
+    # at once. The others stay stateful: one pipeline may mix both.
+    static: frozenset[int] = frozenset()
+    prefill_chunk: int | None = None
+    # Past the ring, the first `sinks` slots stay (attention sinks) and the rest slide; None: a
+    # static export serves no more than its ring. Every stage must then be static.
+    sinks: int | None = None
+
+    @property
+    def ring(self) -> int:
+        """A static export's ring: the KV slots every static stage holds."""
+        return self.context or STATIC_CONTEXT
 
     def __post_init__(self) -> None:
         if self.weights is None:
@@ -54,6 +71,17 @@ class ExportConfig:
             raise ShardlineError(f"--truncate must be at least 1 (layers kept), got {self.truncate}")
         if self.context is not None and self.context < 1:
             raise ShardlineError(f"--context must be at least 1 token, got {self.context}")
+        n = self.stages if self.stages is not None else len((self.layers or "").split(","))
+        if any(not 0 <= k < n for k in self.static):
+            raise ShardlineError(f"--static names stages {sorted(self.static)}; the export has stages 0-{n - 1}")
+        if self.sinks is not None and (self.static != frozenset(range(n)) or not 1 <= self.sinks < self.ring):
+            raise ShardlineError(f"--sinks needs every stage static (--static) and 1 <= sinks < {self.ring} "
+                                 f"(the ring), got {self.sinks}")
+        if self.prefill_chunk is not None and not self.static:
+            raise ShardlineError("--prefill-chunk sizes a static export's prefill graph: it needs --static")
+        if self.static and self.prefill_chunk is not None and not 2 <= self.prefill_chunk <= self.ring:
+            raise ShardlineError(f"--prefill-chunk must be in 2-{self.ring} (the ring) tokens, "
+                                 f"got {self.prefill_chunk}")
         if self.reblock is not None:
             if self.weights != "gguf":
                 raise ShardlineError(f"--reblock re-quantizes a GGUF's own blocks: it needs --weights gguf, "

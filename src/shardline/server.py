@@ -88,9 +88,16 @@ def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None = None
     return LocalPipeline(folder, run, summarize=summarize), manifest.arch.n_layers
 
 
-def scheduling(cfg: ServeConfig, stages: int, remote: bool, spec: SpeculationConfig | None = None) -> SchedulerConfig:
-    return SchedulerConfig(chunk=cfg.prefill_chunk, groups=decode_groups(cfg.decode_groups, stages, remote),
-                           max_prefills=cfg.max_prefills, compact_at=(spec or SpeculationConfig()).compact_at,
+def scheduling(cfg: ServeConfig, manifest: Manifest, remote: bool,
+               spec: SpeculationConfig | None = None) -> SchedulerConfig:
+    """The scheduler's config for `manifest`'s stages. A static stage (export/static.py) runs one
+    row at a time, so no decode groups then, and no prompt chunk wider than its prefill graph."""
+    static = [e for e in manifest.stages if e.runner == "static"]
+    groups = 0 if static else decode_groups(cfg.decode_groups, len(manifest.stages), remote)
+    chunk = min([cfg.prefill_chunk, *(e.prefill_width for e in static if e.prefill_width)])
+    # a cache that slid past a ring is no longer whole: it is never compacted (masked drafts stay)
+    compact_at = 1 << 30 if any(e.sinks for e in static) else (spec or SpeculationConfig()).compact_at
+    return SchedulerConfig(chunk=chunk, groups=groups, max_prefills=cfg.max_prefills, compact_at=compact_at,
                            pacing=cfg.pacing)
 
 
@@ -118,7 +125,7 @@ def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[st
     limits = stream_limits(manifest, cfg, local_layers, pipe.context, run.kv, spec, draft)
     replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
     engine = Engine(pipe, limits, pipe.context,
-                    scheduling(cfg, len(manifest.stages), bool(workers), spec), drafts, replays)
+                    scheduling(cfg, manifest, bool(workers), spec), drafts, replays)
     return engine, manifest
 
 
@@ -159,7 +166,7 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
                                 chunked_kv=cfg.kv_transfer == "chunk")
 
     def decode_on(pipe: Pipeline) -> DecodeRole:
-        return decode_instance(pipe, limits, context, scheduling(cfg, len(manifest.stages), bool(workers)),
+        return decode_instance(pipe, limits, context, scheduling(cfg, manifest, bool(workers)),
                                Admission(cfg.admission), limits.max_streams * context, HEAVY_DECODE_FROM,
                                replays=replays)
 

@@ -50,9 +50,16 @@ def test_a_manifest_without_runner_kinds_runs_stateful(shards: Callable[..., Pat
 
 def test_a_runner_kind_this_shardline_lacks_is_one_clear_error(shards: Callable[..., Path], tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _with_runner(shards("fp32", stages=2), tmp_path / "npu2", "npu2")
+    _fails(capsys, ["generate", "--shards", str(folder), "--raw", "hi"],
+           "stage0 of " + str(folder) + " needs a 'npu2' runner; this shardline runs stateful, static stages")
+
+
+def test_a_static_manifest_without_its_ring_is_one_clear_error(shards: Callable[..., Path], tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     folder = _with_runner(shards("fp32", stages=2), tmp_path / "static", "static")
     _fails(capsys, ["generate", "--shards", str(folder), "--raw", "hi"],
-           "stage0 of " + str(folder) + " needs a 'static' runner; this shardline runs stateful stages")
+           "stage0 of " + str(folder) + " is static but its manifest names no ring")
 
 
 def test_every_family_module_is_found() -> None:

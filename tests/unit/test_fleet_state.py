@@ -17,7 +17,8 @@ def _decode(graph: dict[int, float], wire: float) -> Timing:
 BASE = Readings(
     model="m", precision="exact", weights="gguf", status="ok", error="", active_streams=2, waiting=1, max_streams=8,
     decode_groups=1,
-    placement=[Placed(0, 9, "this process"), Placed(10, 19, "127.0.0.1:7001"), Placed(20, 29, "127.0.0.1:7002")],
+    placement=[Placed(0, 9, "this process", device="CPU"), Placed(10, 19, "127.0.0.1:7001", device="NPU"),
+               Placed(20, 29, "127.0.0.1:7002")],
     stage_layers=[(0, 9), (10, 19), (20, 29)],
     # two decode steps of 2 rows, 1 s apart; a prefill step that must not count
     steps=[(100.0, _decode({0: 0.004, 1: 0.006, 2: 0.008}, 0.002), 2),
@@ -31,6 +32,7 @@ def test_the_chain_its_health_and_recent_figures() -> None:
     assert [(s["where"], s["layers"], s["health"]) for s in f["stages"]] == [
         ("this process", [0, 9], "up"), ("127.0.0.1:7001", [10, 19], "up"), ("127.0.0.1:7002", [20, 29], "up")]
     assert [s["precision"] for s in f["stages"]] == ["gguf, exact", "gguf", "gguf"]
+    assert [s["device"] for s in f["stages"]] == ["CPU", "NPU", None]  # None: a worker that does not say
     # graph per token: 2 steps x stage time / 4 tokens
     assert [s["graph_ms_per_token"] for s in f["stages"]] == [2.0, 3.0, 4.0]
     assert [(h["from"], h["to"], h["wire_ms"]) for h in f["hops"]] == [(0, 1, 1.5), (1, 2, 1.5)]  # 3 ms / 2 hops

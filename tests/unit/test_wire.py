@@ -68,7 +68,7 @@ GROUP = Forward(-1, 5, Phase.DECODE, False, 6, False, False,
                 mask_to_runs(_mask("111111", "001111", "000011")), np.array([[5], [3], [1]], I64),
                 np.array([[0, 0], [1, 0], [2, 0]], I64), None, None, None, HOPS[:1])
 SAMPLES: list[Message] = [
-    Hello(PROTOCOL, Role.WORKER, "ab" * 32, 15, 29, "gguf", Activations.ANY, "", 8192),
+    Hello(PROTOCOL, Role.WORKER, "ab" * 32, 15, 29, "gguf", Activations.ANY, "", 8192, "CPU,NPU"),
     Hello(PROTOCOL, Role.COORDINATOR, "ab" * 32, 0, 14, "gguf", Activations.F16, "0f" * 16, 131072),
     Refuse("model hash mismatch: worker has x, coordinator has y"),
     StepFailed(7, 4, "unknown key 7"),
@@ -249,6 +249,9 @@ def _sampling(**changes: Any) -> list[dict[str, Any]]:
     (SAMPLES[0], _with(SAMPLES[0], context=-4096), "context -4096 outside"),
     (SAMPLES[0], _with(SAMPLES[0], context=1 << 40), "outside 1-16777216"),
     (SAMPLES[0], _with(SAMPLES[0], context="8192"), "context: '8192' is not an integer"),
+    (SAMPLES[0], _with(SAMPLES[0], device="NPU" * 90), "oversized or unprintable Hello.device"),
+    (SAMPLES[0], _with(SAMPLES[0], device="CPU\x1b[2J"), "oversized or unprintable Hello.device"),
+    (SAMPLES[0], _with(SAMPLES[0], device=7), "device: 7 is not a string"),
     (GROUP, _with(GROUP, first=0), "first: 0 is not true or false"),
     (GROUP, _with(GROUP, want_logits=[]), "want_logits: \\[\\] is not true or false"),
     (GROUP, _with(GROUP, phase="verify"), "phase: 'verify' is not one of prefill, decode"),

@@ -68,7 +68,8 @@ def _stage(i: int, p: Placed, r: Readings, decode: list[tuple[float, Timing, int
     mine = [k for k, (a, b) in enumerate(r.stage_layers) if p.first_layer <= a and b <= p.last_layer]
     graph = sum(timing.graph_s.get(k, 0.0) for _, timing, _ in decode for k in mine)
     layers = p.last_layer - p.first_layer + 1 if p.first_layer >= 0 else 0
-    return {"index": i, "where": p.where, "layers": [p.first_layer, p.last_layer] if p.first_layer >= 0 else None,
+    return {"index": i, "where": p.where, "device": p.device or None,
+            "layers": [p.first_layer, p.last_layer] if p.first_layer >= 0 else None,
             "precision": f"{r.weights}, {r.precision}" if here else r.weights,
             "health": "up" if p.up else "down", "why": p.why,
             "graph_ms_per_token": _ms(graph / tokens) if tokens else None,

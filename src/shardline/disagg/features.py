@@ -27,8 +27,7 @@ from shardline.errors import ShardlineError
 from shardline.model.manifest import load_manifest
 from shardline.pipeline.hidden import HiddenChunk, PromptHidden
 from shardline.stage.cache import KVBook
-from shardline.stage.runner import StageRunner
-from shardline.stage.runners import open_stage
+from shardline.stage.runners import Stage, open_stage
 
 FEATURE_KIND = "stage0-mean-last-loglen"  # recorded with datasets and models: what the vector is
 
@@ -45,7 +44,7 @@ class _Key:
         return "features"
 
 
-def prompt_features(runner: StageRunner, tokens: Sequence[int], chunk: int = DEFAULT_PREFILL_CHUNK) -> np.ndarray:
+def prompt_features(runner: Stage, tokens: Sequence[int], chunk: int = DEFAULT_PREFILL_CHUNK) -> np.ndarray:
     """Run stage 0 (`runner`) over `tokens` as the engine prefills them (chunks of `chunk`
     tokens, one fresh KV state, freed afterwards) and return the summary vector."""
     if not runner.entry.has_embedding or runner.entry.has_head:

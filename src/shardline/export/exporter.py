@@ -1,4 +1,4 @@
-"""`shardline export`: model -> per-stage stateful OpenVINO IRs + tokenizer + manifest.
+"""`shardline export`: model -> per-stage OpenVINO IRs (stateful, or static: --static) + tokenizer + manifest.
 
 Each stage is built from only its own tensors, optionally in its own process so that its peak
 memory is the stage's, not the model's (and is measured). The folder is written under a
@@ -26,11 +26,13 @@ from shardline.export.compress import check_group_size, compress
 from shardline.export.graph import build_stage, stage_tensor_names
 from shardline.export.plan import StagePlan, balanced_split, even_split, parse_layers
 from shardline.export.stateful import make_stateful
+from shardline.export.static import make_static
 from shardline.export.weights import Weights
 from shardline.model.arch import Arch
 from shardline.model.gguf_blocks import KEPT_TYPES
 from shardline.model.gguf_source import cannot_keep, gguf_name
 from shardline.model.manifest import MANIFEST, Manifest, PortSpec, StageEntry, hash_files
+from shardline.model.shapes import dynamic
 from shardline.model.source import ModelSource, open_source
 
 
@@ -49,7 +51,9 @@ def export(cfg: ExportConfig) -> Path:
     # and head: planning, graphs and the manifest all see an N-layer arch, so no stage reads
     # (and no run time sizes KV for) a layer >= N.
     arch = source.arch if cfg.truncate is None else _truncated(source.arch, cfg.truncate)
-    if cfg.context is not None:
+    if cfg.static and cfg.sinks is None:  # no more than the ring: a static stage holds no more
+        arch = arch.with_context(cfg.ring)
+    elif cfg.context is not None and not cfg.static:
         arch = arch.with_context(cfg.context)
     plans = plan_for(cfg, arch)
     if cfg.precision == "int4":
@@ -156,7 +160,8 @@ def _export_stages(cfg: ExportConfig, model: Path, arch: Arch, plans: list[Stage
                    tmp: Path) -> list[StageEntry]:
     from tqdm import tqdm
 
-    jobs = [(model, arch, plan, cfg.precision, cfg.group_size, cfg.reblock, tmp) for plan in plans]
+    jobs = [(model, arch, plan, cfg.precision, cfg.group_size, cfg.reblock, tmp,
+             (cfg.ring, cfg.prefill_chunk, cfg.sinks) if plan.index in cfg.static else None) for plan in plans]
     entries = []
     with tqdm(total=len(plans), desc="export", unit="stage", disable=not cfg.progress, file=sys.stderr) as bar:
         if cfg.isolate:
@@ -174,29 +179,60 @@ def _export_stages(cfg: ExportConfig, model: Path, arch: Arch, plans: list[Stage
 
 
 def _export_one(model: Path, arch: Arch, plan: StagePlan, weights: str, group_size: int, reblock: int | None,
-                tmp: Path) -> StageEntry:
-    """`arch` is the exported model's (the source's, or its first layers with --truncate)."""
+                tmp: Path, static: tuple[int, int | None, int | None] | None = None) -> StageEntry:
+    """`arch` is the exported model's (the source's, or its first layers with --truncate);
+    `static`: (ring, prefill width, sinks) for static graphs (export/static.py)."""
     source = open_source(model)
     base = _rss("VmRSS")  # the process before it reads a weight (interpreter, OpenVINO, the header)
     w = Weights(source, weights, reblock)
-    graph = make_stateful(build_stage(arch, plan, w))
-    graph = compress(graph, weights, group_size)
-    xml = tmp / f"{plan.name}.xml"
-    ov.save_model(graph, xml, compress_to_fp16=False)
+    saved = [_save(plan.name + suffix, g, weights, group_size, tmp, static is not None)
+             for suffix, g in _graphs(arch, plan, w, static)]
+    (xml, graph), prefill = saved[0], saved[1][0] if len(saved) > 1 else None
     entry = StageEntry(
         index=plan.index, first_layer=plan.first, last_layer=plan.last,
         has_embedding=plan.has_embedding, has_head=plan.has_head,
         xml=xml.name, bin=xml.with_suffix(".bin").name,
         inputs=[_port(p) for p in graph.inputs], outputs=[_port(p) for p in graph.outputs],
-        state=sorted(s.get_variable_id() for s in graph.get_sinks()),
+        state=sorted(s.get_variable_id() for s in graph.get_sinks()) if static is None else
+        sorted(n for p in graph.inputs if (n := p.get_any_name()).startswith("past.")),
         export_peak_rss_mb=round(_rss("VmHWM") / 2**20, 1),
         export_base_rss_mb=round(base / 2**20, 1),
         weights_kept=dict(sorted(w.kept.items())),
         weights_bytes=dict(sorted(w.kept_bytes.items())),
+        runner="stateful" if static is None else "static",
+        ring=None if static is None else static[0],
+        prefill_xml=prefill.name if prefill else None,
+        prefill_bin=prefill.with_suffix(".bin").name if prefill else None,
+        prefill_width=static[1] if static is not None else None,
+        sinks=static[2] if static is not None else None,
     )
-    del graph, source, w
+    del graph, source, w, saved
     gc.collect()
     return entry
+
+
+def _graphs(arch: Arch, plan: StagePlan, w: Weights,
+            static: tuple[int, int | None, int | None] | None) -> list[tuple[str, ov.Model]]:
+    """The stage's graphs by file-name suffix: its stateful one, or its static decode graph and
+    (with a prefill width) its static prefill graph."""
+    if static is None:
+        return [("", make_stateful(build_stage(arch, plan, w)))]
+    ring, chunk, _ = static
+    built = build_stage(arch, plan, w, new_kv_only=True)
+    if chunk is None:
+        return [("", make_static(built, arch, ring, 1))]
+    return [("", make_static(built.clone(), arch, ring, 1)), (".prefill", make_static(built, arch, ring, chunk))]
+
+
+def _save(name: str, graph: ov.Model, weights: str, group_size: int, tmp: Path,
+          static: bool) -> tuple[Path, ov.Model]:
+    graph = compress(graph, weights, group_size)
+    if static and (left := dynamic(graph)):
+        raise ShardlineError(f"{name}: {len(left)} shapes are dynamic after {weights} weight compression, which a "
+                             f"static export cannot have: {', '.join(left[:4])}")
+    xml = tmp / f"{name}.xml"
+    ov.save_model(graph, xml, compress_to_fp16=False)
+    return xml, graph
 
 
 def _port(p: ov.Output) -> PortSpec:

@@ -2,7 +2,8 @@
 
 The graph knows nothing about distribution: a stage is the model restricted to a layer range,
 plus the embedding (stage 0) or the final norm and lm_head (last stage). `stateful.py` turns
-the past/present pairs into in-graph state afterwards.
+the past/present pairs into in-graph state afterwards; `static.py` instead fixes every shape
+and keeps the cache on the host (`new_kv_only`: the present KV is the new tokens' alone).
 
 Inputs (B = batch, T = new tokens, S = physical cache length after this step):
 - input_ids [B, T] i64 (stage 0) or hidden_states [B, T, hidden] f32;
@@ -56,8 +57,9 @@ def inv_freq(arch: Arch) -> np.ndarray:
 class _Builder:
     """Builds a stage; implements the LayerOps an architecture's layer is written in."""
 
-    def __init__(self, arch: Arch, plan: StagePlan, w: Weights) -> None:
+    def __init__(self, arch: Arch, plan: StagePlan, w: Weights, new_kv_only: bool = False) -> None:
         self.a, self.plan, self.w = arch, plan, w
+        self.new_kv_only = new_kv_only
         self.params: list[ov.Node] = []
         self.results: list[ov.Node] = []
         # Shared by every layer of the stage (set by build before the layers).
@@ -164,8 +166,10 @@ class _Builder:
         v = self.heads(v, a.n_kv_heads)
         k_all = ops.concat([past_k, k], 2).output(0)
         v_all = ops.concat([past_v, v], 2).output(0)
-        self.result(k_all, f"present.{i}.key")
-        self.result(v_all, f"present.{i}.value")
+        # A host-kept cache takes only the new tokens' KV out: past + new would copy the whole
+        # context out of the graph every token.
+        self.result(k if self.new_kv_only else k_all, f"present.{i}.key")
+        self.result(v if self.new_kv_only else v_all, f"present.{i}.value")
         attn = ops.scaled_dot_product_attention(q, self.expand_kv(k_all), self.expand_kv(v_all), self.attn_mask)
         return ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, a.n_heads * a.head_dim), True).output(0)
 
@@ -200,8 +204,8 @@ class _Builder:
         return ov.Model(self.results, self.params, plan.name)
 
 
-def build_stage(arch: Arch, plan: StagePlan, weights: Weights) -> ov.Model:
-    return _Builder(arch, plan, weights).build()
+def build_stage(arch: Arch, plan: StagePlan, weights: Weights, new_kv_only: bool = False) -> ov.Model:
+    return _Builder(arch, plan, weights, new_kv_only).build()
 
 
 def stage_tensor_names(arch: Arch, plan: StagePlan) -> list[str]:

@@ -17,8 +17,11 @@ from shardline.model.source import file_sha256
 
 MANIFEST = "manifest.json"
 # 2: the last stage takes logits_index (logits only where tokens are chosen); 3: architectures
-# by family (biases, rope factors and scaling, sliding window), what each stage kept of a GGUF.
-FORMAT_VERSION = 3
+# by family (biases, rope factors and scaling, sliding window), what each stage kept of a GGUF;
+# 4: static stages (a runner kind, a ring, a prefill graph). A format-3 manifest still loads:
+# its stages are all stateful.
+FORMAT_VERSION = 4
+READS = (3, 4)
 # How the graphs are built, inside the same format: an older export still loads and runs, only
 # slower. 3: RoPE in the form OpenVINO fuses, and with it the KV cache inside the attention node;
 # 4: q, k and v (and gate and up) as one matmul each.
@@ -51,8 +54,20 @@ class StageEntry:
     weights_kept: dict[str, int] = field(default_factory=dict)
     weights_bytes: dict[str, int] = field(default_factory=dict)
     # What runs the stage (stage/runners.py): "stateful", its KV cache in the compiled model's
-    # state. A manifest without the key was made before runner kinds existed: stateful.
+    # state, or "static" (export/static.py: every shape fixed, the KV on the host in a ring of
+    # `ring` slots; `xml` takes one new token, `prefill_xml`, if any, `prefill_width` at once).
+    # A manifest without the key was made before runner kinds existed: stateful.
     runner: str = "stateful"
+    ring: int | None = None
+    prefill_xml: str | None = None
+    prefill_bin: str | None = None
+    prefill_width: int | None = None
+    sinks: int | None = None  # past the ring: these first slots stay, the rest slide (None: refused)
+
+    @property
+    def files(self) -> list[str]:
+        """The files this stage runs from (its graphs and their weights)."""
+        return [f for f in (self.xml, self.bin, self.prefill_xml, self.prefill_bin) if f]
 
     @property
     def name(self) -> str:
@@ -82,8 +97,9 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
-        if d.get("format_version") != FORMAT_VERSION:
-            raise ShardlineError(f"manifest format {d.get('format_version')} is not {FORMAT_VERSION}")
+        if d.get("format_version") not in READS:
+            raise ShardlineError(f"manifest format {d.get('format_version')} is not one of "
+                                 f"{', '.join(map(str, READS))} (made by another shardline?)")
         stages = []
         for s in d["stages"]:
             ins = [PortSpec(**p) for p in s.pop("inputs")]

@@ -53,7 +53,7 @@ def stage_files(manifest: Manifest, first: int, last: int) -> list[str]:
     if not 1 <= first <= last < len(manifest.stages):
         raise DeliveryError(f"this worker hosts stages {first}-{last}, but the model has stages "
                             f"0-{len(manifest.stages) - 1} (stage 0 is the coordinator's)")
-    names = [f for e in manifest.stages[first : last + 1] for f in (e.xml, e.bin)]
+    names = [f for e in manifest.stages[first : last + 1] for f in e.files]
     if unhashed := [n for n in names if n not in manifest.files]:
         raise DeliveryError(f"the manifest names {', '.join(unhashed)} but gives no sha256 for them")
     return [safe_name(n) for n in names]

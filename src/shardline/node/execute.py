@@ -17,7 +17,7 @@ from shardline.decoding.sampler import Choice
 from shardline.decoding.speculative import Drafted
 from shardline.stage import executor as stage_work
 from shardline.stage.cache import StepInputs
-from shardline.stage.runner import StageRunner
+from shardline.stage.runners import Stage
 from shardline.stage.work import StageWork
 from shardline.wire.messages import Forward, Sampled, runs_to_mask
 
@@ -38,7 +38,7 @@ def work_of(msg: Forward, scope: Scope) -> StageWork:
                      want_logits=msg.want_logits, drafted=drafted)
 
 
-def run_stages(stages: list[StageRunner], work: StageWork, msg: Forward,
+def run_stages(stages: list[Stage], work: StageWork, msg: Forward,
                graph_s: list[float], clock: Callable[[], float]) -> np.ndarray:
     """Every stage of the worker in order (raises StepRefused for a step that does not fit);
     returns hidden states, or on the last stage the logits of the sampled positions."""

@@ -13,26 +13,20 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
-from weakref import WeakKeyDictionary
 
 import numpy as np
 
 from shardline.errors import StepRefused
-from shardline.stage.runner import StageRunner
+from shardline.stage.runners import Stage
 from shardline.wire.messages import KvDone, KvPart, KvPull, KvPush, Message
 
 States = dict[str, tuple[np.dtype[Any], int, int]]  # name -> (dtype, kv_heads, head_dim)
 _WIRE = (np.dtype("<f4"), np.dtype("<f2"))  # what a KvPart may carry (messages.KvPart)
-_states: WeakKeyDictionary[StageRunner, States] = WeakKeyDictionary()
 
 
-def states(stage: StageRunner) -> States:
-    """The stage's state variables as an empty request of its compiled model reports them
-    (made once per stage: a request is not free)."""
-    if stage not in _states:
-        _states[stage] = {s.name: (s.state.data.dtype, int(s.state.shape[1]), int(s.state.shape[3]))
-                          for s in stage.compiled.create_infer_request().query_state()}
-    return _states[stage]
+def states(stage: Stage) -> States:
+    """The stage's KV variables (made once per stage: Stage.kv_layout)."""
+    return stage.kv_layout()
 
 
 @dataclass(eq=False)
@@ -45,7 +39,7 @@ class Push:
     error: str = ""  # the first part that did not fit: the rest are only counted
 
 
-def pull(stages: list[StageRunner], key: Hashable, msg: KvPull) -> Iterator[Message]:
+def pull(stages: list[Stage], key: Hashable, msg: KvPull) -> Iterator[Message]:
     """A KvPart per state variable of every stage, then a KvDone; only a KvDone when some stage
     does not hold the key."""
     if missing := [s.entry.name for s in stages if not s.has(key)]:
@@ -68,14 +62,14 @@ def pull(stages: list[StageRunner], key: Hashable, msg: KvPull) -> Iterator[Mess
     yield KvDone(msg.seq, sent, "")
 
 
-def begin(stages: list[StageRunner], msg: KvPush) -> Push:
+def begin(stages: list[Stage], msg: KvPush) -> Push:
     push = Push(msg, arrays=[{} for _ in stages])
     if msg.parts < (want := sum(len(states(s)) for s in stages)):
         push.error = f"{msg.parts} parts announced; this worker's stages hold {want} state variables"
     return push
 
 
-def add(stages: list[StageRunner], push: Push, part: KvPart) -> None:
+def add(stages: list[Stage], push: Push, part: KvPart) -> None:
     """Keep `part` if it fits one of `stages`; a part of layers no stage here runs is skipped (a
     coordinator that cannot tell which worker runs which stages sends each of them all)."""
     push.got += 1
@@ -94,7 +88,7 @@ def add(stages: list[StageRunner], push: Push, part: KvPart) -> None:
             return
 
 
-def _misfit(stage: StageRunner, push: KvPush, part: KvPart, kept: dict[str, np.ndarray]) -> str:
+def _misfit(stage: Stage, push: KvPush, part: KvPart, kept: dict[str, np.ndarray]) -> str:
     """Why `part` does not fit `stage` ("" when it does)."""
     spec = states(stage).get(part.name)
     if spec is None:
@@ -109,14 +103,14 @@ def _misfit(stage: StageRunner, push: KvPush, part: KvPart, kept: dict[str, np.n
     return ""
 
 
-def finish(stages: list[StageRunner], key: Hashable, push: Push) -> KvDone:
+def finish(stages: list[Stage], key: Hashable, push: Push) -> KvDone:
     """Open `key` with the pushed state on every stage, or on none (the answer says why)."""
     msg = push.msg
     if not push.error:
         push.error = _incomplete(stages, push)
     if push.error:
         return KvDone(msg.seq, push.got, f"key {msg.key}: {push.error}")
-    opened: list[StageRunner] = []
+    opened: list[Stage] = []
     try:
         for stage, arrays in zip(stages, push.arrays, strict=True):
             stage.open(key)  # refuses a key already open: it is neither overwritten nor closed below
@@ -130,7 +124,7 @@ def finish(stages: list[StageRunner], key: Hashable, push: Push) -> KvDone:
     return KvDone(msg.seq, push.got, "")
 
 
-def _incomplete(stages: list[StageRunner], push: Push) -> str:
+def _incomplete(stages: list[Stage], push: Push) -> str:
     for stage, arrays in zip(stages, push.arrays, strict=True):
         if missing := sorted(states(stage).keys() - arrays.keys()):
             return f"{stage.entry.name} lacks state {', '.join(missing[:4])}"

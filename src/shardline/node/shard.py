@@ -12,8 +12,7 @@ from shardline.errors import ShardlineError
 from shardline.model.context import run_context
 from shardline.model.manifest import Manifest, load_manifest, verify
 from shardline.node.delivery import CHUNK, DeliveryError, fetch, stage_files
-from shardline.stage.runner import StageRunner
-from shardline.stage.runners import open_stage
+from shardline.stage.runners import Stage, open_stage
 from shardline.wire.link import Link, chunk_payload, refuse
 from shardline.wire.messages import PROTOCOL, Activations, Hello, Role
 
@@ -48,7 +47,7 @@ class Shard:
         verified now (else ShardlineError); with `fetch` whatever is missing or corrupt is received
         from the first coordinator that connects (the folder may be empty or absent)."""
         self.folder, self.first, self.last, self.run = folder, first, last, run
-        self.stages: list[StageRunner] = []
+        self.stages: list[Stage] = []
         self.is_last = False
         self.hello: Hello | None = None  # set once the stages are loaded: the worker is ready
         self.received_bytes = 0  # shard bytes delivered by a coordinator since this start
@@ -74,8 +73,9 @@ class Shard:
         self.stages = [open_stage(self.folder, e, self.run.for_stage(k, len(entries)), vocab=manifest.arch.vocab,
                                    context=context) for k, e in enumerate(entries)]
         self.is_last = entries[-1].has_head
+        devices = ",".join(self.run.for_stage(k, len(entries)).device for k in range(len(entries)))
         self.hello = Hello(PROTOCOL, Role.WORKER, manifest.model_hash, entries[0].first_layer,
-                           entries[-1].last_layer, manifest.weights, Activations.ANY, "", context)
+                           entries[-1].last_layer, manifest.weights, Activations.ANY, "", context, devices)
 
     def ready_for(self, link: Link, peer: Hello) -> Hello:
         """This worker's Hello for `peer`, fetching and loading the shard first if need be."""

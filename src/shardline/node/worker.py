@@ -45,7 +45,7 @@ from shardline.node import kv
 from shardline.node.execute import run_stages, sampled, work_of
 from shardline.node.session import MAX_QUEUED, Ended, Item, Received, Routed, Session, check_peer
 from shardline.node.shard import Shard
-from shardline.stage.runner import StageRunner
+from shardline.stage.runners import Stage
 from shardline.wire import tls
 from shardline.wire.codec import WireError
 from shardline.wire.hops import with_rows
@@ -108,7 +108,7 @@ class StageWorker:
         return cls(folder, first, last, run, fetch=True, credentials=credentials)
 
     @property
-    def stages(self) -> list[StageRunner]:
+    def stages(self) -> list[Stage]:
         return self.shard.stages
 
     @property
@@ -321,7 +321,7 @@ class StageWorker:
         if self.sessions.get(session.id) is session:
             del self.sessions[session.id]
         for stage in self.stages:
-            for key in stage.keys():  # noqa: SIM118 - a StageRunner, not a dict
+            for key in stage.keys():  # noqa: SIM118 - a Stage, not a dict
                 if isinstance(key, tuple) and key[0] == session.no:
                     stage.close(key)
         if session.next is not None:

@@ -36,8 +36,7 @@ from shardline.pipeline.kv import KvSnapshot, StageKv, StageLayout, export_ident
 from shardline.pipeline.plan import KvExport, KvImport, KvMove, Outcome, Placed, PrefillStep, Release, Step, unfit
 from shardline.pipeline.timing import Timing
 from shardline.stage import executor as stage_work
-from shardline.stage.runner import StageRunner
-from shardline.stage.runners import open_stage
+from shardline.stage.runners import Stage, open_stage
 from shardline.stage.work import StageWork
 
 
@@ -109,6 +108,7 @@ class LocalPipeline:
         vocab = self.manifest.arch.vocab
         self.context = run_context(self.manifest.arch, run.context)
         n = len(self.manifest.stages)
+        self.devices = [run.for_stage(k, n).device for k in range(n)]
         self.stages = [open_stage(folder, e, run.for_stage(k, n), core, vocab, self.context)
                        for k, e in enumerate(self.manifest.stages)]
         self.n_stages = len(self.stages)
@@ -157,7 +157,8 @@ class LocalPipeline:
         return False  # every stage's work runs here: never free for other graph work meanwhile
 
     def placement(self) -> list[Placed]:
-        return [Placed(s.entry.first_layer, s.entry.last_layer, "this process") for s in self.stages]
+        return [Placed(s.entry.first_layer, s.entry.last_layer, "this process", device=d)
+                for s, d in zip(self.stages, self.devices, strict=True)]
 
     def shutdown(self) -> None:
         """Stop the stage threads once every step and release submitted before has run."""
@@ -190,7 +191,7 @@ class LocalPipeline:
             self._threads.append(t)
 
 
-def _stage_loop(k: int, stage: StageRunner, inboxes: list[queue.Queue[_Work]], outbox: Outbox,
+def _stage_loop(k: int, stage: Stage, inboxes: list[queue.Queue[_Work]], outbox: Outbox,
                 tap: bool = False) -> None:
     """Stage k's thread: prepare, run and pass on each step in order; the last stage samples.
     A step that fails fails its rows alone; the stage goes on with the next. None stops the
@@ -205,7 +206,7 @@ def _stage_loop(k: int, stage: StageRunner, inboxes: list[queue.Queue[_Work]], o
         nxt.put(None)
 
 
-def _step(k: int, stage: StageRunner, item: tuple[Step, StageWork, np.ndarray | None, _Trace],
+def _step(k: int, stage: Stage, item: tuple[Step, StageWork, np.ndarray | None, _Trace],
           nxt: queue.Queue[_Work] | None, outbox: Outbox, tap: bool = False) -> None:
     step, work, hidden, trace = item
     try:
@@ -225,7 +226,7 @@ def _step(k: int, stage: StageRunner, item: tuple[Step, StageWork, np.ndarray | 
         fail(outbox, step, f"stage {k}: {why}")
 
 
-def _control(k: int, stage: StageRunner, work: _Control, nxt: queue.Queue[_Work] | None,
+def _control(k: int, stage: Stage, work: _Control, nxt: queue.Queue[_Work] | None,
              head: queue.Queue[_Work]) -> None:
     """Stage k's part of a release, export, import or undo; then pass it on (or resolve its
     Future on the last stage it concerns). A failure fails the item's Future and stops the item
@@ -239,7 +240,7 @@ def _control(k: int, stage: StageRunner, work: _Control, nxt: queue.Queue[_Work]
         nxt.put(work)
 
 
-def _apply(k: int, stage: StageRunner, work: _Control, last: bool) -> bool:
+def _apply(k: int, stage: Stage, work: _Control, last: bool) -> bool:
     """Stage k's part of `work`; whether the item ends here."""
     if isinstance(work, Release):
         stage.close(work.lease)
@@ -260,7 +261,7 @@ def _apply(k: int, stage: StageRunner, work: _Control, last: bool) -> bool:
     return False
 
 
-def write_kv(stage: StageRunner, key: int, part: StageKv) -> None:
+def write_kv(stage: Stage, key: int, part: StageKv) -> None:
     """Open `key` with `part` as its state, or leave the stage as it was."""
     stage.open(key)  # refuses a key already open: a live key is never overwritten (nor closed below)
     try:
@@ -294,10 +295,8 @@ def _abandon(inbox: queue.Queue[_Work]) -> None:
             work.done.set_exception(ShardlineError(f"the pipeline stopped before the KV of key {work.lease} moved"))
 
 
-def _stage_layout(stage: StageRunner) -> StageLayout:
-    states = {s.name: (s.state.data.dtype, int(s.state.shape[1]), int(s.state.shape[3]))
-              for s in stage.compiled.create_infer_request().query_state()}
-    return StageLayout(stage.entry.first_layer, stage.entry.last_layer, states)
+def _stage_layout(stage: Stage) -> StageLayout:
+    return StageLayout(stage.entry.first_layer, stage.entry.last_layer, stage.kv_layout())
 
 
 def finish(outbox: Outbox, step: Step, choices: list[Choice], timing: Timing,

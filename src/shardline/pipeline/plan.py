@@ -227,6 +227,7 @@ class Placed:
     where: str  # "this process", or a worker's HOST:PORT
     up: bool = True
     why: str = ""  # why it is down
+    device: str = ""  # the OpenVINO device(s) it runs on ("" when not known)
 
 
 class Pipeline(Protocol):

@@ -88,9 +88,10 @@ class RemotePipeline:
         self.folder = folder
         self.manifest = load_manifest(folder)
         entry = self.manifest.stages[0]
-        verify(folder, self.manifest, only=[entry.xml, entry.bin])
+        verify(folder, self.manifest, only=entry.files)
         run = run or RunConfig()
         self.context = run_context(self.manifest.arch, run.context)
+        self.device = run.for_stage(0, 1).device
         self.stage0 = open_stage(folder, entry, run.for_stage(0, 1), vocab=self.manifest.arch.vocab,
                                   context=self.context)
         self.n_stages = len(self.manifest.stages)
@@ -168,13 +169,13 @@ class RemotePipeline:
         with self.life.lock:
             links, broken = list(self.life.links), self.life.broken
         e0 = self.manifest.stages[0]
-        out = [Placed(e0.first_layer, e0.last_layer, "this process")]
+        out = [Placed(e0.first_layer, e0.last_layer, "this process", device=self.device)]
         named = [w for w in self.workers if broken and w in broken]
         for i, addr in enumerate(self.workers):
             peer = links[i].peer if i < len(links) else None
             first, last = (peer.first_layer, peer.last_layer) if peer else (-1, -1)
             down = bool(broken) and (addr in named or not named)
-            out.append(Placed(first, last, addr, not down, (broken or "") if down else ""))
+            out.append(Placed(first, last, addr, not down, (broken or "") if down else "", peer.device if peer else ""))
         return out
 
     def idle(self) -> bool:

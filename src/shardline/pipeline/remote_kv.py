@@ -32,7 +32,7 @@ from shardline.pipeline.held import Held
 from shardline.pipeline.kv import KvSnapshot, StageKv, StageLayout, check, export_identity, frozen, snapshot
 from shardline.pipeline.local import write_kv
 from shardline.pipeline.plan import KvExport, KvImport, KvMove
-from shardline.stage.runner import StageRunner
+from shardline.stage.runners import Stage
 from shardline.wire.codec import WireError
 from shardline.wire.link import Link, LinkClosed
 from shardline.wire.messages import MAX_KV_PARTS, KvDone, KvPart, KvPull, KvPush, Refuse
@@ -70,7 +70,7 @@ class KvMoves:
     """The moves under way, by seq: started on the stage-0 thread, answered on the links' readers
     (chain) or on the stage-0 thread itself (star), ended by their last answer or by a break."""
 
-    def __init__(self, manifest: Manifest, stage0: StageRunner, limit_s: float = KV_S) -> None:
+    def __init__(self, manifest: Manifest, stage0: Stage, limit_s: float = KV_S) -> None:
         self.manifest, self.stage0, self.limit_s = manifest, stage0, limit_s
         self.identity = export_identity(manifest)
         self._layout: list[StageLayout] | None = None
@@ -82,9 +82,7 @@ class KvMoves:
         from the manifest (their variables, the model's kv_heads and head_dim, stage 0's dtype).
         Each worker checks its own parts again against its compiled stages."""
         if self._layout is None:
-            request = self.stage0.compiled.create_infer_request()
-            mine = {s.name: (s.state.data.dtype, int(s.state.shape[1]), int(s.state.shape[3]))
-                    for s in request.query_state()}
+            mine = self.stage0.kv_layout()
             dtype = next(iter(mine.values()))[0]
             arch, (e0, *rest) = self.manifest.arch, self.manifest.stages
             spec = (dtype, arch.n_kv_heads, arch.head_dim)

@@ -21,11 +21,11 @@ from shardline.decoding.sampler import Choice, choose_at
 from shardline.errors import StepRefused
 from shardline.stage.cache import logits_index
 from shardline.stage.merge import prepare
-from shardline.stage.runner import StageRunner
+from shardline.stage.runners import Stage
 from shardline.stage.work import StageWork
 
 
-def run(stages: Sequence[StageRunner], work: StageWork, hidden: np.ndarray | None,
+def run(stages: Sequence[Stage], work: StageWork, hidden: np.ndarray | None,
         graph_s: list[float], clock: Callable[[], float] = time.perf_counter) -> np.ndarray:
     """Prepare and run `stages` in order (stage 0 takes the input ids: `hidden` None); returns
     hidden states, or on the last stage the logits of the sampled positions. `graph_s` gets
@@ -52,7 +52,7 @@ def sample(work: StageWork, logits: np.ndarray) -> list[Choice]:
                      work.want_logits, work.drafted)
 
 
-def _check_drafts(last: StageRunner, work: StageWork) -> None:
+def _check_drafts(last: Stage, work: StageWork) -> None:
     vocab = last.vocab if last.entry.has_head else None
     d = work.drafted
     if vocab and d is not None and d.q_ids.size and int(d.q_ids.max()) >= vocab:

@@ -75,7 +75,10 @@ class StageRunner:
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             kv = f" with a {run.kv} KV cache" if run.kv_precision else ""
-            raise ShardlineError(f"cannot load {entry.name} from {folder} on {run.device}{kv}: {first}") from None
+            hint = "" if run.device.upper().startswith(("CPU", "GPU")) else (
+                f"; {entry.name} is stateful (dynamic shapes, its KV cache in the graph), which {run.device} may not "
+                f"run: an NPU runs a static export (shardline export --static)")
+            raise ShardlineError(f"cannot load {entry.name} from {folder} on {run.device}{kv}: {first}{hint}") from None
         self.kv_precision = _kv_precision(self.compiled, run)  # as the device took it
         self._input = "input_ids" if entry.has_embedding else "hidden_states"
         width = self.compiled.input(self._input).partial_shape
@@ -83,6 +86,7 @@ class StageRunner:
         self.vocab = vocab
         self._out = self.compiled.output(0)
         self._keys: dict[Key, _Held] = {}
+        self._layout: dict[str, tuple[np.dtype, int, int]] | None = None
         with released_while(folder / entry.bin):  # resident.py: why
             self._warm_up()
 
@@ -185,6 +189,12 @@ class StageRunner:
         held.rows, held.slots = inputs.rows, int(inputs.attention_mask.shape[1])
         return held.request.get_tensor(self._out).data
 
+    def kv_layout(self) -> dict[str, tuple[np.dtype, int, int]]:
+        """Each KV variable the stage holds: (dtype, kv_heads, head_dim), as an import must fit."""
+        if self._layout is None:
+            self._layout = states_of(self.compiled)
+        return self._layout
+
     def _held(self, key: Key) -> _Held:
         held = self._keys.get(key)
         if held is None:
@@ -192,34 +202,10 @@ class StageRunner:
         return held
 
     def _checked(self, held: _Held, inputs: StepInputs, x: np.ndarray) -> np.ndarray:
-        """`x` (ids or hidden states) once the step is known to fit the state; else StepRefused."""
-        b, t, width = inputs.rows, inputs.new_tokens, int(inputs.attention_mask.shape[1])
-        if inputs.position_ids.shape[0] != b or t < 1:
-            raise StepRefused(f"positions of shape {inputs.position_ids.shape} for a mask of {b} rows")
-        if self.context is not None and inputs.position_ids.size and int(inputs.position_ids.max()) >= self.context:
-            raise StepRefused(f"position {int(inputs.position_ids.max())} is past the context of {self.context} tokens")
-        if width != held.slots + t:
-            raise StepRefused(f"a mask of {width} slots for a cache of {held.slots} plus {t} new tokens")
-        beam = inputs.beam_idx
-        if beam is not None and (beam.shape != (b,) or int(beam.min()) < 0 or int(beam.max()) >= held.rows):
-            raise StepRefused(f"rows {beam.tolist()} of a state of {held.rows}")
-        if beam is None and held.rows not in (0, b):
-            raise StepRefused(f"{b} rows for a state of {held.rows}")
-        if self.hidden is None:
-            if x.shape != (b, t) or (x.size and (int(x.min()) < 0 or (self.vocab and int(x.max()) >= self.vocab))):
-                raise StepRefused(f"token ids of shape {x.shape} outside the vocabulary")
-        elif x.shape != (b, t, self.hidden) or x.dtype.kind != "f":
-            raise StepRefused(f"hidden states of shape {x.shape} ({x.dtype}); expected {(b, t, self.hidden)}")
-        return x
+        return checked(inputs, x, held.slots, held.rows, self.hidden, self.vocab, self.context)
 
     def _logits_index(self, inputs: StepInputs) -> np.ndarray:
-        b, t = inputs.rows, inputs.new_tokens
-        index = inputs.logits_index
-        if index is None:
-            return np.full((b, 1), t - 1, np.int64)
-        if index.ndim != 2 or index.shape[0] != b or (index.size and (int(index.min()) < 0 or int(index.max()) >= t)):
-            raise StepRefused(f"logits positions of shape {index.shape} for {b} rows of {t} tokens")
-        return index.astype(np.int64, copy=False)
+        return checked_logits_index(inputs)
 
     @staticmethod
     def _beam(inputs: StepInputs) -> np.ndarray:
@@ -227,3 +213,44 @@ class StageRunner:
             return inputs.beam_idx.astype(np.int32, copy=False)
         b = inputs.rows
         return _BEAMS[b] if b < len(_BEAMS) else np.arange(b, dtype=np.int32)
+
+
+def checked(inputs: StepInputs, x: np.ndarray, slots: int, rows: int, hidden: int | None, vocab: int | None,
+            context: int | None) -> np.ndarray:
+    """`x` (ids, or hidden states of width `hidden`) once the step is known to fit a state of
+    `rows` rows of `slots` slots; else StepRefused. Every runner kind checks a step so."""
+    b, t, width = inputs.rows, inputs.new_tokens, int(inputs.attention_mask.shape[1])
+    if inputs.position_ids.shape[0] != b or t < 1:
+        raise StepRefused(f"positions of shape {inputs.position_ids.shape} for a mask of {b} rows")
+    if context is not None and inputs.position_ids.size and int(inputs.position_ids.max()) >= context:
+        raise StepRefused(f"position {int(inputs.position_ids.max())} is past the context of {context} tokens")
+    if width != slots + t:
+        raise StepRefused(f"a mask of {width} slots for a cache of {slots} plus {t} new tokens")
+    beam = inputs.beam_idx
+    if beam is not None and (beam.shape != (b,) or int(beam.min()) < 0 or int(beam.max()) >= rows):
+        raise StepRefused(f"rows {beam.tolist()} of a state of {rows}")
+    if beam is None and rows not in (0, b):
+        raise StepRefused(f"{b} rows for a state of {rows}")
+    if hidden is None:
+        if x.shape != (b, t) or (x.size and (int(x.min()) < 0 or (vocab and int(x.max()) >= vocab))):
+            raise StepRefused(f"token ids of shape {x.shape} outside the vocabulary")
+    elif x.shape != (b, t, hidden) or x.dtype.kind != "f":
+        raise StepRefused(f"hidden states of shape {x.shape} ({x.dtype}); expected {(b, t, hidden)}")
+    return x
+
+
+def checked_logits_index(inputs: StepInputs) -> np.ndarray:
+    """The step's logits positions ([B, N] among its T new tokens; None: the last), or StepRefused."""
+    b, t = inputs.rows, inputs.new_tokens
+    index = inputs.logits_index
+    if index is None:
+        return np.full((b, 1), t - 1, np.int64)
+    if index.ndim != 2 or index.shape[0] != b or (index.size and (int(index.min()) < 0 or int(index.max()) >= t)):
+        raise StepRefused(f"logits positions of shape {index.shape} for {b} rows of {t} tokens")
+    return index.astype(np.int64, copy=False)
+
+
+def states_of(compiled: ov.CompiledModel) -> dict[str, tuple[np.dtype, int, int]]:
+    """A stateful graph's KV variables as an empty request reports them: (dtype, kv_heads, head_dim)."""
+    return {s.name: (s.state.data.dtype, int(s.state.shape[1]), int(s.state.shape[3]))
+            for s in compiled.create_infer_request().query_state()}

@@ -1,26 +1,56 @@
 """The runner kinds a stage may be exported for, by its manifest entry's `runner`: one place to
 add a kind. "stateful" (StageRunner: the KV cache inside the compiled model's state; CPU, GPU)
-is the only one today; a static, stateless runner with a host-managed KV ring is the next
-(issue 25: NPUs reject dynamic shapes and stateful graphs). Every place that compiles a stage
-opens it here, so a stage runs on its own device (RunConfig.for_stage) with its own kind.
+and "static" (StaticRunner: fixed shapes, the KV in a ring on the host; for NPUs, which reject
+dynamic shapes and stateful graphs). Every place that compiles a stage opens it here, so a
+stage runs on its own device (RunConfig.for_stage) with its own kind.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from pathlib import Path
+from typing import Protocol
 
+import numpy as np
 import openvino as ov
 
 from shardline.config import RunConfig
 from shardline.errors import ShardlineError
 from shardline.model.manifest import StageEntry
+from shardline.stage.cache import StepInputs
 from shardline.stage.runner import StageRunner
+from shardline.stage.static_runner import StaticRunner
 
-RUNNERS: dict[str, type[StageRunner]] = {"stateful": StageRunner}
+
+class Stage(Protocol):
+    """What the executor, merges, KV moves and workers use of a compiled stage, whatever its kind:
+    its states by key, and steps run over them (StageRunner documents each)."""
+
+    entry: StageEntry
+    vocab: int | None
+    hidden: int | None  # the width of the hidden states it takes (None: stage 0 takes ids)
+
+    def open(self, key: Hashable) -> None: ...
+    def has(self, key: Hashable) -> bool: ...
+    def keys(self) -> list[Hashable]: ...
+    def close(self, key: Hashable) -> None: ...
+    def reset(self, key: Hashable) -> None: ...
+    def move(self, key: Hashable, to: Hashable) -> None: ...
+    def slots(self, key: Hashable) -> int: ...
+    def rows(self, key: Hashable) -> int: ...
+    def kv_layout(self) -> dict[str, tuple[np.dtype, int, int]]: ...
+    def kv(self, key: Hashable, start: int = 0) -> dict[str, np.ndarray]: ...
+    def set_kv(self, key: Hashable, kv: dict[str, np.ndarray]) -> None: ...
+    def compact(self, key: Hashable, index: np.ndarray, slots: int) -> None: ...
+    def run(self, key: Hashable, inputs: StepInputs, hidden: np.ndarray | None = None) -> np.ndarray: ...
+
+
+Open = Callable[[Path, StageEntry, RunConfig, "ov.Core | None", "int | None", "int | None"], Stage]
+RUNNERS: dict[str, Open] = {"stateful": StageRunner, "static": StaticRunner}
 
 
 def open_stage(folder: Path, entry: StageEntry, run: RunConfig, core: ov.Core | None = None,
-               vocab: int | None = None, context: int | None = None) -> StageRunner:
+               vocab: int | None = None, context: int | None = None) -> Stage:
     """`entry` compiled by the runner its manifest names, on `run`'s (one) device."""
     kind = RUNNERS.get(entry.runner)
     if kind is None:

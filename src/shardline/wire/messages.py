@@ -23,8 +23,8 @@ from shardline.config import MAX_CONTEXT, SamplingParams
 # 5: `compact` (speculation drops masked slots), verify draws against a draft distribution;
 # 6: a key's KV moves over the coordinator's links (KvPull, KvPush, KvPart, KvDone);
 # 7: KvPull.start, the slots from which a pull copies (chunk-level KV transfer);
-# 8: Hello.context, the longest sequence the sender serves.
-PROTOCOL = 8
+# 8: Hello.context, the longest sequence the sender serves; 9: Hello.device, where its stages run.
+PROTOCOL = 9
 MAX_SUPPORT = 64  # token ids of a draft distribution sent per sampled position
 
 # One row of `hops` per stage a step has run through, appended by the process that ran it:
@@ -122,10 +122,14 @@ class Hello:
     # The longest sequence the sender serves (RunConfig.context resolved): a chain's nodes must
     # agree, or the coordinator admits streams that a worker refuses halfway.
     context: int
+    # The OpenVINO device of each of the sender's stages, comma-separated (for people: the
+    # fleet page); "" when it does not say.
+    device: str = ""
 
     def __post_init__(self) -> None:
         _need(len(self.model_hash) <= 128 and len(self.weights) <= 32 and len(self.session) <= 64,
               "oversized Hello field")
+        _need(len(self.device) <= 256 and self.device.isprintable(), "oversized or unprintable Hello.device")
         _need(0 <= self.first_layer <= self.last_layer < 1 << 16, "bad layer range")
         _need(1 <= self.context <= MAX_CONTEXT, f"context {self.context} outside 1-{MAX_CONTEXT}")
 

@@ -12,12 +12,14 @@ function stageBox(s) {
   const title = s.index === 0 ? "coordinator" : s.where;
   const layers = s.layers ? `${s.layers[0]}–${s.layers[1]}` : "–";
   box.innerHTML = `<h3></h3><span class="health"></span><dl>
-    <dt>layers</dt><dd class="layers"></dd><dt>precision</dt><dd class="precision"></dd>
+    <dt>layers</dt><dd class="layers"></dd><dt>device</dt><dd class="device"></dd>
+    <dt>precision</dt><dd class="precision"></dd>
     <dt>graph / token</dt><dd class="graph"></dd><dt>KV held</dt><dd class="kv"></dd></dl>
     <div class="muted why"></div>`;
   box.querySelector("h3").textContent = title;
   box.querySelector(".health").textContent = s.health === "up" ? "up" : "down";
   box.querySelector(".layers").textContent = layers;
+  box.querySelector(".device").textContent = fmt(s.device);
   box.querySelector(".precision").textContent = s.precision;
   box.querySelector(".graph").textContent = fmt(s.graph_ms_per_token, " ms");
   box.querySelector(".kv").textContent = `${s.kv_mb} MB`;

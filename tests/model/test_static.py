@@ -1,0 +1,195 @@
+"""Static stages (issue 25): `export --static` writes graphs of fixed shapes with no state, the
+KV kept on the host in a ring (stage/static_runner.py). Within the ring their greedy tokens are
+the stateful stages' token for token: 1 and 2 stages, prompts in chunks through the prefill
+graph, speculation, and a pipeline that mixes a stateful stage 0 with a static stage 1. What
+does not fit is refused with a clear error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import pytest
+
+from shardline.cli import static_stages
+from shardline.config import ExportConfig, RunConfig, SamplingConfig, SamplingParams
+from shardline.errors import ShardlineError, StepRefused
+from shardline.export.exporter import export
+from shardline.model.manifest import MANIFEST, load_manifest
+from shardline.model.shapes import dynamic
+from shardline.model.tokenizer import ChatTokenizer
+from shardline.pipeline.local import LocalPipeline
+from shardline.pipeline.plan import prefill, run
+from shardline.serving.admission import Limits
+from shardline.serving.drafters import LOOKUP_PRIOR, LookupDrafter
+from shardline.serving.engine import Engine, Request
+from shardline.serving.speculation import Drafts
+from shardline.stage.cache import KVBook, StepInputs
+from tests.conftest import CHAT_PROMPTS
+from tests.helpers import engine_tokens
+
+RING, WIDTH = 160, 16
+SMALL_RING, SINKS = 64, 4
+EXACT = RunConfig(precision="exact")
+GREEDY_24 = SamplingConfig(max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def static(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """static(kind) -> an export of the default model: "1" and "2" stages all static with a
+    prefill graph, "mixed": 2 stages, stage 1 static without one, "sinks": 1 static stage that
+    slides past a small ring."""
+    root, made = tmp_path_factory.mktemp("static"), dict[str, Path]()
+    how = {"1": dict(stages=1, static=frozenset({0}), prefill_chunk=WIDTH),
+           "2": dict(stages=2, static=frozenset({0, 1}), prefill_chunk=WIDTH),
+           "mixed": dict(stages=2, static=frozenset({1})),
+           "sinks": dict(stages=1, static=frozenset({0}), prefill_chunk=WIDTH, sinks=SINKS)}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            ring = SMALL_RING if kind == "sinks" else RING
+            made[kind] = export(ExportConfig(out=root / kind, weights="gguf", context=ring, isolate=False,
+                                             progress=False, **how[kind]))  # type: ignore[arg-type]
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def prompts(shards: Callable[..., Path]) -> list[list[int]]:
+    tok = ChatTokenizer(shards("gguf", stages=1))
+    out = [tok.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:2]]
+    assert all(WIDTH < len(p) < RING - GREEDY_24.max_tokens for p in out)  # several chunks, inside the ring
+    return out
+
+
+def _tokens(folder: Path, prompts: list[list[int]], drafts: Drafts | None = None) -> list[list[int]]:
+    with LocalPipeline(folder, EXACT) as pipe:
+        return [engine_tokens(pipe, p, GREEDY_24, chunk=WIDTH, drafts=drafts, groups=0) for p in prompts]
+
+
+def test_a_static_export_has_fixed_shapes_and_says_which_stage_is_which(static: Callable[[str], Path]) -> None:
+    m = load_manifest(static("mixed"))
+    assert [(e.runner, e.ring, e.prefill_xml) for e in m.stages] == [("stateful", None, None), ("static", RING, None)]
+    two = load_manifest(static("2"))
+    assert all(e.runner == "static" and e.ring == RING and e.prefill_width == WIDTH for e in two.stages)
+    for e in two.stages:
+        assert e.prefill_xml and e.files == [e.xml, e.bin, e.prefill_xml, e.prefill_bin]
+        assert all(None not in p.shape for p in e.inputs + e.outputs)
+        assert dynamic(ov.Core().read_model(static("2") / e.prefill_xml)) == []
+        kv = next(p for p in e.outputs if p.name.startswith("present."))
+        assert kv.shape[2] == 1  # the decode graph takes out only the new token's KV
+    assert m.arch.max_context == RING and m.format_version == 4
+
+
+@pytest.mark.parametrize("kind, stages", [("1", 1), ("2", 2), ("mixed", 2)])
+def test_static_stages_give_the_stateful_tokens(static: Callable[[str], Path], shards: Callable[..., Path],
+                                                prompts: list[list[int]], kind: str, stages: int) -> None:
+    stateful = _tokens(shards("gguf", stages=stages), prompts)
+    assert _tokens(static(kind), prompts) == stateful
+
+
+def test_speculation_through_static_stages_gives_the_plain_tokens(static: Callable[[str], Path],
+                                                                  shards: Callable[..., Path],
+                                                                  prompts: list[list[int]]) -> None:
+    """Prompt lookup drafts: verify steps of several tokens run token by token on the decode
+    graph, rejected drafts stay masked in the ring, compaction gathers the ring."""
+    repeat = [prompts[0] + prompts[0][-12:]]
+    plain = _tokens(shards("gguf", stages=2), repeat)
+    drafts = Drafts(LookupDrafter, 4, 8, LOOKUP_PRIOR)
+    assert _tokens(static("2"), repeat, drafts) == plain
+
+
+def _loops(tokens: list[int], longest: int = 8) -> bool:
+    """Whether `tokens` repeat with a period of at most `longest` from start to end."""
+    return any(all(tokens[i] == tokens[i + k] for i in range(len(tokens) - k)) for k in range(1, longest + 1))
+
+
+def test_past_the_ring_a_stream_goes_on_with_its_sinks_and_no_loop_at_the_seam(
+        static: Callable[[str], Path], shards: Callable[..., Path]) -> None:
+    """A ring of 64 with 4 sinks, 96 tokens after each of 4 prompts: every stream runs to its
+    length; until its cache fills the ring its tokens are the stateful stage's; the 32 after
+    the seam do not fall into a loop."""
+    tok = ChatTokenizer(static("sinks"))
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:4]]
+    assert all(WIDTH < len(p) < SMALL_RING - 8 for p in prompts)
+    cfg = SamplingConfig(max_tokens=96)
+    with LocalPipeline(shards("gguf", stages=1), EXACT) as pipe:
+        full = [engine_tokens(pipe, p, cfg, chunk=WIDTH, groups=0) for p in prompts]
+    with LocalPipeline(static("sinks"), EXACT) as pipe:
+        slid = [engine_tokens(pipe, p, cfg, chunk=WIDTH, groups=0) for p in prompts]
+    for p, ours, theirs in zip(prompts, slid, full, strict=True):
+        seam = SMALL_RING - len(p)  # the first token whose step finds the ring full
+        assert len(ours) == 96 and ours[:seam] == theirs[:seam]
+        assert not _loops(ours[seam : seam + 32]), ours
+
+
+def test_a_request_past_the_ring_is_refused_before_it_runs(static: Callable[[str], Path],
+                                                           prompts: list[list[int]]) -> None:
+    with LocalPipeline(static("2"), EXACT) as pipe:
+        assert pipe.context == RING
+        engine = Engine(pipe, Limits(1, 1), pipe.context)
+        try:
+            with pytest.raises(ShardlineError, match=f"exceeds the context of {RING}"):
+                engine.submit(Request(prompts[0], SamplingConfig(max_tokens=RING), frozenset()), lambda ev: None)
+        finally:
+            engine.stop()
+
+
+def test_steps_a_static_stage_cannot_run_fail_alone(static: Callable[[str], Path]) -> None:
+    with LocalPipeline(static("1"), EXACT) as pipe:
+        wide = run(pipe, prefill(1, KVBook(), list(range(5, 6 + WIDTH)), SamplingParams(), first=True, last=True))
+        assert wide[0].error == (f"stage 0: a prompt chunk of {WIDTH + 1} tokens is wider than the prefill "
+                                 f"graph's {WIDTH}")
+        (fine,) = run(pipe, prefill(2, KVBook(), [5, 6], SamplingParams(), first=True, last=True))
+        assert not fine.error  # the stage goes on
+    stage = pipe.stages[0]
+    stage.open(3)  # a cache of RING - 1 slots (masked drafts: slots run ahead of positions)
+    stage.set_kv(3, {n: np.zeros((1, kv, RING - 1, d), np.float32) for n, (_, kv, d) in stage.kv_layout().items()})
+    two = StepInputs(np.array([[5, 6]]), np.ones((1, RING + 1), np.int64), np.array([[40, 41]]))
+    with pytest.raises(StepRefused, match=f"{RING - 1} slots plus 2 new tokens are past the ring of {RING}"):
+        stage.run(3, two)
+    with pytest.raises(StepRefused, match="a static stage holds one row"):
+        stage.set_kv(3, {n: np.zeros((2, kv, 4, d), np.float32) for n, (_, kv, d) in stage.kv_layout().items()})
+    assert stage.slots(3) == RING - 1  # refused: nothing changed
+
+
+def test_a_manifest_that_says_static_over_a_dynamic_graph_is_refused(shards: Callable[..., Path],
+                                                                     tmp_path: Path) -> None:
+    folder = tmp_path / "claims"
+    shutil.copytree(shards("gguf", stages=1), folder)
+    d = json.loads((folder / MANIFEST).read_text())
+    d["stages"][0] |= {"runner": "static", "ring": RING}
+    (folder / MANIFEST).write_text(json.dumps(d))
+    with pytest.raises(ShardlineError, match=r"the manifest says static, but \d+ shapes are dynamic"):
+        LocalPipeline(folder, EXACT)
+
+
+def test_a_stateful_stage_on_an_npu_names_the_static_export(shards: Callable[..., Path]) -> None:
+    with pytest.raises(ShardlineError, match=r"on NPU: .*an NPU runs a static export \(shardline export --static\)"):
+        LocalPipeline(shards("gguf", stages=1), RunConfig(device="NPU", precision="exact"))
+
+
+def test_static_export_flags_are_checked() -> None:
+    with pytest.raises(ShardlineError, match="--prefill-chunk sizes a static export's prefill graph: it needs"):
+        ExportConfig(out=Path("x"), stages=1, prefill_chunk=8)
+    with pytest.raises(ShardlineError, match=r"--prefill-chunk must be in 2-64 \(the ring\) tokens, got 65"):
+        ExportConfig(out=Path("x"), stages=1, static=frozenset({0}), context=64, prefill_chunk=65)
+    with pytest.raises(ShardlineError, match=r"--static names stages \[2\]; the export has stages 0-1"):
+        ExportConfig(out=Path("x"), stages=2, static=frozenset({2}))
+    with pytest.raises(ShardlineError, match=r"--sinks needs every stage static \(--static\) and 1 <= sinks < 64"):
+        ExportConfig(out=Path("x"), stages=2, static=frozenset({1}), context=64, sinks=4)
+    with pytest.raises(ShardlineError, match=r"1 <= sinks < 64 \(the ring\), got 64"):
+        ExportConfig(out=Path("x"), stages=1, static=frozenset({0}), context=64, sinks=64)
+
+
+def test_static_takes_every_stage_or_those_listed() -> None:
+    assert static_stages(None, 2, None) == frozenset()
+    assert static_stages("all", 3, None) == {0, 1, 2} and static_stages("all", None, "0-9,10-29") == {0, 1}
+    assert static_stages("1", 2, None) == {1} and static_stages("0,1", 2, None) == {0, 1}
+    with pytest.raises(ShardlineError, match=r"--static takes stage numbers separated by commas \(e.g. 1,2\), got 'x'"):
+        static_stages("x", 2, None)
