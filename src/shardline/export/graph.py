@@ -170,8 +170,23 @@ class _Builder:
         # context out of the graph every token.
         self.result(k if self.new_kv_only else k_all, f"present.{i}.key")
         self.result(v if self.new_kv_only else v_all, f"present.{i}.value")
-        attn = ops.scaled_dot_product_attention(q, self.expand_kv(k_all), self.expand_kv(v_all), self.attn_mask)
+        if self.new_kv_only and a.group > 1:
+            attn = self.grouped_attention(q, k_all, v_all)
+        else:
+            attn = ops.scaled_dot_product_attention(q, self.expand_kv(k_all), self.expand_kv(v_all), self.attn_mask)
         return ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, a.n_heads * a.head_dim), True).output(0)
+
+    def grouped_attention(self, q: ov.Output, k: ov.Output, v: ov.Output) -> ov.Output:
+        """SDPA with each KV head's query heads stacked as its rows ([B, kv_heads, group * T, D])
+        instead of the KV repeated per query head: a static graph reads its whole ring every
+        token, and the repeat would copy it `group` times over (the stateful graph's fused
+        attention never materializes it). The mask rows are tiled to match; [B, heads, T, D] out."""
+        a = self.a
+        assert self.attn_mask is not None
+        rows = ops.reshape(q, _i64(0, a.n_kv_heads, -1, a.head_dim), True)  # heads are kv-major: h = kv * group + j
+        mask = ops.tile(self.attn_mask, _i64(1, 1, a.group, 1))
+        out = ops.scaled_dot_product_attention(rows, k, v, mask)
+        return ops.reshape(out, _i64(0, a.n_heads, -1, a.head_dim), True).output(0)
 
     def build(self) -> ov.Model:
         a, plan = self.a, self.plan
