@@ -11,6 +11,7 @@ from shardline.pipeline.plan import KvExport, KvImport, KvMove, Plan, PrefillSte
 from shardline.serving.kv_table import KvTable
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
 from shardline.serving.stream import Stream
+from shardline.stage.cache import KVBook
 
 
 def _prefill_scheduler(chunked: bool) -> tuple[Scheduler, Stream]:
@@ -78,7 +79,7 @@ def test_a_kv_table_imports_on_a_fresh_lease_and_hands_each_move_over_once() -> 
     table = KvTable()
     first = table.lease()
     snap: Any = object()
-    lease, done = table.import_(snap)
+    lease, done = table.import_(snap, KVBook())
     exported = table.export(first, 3)
     assert lease == 1 and not done.done() and not exported.done()
     exports, imports = table.take_moves()
@@ -117,3 +118,24 @@ def test_execute_hands_exports_then_releases_then_imports_then_steps() -> None:
                           ("submit", 0)]
     assert str(bad.done.exception()) == "no such layout" and ok.done.result() is None
     assert not out.done.done() and not out.done.cancel()  # under way: no one can cancel it
+
+
+def test_a_kv_table_owns_each_leases_book_until_it_is_freed() -> None:
+    table, imported = KvTable(), KVBook()
+    imported.commit(imported.plan([5] * 7))  # a cache of 7 slots, as a handoff brings it
+    a = table.lease()
+    b, _ = table.import_(object(), imported)  # type: ignore[arg-type]
+    assert table.book(b) is imported and table.book(a).slots == 0 and table.slots() == 7
+    table.free(b)
+    assert b not in table.books and table.slots() == 0 and table.take_freed() == [b]
+
+
+def test_a_replay_takes_the_book_of_its_new_lease() -> None:
+    sched, s = _prefill_scheduler(chunked=False)
+    for step in sched.plan().steps:
+        _complete(sched, step)
+    old = s.book
+    new = sched.kv.lease()
+    sched.replay(s, new)
+    assert s.book is sched.kv.book(new) and s.book is not old and s.book.slots == 0
+    assert 0 not in sched.kv.books  # the old lease's book went with it

@@ -111,8 +111,9 @@ class DecodeRole:
         """`m`'s KV goes in on a fresh lease of this engine with the next plan; the stream joins
         the scheduler once it is in (its id is the one it had on the prefill instance)."""
         stream = m.stream
-        stream.key, done = self.engine.scheduler.kv.import_(m.handoff.kv)
-        stream.book, stream.owner = m.handoff.book(), m.ticket
+        table = self.engine.scheduler.kv
+        stream.key, done = table.import_(m.handoff.kv, m.handoff.book())
+        stream.book, stream.owner = table.book(stream.key), m.ticket
         stream.in_flight, stream.sent = False, None
         self._landing.append((m, done))
         done.add_done_callback(lambda _: self.engine.pipe.wake())

@@ -253,7 +253,7 @@ class Engine:
     def _dispatch(self) -> None:
         plan = self.scheduler.plan(self.spec.proposals())
         self.groups_live = sum(1 for g in self.scheduler.groups if g.members())
-        self.kv_slots_live = sum(s.book.slots for s in self.scheduler.streams.values())
+        self.kv_slots_live = self.scheduler.kv.slots()
         for step in plan.steps:
             if isinstance(step, DecodeStep):
                 self.spec.launched(step)
@@ -283,8 +283,9 @@ class Engine:
             ticket.text = StopText(r.detokenizer(), r.stops) if r.detokenizer else None
             # A request without a seed gets one now: its tokens then depend on nothing else.
             params = r.sampling.params(secrets.randbits(63))
+            lease = self._lease()
             ticket.stream = Stream(new_stream_id(), list(r.prompt), params, r.sampling.max_tokens, r.stop_ids,
-                                   r.sampling.want_logits, owner=ticket, key=self._lease())
+                                   r.sampling.want_logits, owner=ticket, book=self.scheduler.kv.book(lease), key=lease)
             if r.speculative:
                 ticket.stream.spec = self.spec.speculation()
             self.scheduler.add(ticket.stream)

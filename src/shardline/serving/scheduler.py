@@ -88,7 +88,7 @@ class Scheduler:
         leaves the group empty; it starts again on the lease `key` (Stream.restart), keeping its
         id and its place among the streams (the oldest prompts prefill first)."""
         old = stream.key
-        stream.restart(key)
+        stream.restart(key, self.kv.books.get(key))
         self.kv.free(old)
         if (emptied := self.groups.leave(stream.id)) is not None:
             self.kv.free(Lease(emptied))

@@ -93,13 +93,13 @@ class Stream:
         """What its prefill feeds: the prompt, and after a restart the tokens generated before."""
         return self.prompt + self.generated[: self.resumed]
 
-    def restart(self, key: Lease) -> None:
+    def restart(self, key: Lease, book: KVBook | None = None) -> None:
         """Start again on the lease `key` (a fresh request on every stage) from an empty cache:
         prefill the prompt and the tokens generated so far (the last of them too, which a
         decode step would have fed next: the prefill's last chunk samples what follows it)."""
         if self.in_flight:
             raise ValueError(f"stream {self.id} still has a step in flight")
-        self.key, self.book, self.prefilled, self.sent = key, KVBook(), 0, None
+        self.key, self.book, self.prefilled, self.sent = key, book or KVBook(), 0, None
         self.handover.restart()
         self.resumed = len(self.generated)
         self.replays += 1
