@@ -26,9 +26,12 @@ from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.plan import prefill, run
 from shardline.serving.admission import Limits
 from shardline.serving.drafters import LOOKUP_PRIOR, LookupDrafter
-from shardline.serving.engine import Engine, Request
+from shardline.serving.engine import Engine, Event, Request
+from shardline.serving.generate import generate
+from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import Drafts
 from shardline.stage.cache import KVBook, StepInputs
+from shardline.stage.draft_model import DraftModel
 from tests.conftest import CHAT_PROMPTS
 from tests.helpers import engine_tokens
 
@@ -102,6 +105,28 @@ def test_speculation_through_static_stages_gives_the_plain_tokens(static: Callab
     plain = _tokens(shards("gguf", stages=2), repeat)
     drafts = Drafts(LookupDrafter, 4, 8, LOOKUP_PRIOR)
     assert _tokens(static("2"), repeat, drafts) == plain
+
+
+def test_a_draft_model_over_static_stages_gives_the_plain_tokens(static: Callable[[str], Path],
+                                                                shards: Callable[..., Path], prompts: list[list[int]],
+                                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Self-speculation (the first 6 layers as the draft, K = 3): verify steps of 4 tokens, the
+    rejected drafts masked in the ring, and compaction of the ring once 8 slots are masked."""
+    first6 = export(ExportConfig(out=tmp_path_factory.mktemp("draft") / "first6", stages=1, weights="gguf",
+                                 truncate=6, isolate=False, progress=False))
+    draft = DraftModel(first6, load_manifest(static("2")))
+    plain = _tokens(shards("gguf", stages=2), prompts[:1])[0]
+    final: list[Event] = []
+    with LocalPipeline(static("2"), EXACT) as pipe:
+        engine = Engine(pipe, Limits(1, 1), pipe.context, SchedulerConfig(chunk=WIDTH, groups=0, compact_at=8),
+                        Drafts(draft.drafter, 3, 8))
+        try:
+            got = [ev.token for ev in generate(engine, prompts[0], GREEDY_24, (), on_final=final.append)]
+        finally:
+            engine.stop()
+    assert got == plain
+    spec = final[0].spec
+    assert spec is not None and spec.drafted - spec.accepted >= 8, spec  # enough rejected to compact the ring
 
 
 def _loops(tokens: list[int], longest: int = 8) -> bool:
