@@ -331,7 +331,7 @@ def _on_ray(args: argparse.Namespace, command: Callable[[argparse.Namespace], in
     chains = sum(disaggregation(args.disaggregate)) if getattr(args, "disaggregate", None) else 1
     cfg = FleetConfig(args.ray_address, args.shards, args.plan, credentials=args.credentials, chains=chains)
     with Fleet(cfg, run) as fleet:
-        placed = {"shards": fleet.folder, "workers": ",".join(fleet.addresses)}
+        placed = {"shards": fleet.folder, "workers": ",".join(fleet.addresses), "device": fleet.coordinator_device}
         return command(argparse.Namespace(**(vars(args) | placed)))
 
 

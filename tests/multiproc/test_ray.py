@@ -124,9 +124,11 @@ def test_printed_plan_follows_memory(cluster: Cluster) -> None:
     lines = plan.describe().splitlines()
     assert lines[0] == ("plan: 30 layers on the coordinator and 2 Ray nodes, by available memory "
                         "(override with --plan 0-7,8-14,15-29)")
-    assert lines[1] == "  coordinator        layers 0-7     ( 8)  stage 0       1.0 GiB available"
-    assert re.fullmatch(NODE.format("a") + r"  layers 8-14    \( 7\)  stage 1       1\.0 GiB available", lines[2][2:])
-    assert re.fullmatch(NODE.format("b") + r"  layers 15-29   \(15\)  stage 2       2\.0 GiB available", lines[3][2:])
+    assert lines[1] == "  coordinator        layers 0-7     ( 8)  stage 0       1.0 GiB available  on CPU"
+    assert re.fullmatch(NODE.format("a") + r"  layers 8-14    \( 7\)  stage 1       1\.0 GiB available  on CPU",
+                        lines[2][2:])
+    assert re.fullmatch(NODE.format("b") + r"  layers 15-29   \(15\)  stage 2       2\.0 GiB available  on CPU",
+                        lines[3][2:])
 
 
 def test_two_placed_workers_give_the_in_process_tokens_and_stop_cleanly(cluster: Cluster, four: Path,
@@ -149,6 +151,22 @@ def test_two_placed_workers_give_the_in_process_tokens_and_stop_cleanly(cluster:
         remote.shutdown()
         addresses, pids = list(fleet.addresses), fleet.watch()
     _assert_gone(addresses, pids)
+
+
+def test_each_worker_gets_its_stages_devices_and_the_plan_shows_them(cluster: Cluster, four: Path) -> None:
+    """`--device CPU,CPU,CPU,NPU` over an export of 4 stateful stages: node b's worker (stages 2-3)
+    runs stage 3 on the NPU, which this machine lacks and which would need a static export: it
+    fails to start saying so, and the printed plan showed each node's devices."""
+    out = io.StringIO()
+    fleet = Fleet(FleetConfig(cluster.address, shards=four, coordinator_memory=GIB, restarts=0),
+                  RunConfig(device="CPU,CPU,CPU,NPU", threads=1), out)
+    with pytest.raises(ShardlineError, match=f"^the stage worker on {NODE.format('b')} \\(layers 15-29\\) failed "
+                                             f"to start: .*on NPU: .*shardline export --static"):
+        fleet.start()
+    fleet.stop()
+    rows = out.getvalue().splitlines()[1:]
+    assert [row.rsplit("  on ", 1)[1] for row in rows] == ["CPU", "CPU", "CPU,NPU"]
+    assert fleet.plan is not None and fleet.coordinator_device == "CPU"
 
 
 def test_a_dead_worker_is_named_by_its_node(cluster: Cluster, four: Path) -> None:

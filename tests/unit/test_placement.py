@@ -122,9 +122,9 @@ def test_place_by_memory_and_the_printed_plan() -> None:
     assert [a.participant.name for a in plan.workers] == ["a", "b"]
     assert plan.describe() == "\n".join([
         "plan: 30 layers on the coordinator and 2 Ray nodes, by available memory (override with --plan 0-7,8-14,15-29)",
-        "  coordinator        layers 0-7     ( 8)  stage 0       1.0 GiB available",
-        "  node a (aaaaaaaa)  layers 8-14    ( 7)  stage 1       1.0 GiB available",
-        "  node b (bbbbbbbb)  layers 15-29   (15)  stage 2       2.0 GiB available",
+        "  coordinator        layers 0-7     ( 8)  stage 0       1.0 GiB available  on CPU",
+        "  node a (aaaaaaaa)  layers 8-14    ( 7)  stage 1       1.0 GiB available  on CPU",
+        "  node b (bbbbbbbb)  layers 15-29   (15)  stage 2       2.0 GiB available  on CPU",
     ])
 
 
@@ -137,6 +137,20 @@ def test_place_on_an_export_and_with_an_override() -> None:
     assert given.describe().splitlines()[0] == "plan: 30 layers on the coordinator and 2 Ray nodes, as given by --plan"
     given_on_export = place(_people(1, 1, 2), 30, FOUR_STAGES, "0-7,8-22,23-29")
     assert [a.stages for a in given_on_export.assignments] == [(0, 0), (1, 2), (3, 3)]
+
+
+def test_each_stage_gets_its_device_and_the_plan_shows_it() -> None:
+    plan = place(_people(1, 1, 2), 30, FOUR_STAGES)  # coordinator: stage 0; a: stage 1; b: stages 2-3
+    one = plan.on_devices(("GPU.1",))
+    assert [a.devices for a in one.assignments] == [("GPU.1",), ("GPU.1",), ("GPU.1", "GPU.1")]
+    assert [a.device for a in one.assignments] == ["GPU.1", "GPU.1", "GPU.1"]
+    mixed = plan.on_devices(("CPU", "GPU", "CPU", "NPU"))
+    assert [a.device for a in mixed.assignments] == ["CPU", "GPU", "CPU,NPU"]
+    assert [line.rsplit("  on ", 1)[1] for line in mixed.describe().splitlines()[1:]] == ["CPU", "GPU", "CPU,NPU"]
+    assert [a.layers for a in mixed.assignments] == [a.layers for a in plan.assignments]
+    with pytest.raises(ShardlineError, match=r"^--device names 2 devices \(CPU,NPU\) for the 4 stages of this "
+                                             r"plan: give one device, or one per stage$"):
+        plan.on_devices(("CPU", "NPU"))
 
 
 def test_place_refuses_nodes_without_memory_and_an_empty_cluster() -> None:

@@ -155,6 +155,13 @@ class Fleet:
             self.stop()
 
     @property
+    def coordinator_device(self) -> str:
+        """`--device` for the stages the coordinator runs itself."""
+        if self.plan is None:
+            raise ShardlineError("the fleet has not been started")
+        return self.plan.assignments[0].device
+
+    @property
     def folder(self) -> Path:
         if self._folder is None:
             raise ShardlineError("the fleet has not been started")
@@ -162,7 +169,7 @@ class Fleet:
 
     def start(self) -> None:
         self.connect()
-        self.plan = self.make_plan()
+        self.plan = self.make_plan().on_devices(self.run.devices)
         copies = f"\n  x {self.cfg.chains} chains of workers (one per instance)" if self.cfg.chains > 1 else ""
         print(self.plan.describe() + copies, file=self.out or sys.stderr, flush=True)
         self._folder = self.cfg.shards.resolve() if self.cfg.shards else planned_shards(self.plan.spec)
@@ -207,7 +214,8 @@ class Fleet:
             port = ray.get(_remote_free_port.options(scheduling_strategy=on_node).remote(), timeout=READY_TIMEOUT_S)
             options = {"num_cpus": 1 / self.cfg.chains, "max_restarts": self.cfg.restarts,
                        "scheduling_strategy": on_node}
-            actor = _RemoteStageActor.options(**options).remote(str(folder), *a.stages, self.run, pems, port)
+            run = replace(self.run, device=a.device)
+            actor = _RemoteStageActor.options(**options).remote(str(folder), *a.stages, run, pems, port)
             self._actors.append((a, actor))
         readies = [actor.ready.remote() for _, actor in self._actors]
         for (a, _), ref in zip(self._actors, readies, strict=True):

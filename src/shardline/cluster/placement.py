@@ -7,7 +7,7 @@ rule below is testable with numbers alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import cache
 
@@ -35,6 +35,12 @@ class Assignment:
     participant: Participant
     layers: Range
     stages: Range  # the run of export stages this participant hosts
+    devices: tuple[str, ...] = ("CPU",)  # the OpenVINO device of each of those stages
+
+    @property
+    def device(self) -> str:
+        """As `--device` takes it for the stages run there: one device, or one per stage."""
+        return self.devices[0] if len(set(self.devices)) == 1 else ",".join(self.devices)
 
 
 @dataclass(frozen=True)
@@ -61,8 +67,20 @@ class Plan:
             stages = f"stage {k}" if k == m else f"stages {k}-{m}"
             layers = f"{first}-{last}"
             lines.append(f"  {a.participant.label:<{width}}  layers {layers:<7} ({last - first + 1:>2})  {stages:<11}"
-                         f"{a.participant.memory / GIB:6.1f} GiB available")
+                         f"{a.participant.memory / GIB:6.1f} GiB available  on {a.device}")
         return "\n".join(lines)
+
+    def on_devices(self, devices: tuple[str, ...]) -> Plan:
+        """The plan with each stage's device: one device for every stage, or one per stage of
+        the export (`--device CPU,CPU,NPU,NPU` under Ray), each participant getting its own."""
+        n_stages = self.assignments[-1].stages[1] + 1
+        if len(devices) not in (1, n_stages):
+            raise ShardlineError(f"--device names {len(devices)} devices ({','.join(devices)}) for the {n_stages} "
+                                 f"stages of this plan: give one device, or one per stage")
+        def of(a: Assignment) -> tuple[str, ...]:
+            k, m = a.stages
+            return devices[k:m + 1] if len(devices) > 1 else devices * (m - k + 1)
+        return replace(self, assignments=tuple(replace(a, devices=of(a)) for a in self.assignments))
 
 
 def apportion(total: int, weights: list[int]) -> list[int]:
