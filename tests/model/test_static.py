@@ -89,6 +89,24 @@ def test_a_static_export_has_fixed_shapes_and_says_which_stage_is_which(static: 
     assert m.arch.max_context == RING and m.format_version == 4
 
 
+@pytest.mark.parametrize("weights, element", [("int8", "u8"), ("int4", "i4")])
+def test_compressed_static_stages_keep_fixed_shapes_and_give_the_stateful_tokens(
+        shards: Callable[..., Path], prompts: list[list[int]], tmp_path: Path, weights: str, element: str) -> None:
+    """NNCF compresses the static graphs too (decode and prefill), every shape stays fixed after
+    it, and the tokens are those of the stateful stage with the same weights."""
+    folder = export(ExportConfig(out=tmp_path / weights, weights=weights, stages=1, static=frozenset({0}),
+                                 prefill_chunk=WIDTH, context=RING, isolate=False, progress=False))
+    (entry,) = load_manifest(folder).stages
+    assert entry.runner == "static" and entry.prefill_xml is not None
+    for xml in (entry.xml, entry.prefill_xml):
+        model = ov.Core().read_model(folder / xml)
+        assert dynamic(model) == []
+        kinds = {op.get_output_element_type(0).get_type_name() for op in model.get_ordered_ops()
+                 if op.get_type_name() == "Constant"}
+        assert element in kinds, kinds  # compressed, not left in floats
+    assert _tokens(folder, prompts[:1]) == _tokens(shards(weights, stages=1), prompts[:1])
+
+
 @pytest.mark.parametrize("kind, stages", [("1", 1), ("2", 2), ("mixed", 2)])
 def test_static_stages_give_the_stateful_tokens(static: Callable[[str], Path], shards: Callable[..., Path],
                                                 prompts: list[list[int]], kind: str, stages: int) -> None:
