@@ -10,7 +10,6 @@ step, never the process.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,11 +20,11 @@ from shardline.config import RunConfig
 from shardline.errors import ShardlineError, StepRefused
 from shardline.model.manifest import StageEntry
 from shardline.stage.cache import StepInputs
+from shardline.stage.keyed import Key, Keyed, shown
 from shardline.stage.resident import released_while
 from shardline.stage.zero_points import round_zero_points, split_zero_points, uniform_group
 
 _BEAMS = [np.arange(b, dtype=np.int32) for b in range(65)]  # identity Gathers, made once
-Key = Hashable
 
 
 @dataclass
@@ -48,18 +47,14 @@ def _kv_precision(compiled: ov.CompiledModel, run: RunConfig) -> str:
     return str(took)
 
 
-def _shown(key: Key) -> object:
-    """A key as its coordinator knows it (a worker scopes keys as (session, key))."""
-    return key[-1] if isinstance(key, tuple) else key
-
-
-class StageRunner:
+class StageRunner(Keyed[_Held]):
     def __init__(self, folder: Path, entry: StageEntry, run: RunConfig, core: ov.Core | None = None,
                  vocab: int | None = None, context: int | None = None) -> None:
         """`context`: steps with a position at or past it are refused (None: no bound here)."""
         if len(run.devices) != 1:
             raise ShardlineError(f"{entry.name} runs on one device, not {run.device} (RunConfig.for_stage)")
-        self.entry = entry
+        super().__init__()
+        self.entry, self.name = entry, entry.name
         self.context = context
         core = core or ov.Core()
         try:
@@ -85,7 +80,6 @@ class StageRunner:
         self.hidden = None if entry.has_embedding else int(width[2].get_length())
         self.vocab = vocab
         self._out = self.compiled.output(0)
-        self._keys: dict[Key, _Held] = {}
         self._layout: dict[str, tuple[np.dtype, int, int]] | None = None
         with released_while(folder / entry.bin):  # resident.py: why
             self._warm_up()
@@ -100,51 +94,26 @@ class StageRunner:
             feed["logits_index"] = np.zeros((1, 1), np.int64)
         self.compiled.create_infer_request().infer(feed, share_inputs=False)
 
-    def open(self, key: Key) -> None:
-        if key in self._keys:
-            raise StepRefused(f"key {_shown(key)} is already open on {self.entry.name}")
-        self._keys[key] = _Held(self.compiled.create_infer_request())
-
-    def has(self, key: Key) -> bool:
-        return key in self._keys
-
-    def keys(self) -> list[Key]:
-        return list(self._keys)
-
-    def close(self, key: Key) -> None:
-        """Drop the key's request and with it its KV state (an unknown key is a no-op)."""
-        self._keys.pop(key, None)
+    def fresh(self) -> _Held:
+        return _Held(self.compiled.create_infer_request())
 
     def reset(self, key: Key) -> None:
-        held = self._held(key)
+        held = self.held(key)
         held.request.reset_state()
         held.slots = held.rows = 0
-
-    def move(self, key: Key, to: Key) -> None:
-        """The request of `key` (and its KV) is known as `to` from now on."""
-        if to in self._keys:
-            raise StepRefused(f"key {_shown(to)} is already open on {self.entry.name}")
-        self._keys[to] = self._held(key)
-        del self._keys[key]
-
-    def slots(self, key: Key) -> int:
-        return self._held(key).slots
-
-    def rows(self, key: Key) -> int:
-        return self._held(key).rows
 
     def kv(self, key: Key, start: int = 0) -> dict[str, np.ndarray]:
         """A copy of the key's KV state from slot `start` on: variable name -> [B, kv_heads,
         slots - start, head_dim] (a chunk-level transfer copies only what it has not sent).
         StepRefused for a start past the key's slots."""
-        held = self._held(key)
+        held = self.held(key)
         if not 0 <= start <= held.slots:
-            raise StepRefused(f"KV from slot {start} of key {_shown(key)}, which holds {held.slots}")
+            raise StepRefused(f"KV from slot {start} of key {shown(key)}, which holds {held.slots}")
         return {s.name: s.state.data[:, :, start:].copy() for s in held.request.query_state()}
 
     def set_kv(self, key: Key, kv: dict[str, np.ndarray]) -> None:
         """Replace the key's whole KV state (OpenVINO sets a variable as a whole)."""
-        held = self._held(key)
+        held = self.held(key)
         for state in held.request.query_state():
             state.state = ov.Tensor(kv[state.name])
         shape = next(iter(kv.values())).shape
@@ -155,10 +124,10 @@ class StageRunner:
         cache.compaction from a mask over `slots` slots): the masked ones are dropped. A copy of
         the whole state (OpenVINO sets a variable as a whole). StepRefused, changing nothing,
         when the index was made for another state."""
-        held = self._held(key)
+        held = self.held(key)
         fits = index.ndim == 2 and index.shape[0] == held.rows > 0 and slots == held.slots
         if not fits or (index.size and (int(index.min()) < 0 or int(index.max()) >= held.slots)):
-            raise StepRefused(f"cannot compact {_shown(key)}: {held.rows} rows of {held.slots} slots, "
+            raise StepRefused(f"cannot compact {shown(key)}: {held.rows} rows of {held.slots} slots, "
                               f"a mask of {slots} slots")
         for state in held.request.query_state():  # gathered from the state's own buffer, row by row
             old = state.state.data
@@ -172,7 +141,7 @@ class StageRunner:
         """Run one step; returns hidden states [B, T, H] or, on the last stage, logits [B, N, V]
         for the positions of `inputs.logits_index`. The result is a view of the request's output
         buffer: valid until the key's next step."""
-        held = self._held(key)
+        held = self.held(key)
         x = inputs.input_ids if hidden is None else hidden
         feed = {self._input: self._checked(held, inputs, x), "attention_mask": inputs.attention_mask,
                 "position_ids": inputs.position_ids, "beam_idx": self._beam(inputs)}
@@ -194,12 +163,6 @@ class StageRunner:
         if self._layout is None:
             self._layout = states_of(self.compiled)
         return self._layout
-
-    def _held(self, key: Key) -> _Held:
-        held = self._keys.get(key)
-        if held is None:
-            raise StepRefused(f"unknown key {_shown(key)} on {self.entry.name}")
-        return held
 
     def _checked(self, held: _Held, inputs: StepInputs, x: np.ndarray) -> np.ndarray:
         return checked(inputs, x, held.slots, held.rows, self.hidden, self.vocab, self.context)

@@ -27,7 +27,6 @@ merge) is refused. The same checks as a stateful stage's refuse a step that does
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,9 +38,8 @@ from shardline.errors import ShardlineError, StepRefused
 from shardline.model.manifest import StageEntry
 from shardline.model.shapes import dynamic
 from shardline.stage.cache import StepInputs
+from shardline.stage.keyed import Key, Keyed, shown
 from shardline.stage.runner import checked, checked_logits_index
-
-Key = Hashable
 
 
 @dataclass
@@ -54,14 +52,16 @@ class _Ring:
         return self.past[name].data
 
 
-class StaticRunner:
+class StaticRunner(Keyed[_Ring]):
     def __init__(self, folder: Path, entry: StageEntry, run: RunConfig, core: ov.Core | None = None,
                  vocab: int | None = None, context: int | None = None) -> None:
         if len(run.devices) != 1:
             raise ShardlineError(f"{entry.name} runs on one device, not {run.device} (RunConfig.for_stage)")
         if entry.ring is None:
             raise ShardlineError(f"{entry.name} of {folder} is static but its manifest names no ring")
-        self.entry, self.ring, self.width, self.sinks = entry, entry.ring, entry.prefill_width, entry.sinks
+        super().__init__()
+        self.entry, self.name = entry, entry.name
+        self.ring, self.width, self.sinks = entry.ring, entry.prefill_width, entry.sinks
         # Without sinks a stream ends at the ring; with them it goes on, the ring sliding.
         bound = entry.ring if entry.sinks is None else None
         self.context = bound if context is None else min(context, bound or context)
@@ -77,7 +77,6 @@ class StaticRunner:
         self.hidden = None if entry.has_embedding else int(shape[2].get_length())
         self._past = {p.get_any_name(): tuple(int(d) for d in p.shape) for p in self.compiled.inputs
                       if p.get_any_name().startswith("past.")}
-        self._keys: dict[Key, _Ring] = {}
 
     def _compile(self, core: ov.Core, folder: Path, xml: str, run: RunConfig) -> ov.CompiledModel:
         try:
@@ -92,51 +91,26 @@ class StaticRunner:
         except RuntimeError as e:
             raise ShardlineError(f"cannot load {xml} from {folder} on {run.device}: {_first(e)}") from None
 
-    # --- keys and their rings (as StageRunner's) ---------------------------------------------
-
-    def open(self, key: Key) -> None:
-        if key in self._keys:
-            raise StepRefused(f"key {_shown(key)} is already open on {self.entry.name}")
-        self._keys[key] = _Ring({n: ov.Tensor(np.zeros(shape, np.float32)) for n, shape in self._past.items()})
-
-    def has(self, key: Key) -> bool:
-        return key in self._keys
-
-    def keys(self) -> list[Key]:
-        return list(self._keys)
-
-    def close(self, key: Key) -> None:
-        self._keys.pop(key, None)
+    def fresh(self) -> _Ring:
+        return _Ring({n: ov.Tensor(np.zeros(shape, np.float32)) for n, shape in self._past.items()})
 
     def reset(self, key: Key) -> None:
-        held = self._held(key)
+        held = self.held(key)
         held.slots = held.rows = 0
-
-    def move(self, key: Key, to: Key) -> None:
-        if to in self._keys:
-            raise StepRefused(f"key {_shown(to)} is already open on {self.entry.name}")
-        self._keys[to] = self._held(key)
-        del self._keys[key]
-
-    def slots(self, key: Key) -> int:
-        return self._held(key).slots
-
-    def rows(self, key: Key) -> int:
-        return self._held(key).rows
 
     def kv_layout(self) -> dict[str, tuple[np.dtype, int, int]]:
         return {n: (np.dtype(np.float32), s[1], s[3]) for n, s in self._past.items()}
 
     def kv(self, key: Key, start: int = 0) -> dict[str, np.ndarray]:
-        held = self._held(key)
+        held = self.held(key)
         if not 0 <= start <= held.slots:
-            raise StepRefused(f"KV from slot {start} of key {_shown(key)}, which holds {held.slots}")
+            raise StepRefused(f"KV from slot {start} of key {shown(key)}, which holds {held.slots}")
         self._whole(key, held, "export the KV of")
         return {n: held.view(n)[:, :, start:held.slots].copy() for n in self._past}
 
     def set_kv(self, key: Key, kv: dict[str, np.ndarray]) -> None:
         """Replace the key's KV: one row of at most `ring` slots per variable."""
-        held = self._held(key)
+        held = self.held(key)
         shape = next(iter(kv.values())).shape
         if shape[0] != 1 or shape[2] > self.ring or set(kv) != set(self._past):
             raise StepRefused(f"a static stage holds one row of at most {self.ring} slots, not {shape[0]} rows of "
@@ -146,11 +120,11 @@ class StaticRunner:
         held.rows, held.slots = 1, int(shape[2])
 
     def compact(self, key: Key, index: np.ndarray, slots: int) -> None:
-        held = self._held(key)
+        held = self.held(key)
         self._whole(key, held, "compact")
         fits = index.shape == (1, index.shape[-1]) and held.rows == 1 and slots == held.slots
         if not fits or (index.size and (int(index.min()) < 0 or int(index.max()) >= held.slots)):
-            raise StepRefused(f"cannot compact {_shown(key)}: {held.rows} rows of {held.slots} slots, "
+            raise StepRefused(f"cannot compact {shown(key)}: {held.rows} rows of {held.slots} slots, "
                               f"a mask of {slots} slots")
         for n in self._past:
             ring = held.view(n)
@@ -161,7 +135,7 @@ class StaticRunner:
 
     def run(self, key: Key, inputs: StepInputs, hidden: np.ndarray | None = None) -> np.ndarray:
         """As StageRunner.run; the result is a copy (the graphs' requests are shared by every key)."""
-        held = self._held(key)
+        held = self.held(key)
         x = checked(inputs, inputs.input_ids if hidden is None else hidden, held.slots, held.rows, self.hidden,
                     self.vocab, self.context)
         index = checked_logits_index(inputs)
@@ -230,14 +204,7 @@ class StaticRunner:
     def _whole(self, key: Key, held: _Ring, what: str) -> None:
         """StepRefused once the key's cache has slid past the ring: some of its slots are gone."""
         if held.slots > self.ring:
-            raise StepRefused(f"cannot {what} {_shown(key)}: its {held.slots} slots slid past the ring of {self.ring}")
-
-    def _held(self, key: Key) -> _Ring:
-        held = self._keys.get(key)
-        if held is None:
-            raise StepRefused(f"unknown key {_shown(key)} on {self.entry.name}")
-        return held
-
+            raise StepRefused(f"cannot {what} {shown(key)}: its {held.slots} slots slid past the ring of {self.ring}")
 
 def ring_slot(plan_slots: np.ndarray, ring: int, sinks: int | None) -> np.ndarray:
     """The ring slot of each plan slot: itself within the ring; past it (with sinks) the first
@@ -254,10 +221,6 @@ def ring_holds(written: int, ring: int, sinks: int | None) -> np.ndarray:
         return np.where(r < written, r, -1)
     tail, q = ring - sinks, r - sinks
     return np.where(r < sinks, r, sinks + q + tail * ((written - 1 - sinks - q) // tail))
-
-
-def _shown(key: Key) -> object:
-    return key[-1] if isinstance(key, tuple) else key
 
 
 def _first(e: Exception) -> str:
