@@ -164,28 +164,38 @@ class _Builder:
         q = self.rope(self.heads(q, a.n_heads), self.cos, self.sin)
         k = self.rope(self.heads(k, a.n_kv_heads), self.cos, self.sin)
         v = self.heads(v, a.n_kv_heads)
-        k_all = ops.concat([past_k, k], 2).output(0)
-        v_all = ops.concat([past_v, v], 2).output(0)
-        # A host-kept cache takes only the new tokens' KV out: past + new would copy the whole
-        # context out of the graph every token.
-        self.result(k if self.new_kv_only else k_all, f"present.{i}.key")
-        self.result(v if self.new_kv_only else v_all, f"present.{i}.value")
-        if self.new_kv_only and a.group > 1:
-            attn = self.grouped_attention(q, k_all, v_all)
+        if self.new_kv_only:
+            # A host-kept cache takes only the new tokens' KV out (past + new would copy the
+            # whole context out of the graph every token), and attends without concatenating.
+            self.result(k, f"present.{i}.key")
+            self.result(v, f"present.{i}.value")
+            attn = self.split_attention(q, past_k, past_v, k, v)
         else:
+            k_all = ops.concat([past_k, k], 2).output(0)
+            v_all = ops.concat([past_v, v], 2).output(0)
+            self.result(k_all, f"present.{i}.key")
+            self.result(v_all, f"present.{i}.value")
             attn = ops.scaled_dot_product_attention(q, self.expand_kv(k_all), self.expand_kv(v_all), self.attn_mask)
         return ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, a.n_heads * a.head_dim), True).output(0)
 
-    def grouped_attention(self, q: ov.Output, k: ov.Output, v: ov.Output) -> ov.Output:
-        """SDPA with each KV head's query heads stacked as its rows ([B, kv_heads, group * T, D])
-        instead of the KV repeated per query head: a static graph reads its whole ring every
-        token, and the repeat would copy it `group` times over (the stateful graph's fused
-        attention never materializes it). The mask rows are tiled to match; [B, heads, T, D] out."""
+    def split_attention(self, q: ov.Output, past_k: ov.Output, past_v: ov.Output, k: ov.Output,
+                        v: ov.Output) -> ov.Output:
+        """Attention over the past (the host's ring, read in place) and the new tokens as two
+        products under one softmax: concatenating the past and new KV first would copy the whole
+        ring once more per layer and token (BENCHMARKS.md, issue 25). Each KV head's query heads
+        are stacked as its rows ([B, kv_heads, group * T, D]) rather than the KV repeated per
+        query head, which would copy the ring `group` times over; the mask rows are tiled to
+        match. Only the scores ([.., group * T, ring + T]) are concatenated. [B, heads, T, D] out."""
         a = self.a
         assert self.attn_mask is not None
         rows = ops.reshape(q, _i64(0, a.n_kv_heads, -1, a.head_dim), True)  # heads are kv-major: h = kv * group + j
-        mask = ops.tile(self.attn_mask, _i64(1, 1, a.group, 1))
-        out = ops.scaled_dot_product_attention(rows, k, v, mask)
+        rows = ops.multiply(rows, np.float32(1.0 / np.sqrt(a.head_dim)))
+        scores = ops.concat([ops.matmul(rows, past_k, False, True), ops.matmul(rows, k, False, True)], 3)
+        weights = ops.softmax(ops.add(scores, ops.tile(self.attn_mask, _i64(1, 1, a.group, 1))), 3)
+        lengths = ops.concat([ops.gather(ops.shape_of(past_k), _i64(2), np.int64(0)),
+                              ops.gather(ops.shape_of(k), _i64(2), np.int64(0))], 0)
+        on_past, on_new = ops.variadic_split(weights, np.int64(3), lengths).outputs()
+        out = ops.add(ops.matmul(on_past, past_v, False, False), ops.matmul(on_new, v, False, False))
         return ops.reshape(out, _i64(0, a.n_heads, -1, a.head_dim), True).output(0)
 
     def build(self) -> ov.Model:
