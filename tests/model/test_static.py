@@ -16,7 +16,7 @@ import openvino as ov
 import pytest
 
 from shardline.cli import static_stages
-from shardline.config import ExportConfig, RunConfig, SamplingConfig, SamplingParams
+from shardline.config import ExportConfig, RunConfig, SamplingConfig, SamplingParams, ServeConfig, SpeculationConfig
 from shardline.errors import ShardlineError, StepRefused
 from shardline.export.exporter import export
 from shardline.model.manifest import MANIFEST, load_manifest
@@ -24,6 +24,7 @@ from shardline.model.shapes import dynamic
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.plan import prefill, run
+from shardline.server import scheduling
 from shardline.serving.admission import Limits
 from shardline.serving.drafters import LOOKUP_PRIOR, LookupDrafter
 from shardline.serving.engine import Engine, Event, Request
@@ -169,6 +170,34 @@ def test_past_the_ring_a_stream_goes_on_with_its_sinks_and_no_loop_at_the_seam(
         seam = SMALL_RING - len(p)  # the first token whose step finds the ring full
         assert len(ours) == 96 and ours[:seam] == theirs[:seam]
         assert not _loops(ours[seam : seam + 32]), ours
+
+
+def test_speculation_past_the_ring_goes_on_with_its_drafts_masked_in_the_sliding_ring(
+        static: Callable[[str], Path], shards: Callable[..., Path]) -> None:
+    """Prompt lookup over a ring of 64 with 4 sinks, as `serve` schedules it (a slid cache is never
+    compacted: its rejected drafts stay masked and slide out): 96 tokens after each of 2 prompts
+    that repeat themselves, every one to its length; the tokens before a step can have filled
+    the ring are the stateful stage's, and the 32 after the ring fills do not loop."""
+    m = load_manifest(static("sinks"))
+    cfg = scheduling(ServeConfig(prefill_chunk=WIDTH), m, remote=False, spec=SpeculationConfig(draft="ngram", k=4))
+    assert (cfg.groups, cfg.chunk, cfg.compact_at) == (0, WIDTH, 1 << 30)
+    tok = ChatTokenizer(static("sinks"))
+    prompts = [tok.encode_chat([{"role": "user", "content": p}])[:24] * 2 for p in CHAT_PROMPTS[:2]]
+    drafts, sampling = Drafts(LookupDrafter, 4, 8, LOOKUP_PRIOR), SamplingConfig(max_tokens=96)
+    with LocalPipeline(shards("gguf", stages=1), EXACT) as pipe:
+        full = [engine_tokens(pipe, p, sampling, chunk=WIDTH, groups=0) for p in prompts]
+    final: list[Event] = []
+    with LocalPipeline(static("sinks"), EXACT) as pipe:
+        engine = Engine(pipe, Limits(1, 1), 8192, cfg, drafts)
+        try:
+            slid = [[ev.token for ev in generate(engine, p, sampling, (), on_final=final.append)] for p in prompts]
+        finally:
+            engine.stop()
+    for p, ours, theirs, end in zip(prompts, slid, full, final, strict=True):
+        sure = (SMALL_RING - len(p)) // 5  # a verify step of 4 drafts takes 5 slots for at least 1 token
+        assert len(ours) == 96 and ours[:sure] == theirs[:sure] and sure >= 3
+        assert not _loops(ours[-32:]), ours
+        assert end.spec is not None and end.spec.accepted > 0 and end.spec.drafted > end.spec.accepted, end.spec
 
 
 def test_a_request_past_the_ring_is_refused_before_it_runs(static: Callable[[str], Path],
