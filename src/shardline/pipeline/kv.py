@@ -41,6 +41,11 @@ class StageLayout:
     last_layer: int
     states: Mapping[str, tuple[np.dtype, int, int]]
 
+    @property
+    def slot_bytes(self) -> int:
+        """The bytes one slot (one token of one row) of its KV takes."""
+        return sum(np.dtype(dtype).itemsize * heads * dim for dtype, heads, dim in self.states.values())
+
 
 @dataclass(frozen=True, eq=False)  # arrays: identity, not an elementwise ==
 class KvSnapshot:

@@ -33,7 +33,18 @@ from shardline.pipeline import metrics
 from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import KvSnapshot, StageKv, StageLayout, export_identity, frozen, snapshot
-from shardline.pipeline.plan import KvExport, KvImport, KvMove, Outcome, Placed, PrefillStep, Release, Step, unfit
+from shardline.pipeline.plan import (
+    KvCopy,
+    KvExport,
+    KvImport,
+    KvMove,
+    Outcome,
+    Placed,
+    PrefillStep,
+    Release,
+    Step,
+    unfit,
+)
 from shardline.pipeline.timing import Timing
 from shardline.stage import executor as stage_work
 from shardline.stage.runners import Stage, open_stage
@@ -86,7 +97,7 @@ class _Undo:
     error: ShardlineError
 
 
-_Control = Release | _Export | KvImport | _Undo
+_Control = Release | _Export | KvImport | KvCopy | _Undo
 _Work = tuple[Step, StageWork, "np.ndarray | None", _Trace] | _Control | None  # None stops the thread
 
 
@@ -249,8 +260,11 @@ def _apply(k: int, stage: Stage, work: _Control, last: bool) -> bool:
         work.parts.append(StageKv(e.first_layer, e.last_layer, frozen(stage.kv(x.lease, x.start))))
         if last:
             x.done.set_result(snapshot(work.export, work.parts, x.start))
-    elif isinstance(work, KvImport):
-        write_kv(stage, work.lease, work.snap.stages[k])
+    elif isinstance(work, KvImport | KvCopy):
+        if isinstance(work, KvImport):
+            write_kv(stage, work.lease, work.snap.stages[k])
+        else:
+            copy_kv(stage, work)
         if last:
             work.done.set_result(None)
     else:
@@ -271,17 +285,29 @@ def write_kv(stage: Stage, key: int, part: StageKv) -> None:
         raise
 
 
+def copy_kv(stage: Stage, c: KvCopy) -> None:
+    """Open `c.dst` with the slots `c.index` of row `c.row` of `c.src`, or leave the stage as it
+    was (StepRefused for a source it does not hold, or a row or slot it does not have)."""
+    rows, slots = stage.rows(c.src), stage.slots(c.src)
+    index = c.index
+    if not 0 <= c.row < rows or index.ndim != 1 or (index.size and (int(index.min()) < 0 or
+                                                                     int(index.max()) >= slots)):
+        raise StepRefused(f"slots of row {c.row} of a state of {rows} rows of {slots} slots")
+    part = {n: np.ascontiguousarray(a[c.row : c.row + 1][:, :, index]) for n, a in stage.kv(c.src).items()}
+    write_kv(stage, c.dst, StageKv(stage.entry.first_layer, stage.entry.last_layer, part))
+
+
 def _failed(k: int, work: _Control, e: Exception, head: queue.Queue[_Work]) -> None:
     """Fail `work`'s Future with `e`; an import that stage 0 had got past is undone first."""
     why = str(e) if isinstance(e, ShardlineError) else f"{type(e).__name__}: {e}"
     error = ShardlineError(f"cannot {_VERBS[type(work)]} the KV of key {work.lease}: stage {k}: {why}")
-    if isinstance(work, KvImport) and k > 0:
+    if isinstance(work, KvImport | KvCopy) and k > 0:
         head.put(_Undo(work.lease, k, work.done, error))
     elif not isinstance(work, Release) and not work.done.done():
         work.done.set_exception(error)
 
 
-_VERBS = {Release: "release", _Export: "export", KvImport: "import", _Undo: "undo"}
+_VERBS = {Release: "release", _Export: "export", KvImport: "import", KvCopy: "copy", _Undo: "undo"}
 
 
 def _abandon(inbox: queue.Queue[_Work]) -> None:
@@ -291,7 +317,7 @@ def _abandon(inbox: queue.Queue[_Work]) -> None:
             work = inbox.get_nowait()
         except queue.Empty:
             return
-        if isinstance(work, _Export | KvImport | _Undo) and not work.done.done():
+        if isinstance(work, _Export | KvImport | KvCopy | _Undo) and not work.done.done():
             work.done.set_exception(ShardlineError(f"the pipeline stopped before the KV of key {work.lease} moved"))
 
 

@@ -132,7 +132,26 @@ class KvImport:
     made: float = field(default_factory=time.perf_counter, compare=False)  # as a step's
 
 
-KvMove = KvExport | KvImport
+@dataclass(frozen=True, eq=False)
+class KvCopy:
+    """A fresh lease `dst` opened on every stage with the slots `index` (in order) of row `row`
+    of `src`'s state, after every step submitted before it (`src` stays as it is): prefix reuse
+    (serving/prefix.py) keeps an ended stream's attended slots so, and starts a new stream from
+    an entry's first slots so. `done` says when it is in on every stage (or why not:
+    ShardlineError, `dst` closed everywhere)."""
+
+    src: int
+    dst: int
+    index: np.ndarray  # [W] i64, slots of `src`
+    row: int = 0
+    done: Future[None] = field(default_factory=_started)
+
+    @property
+    def lease(self) -> int:  # the lease it opens (as an import's)
+        return self.dst
+
+
+KvMove = KvExport | KvImport | KvCopy
 
 
 def unfit(item: KvMove, identity: str, layout: Callable[[], list[StageLayout]]) -> bool:
@@ -149,16 +168,18 @@ def unfit(item: KvMove, identity: str, layout: Callable[[], list[StageLayout]]) 
 
 @dataclass(frozen=True)
 class Plan:
-    """One round's stage work, in the order a pipeline takes it: KV exports, the leases
-    released, KV imports, then the steps. (A stream leaving this instance has its KV exported
-    before its lease is released; a group emptied this round may be re-entered by this round's
+    """One round's stage work, in the order a pipeline takes it: KV exports and copies, the
+    leases released, KV imports, then the steps. (A stream leaving this instance has its KV
+    exported, an ended stream's kept, before its lease is released, and an evicted entry is
+    copied from before it goes; a group emptied this round may be re-entered by this round's
     steps, a joiner merged into its lease: a release after that merge would free the new state;
-    an imported lease is open before any step runs on it.)"""
+    an imported or copied lease is open before any step runs on it.)"""
 
     releases: tuple[int, ...] = ()
     steps: tuple[Step, ...] = ()
     exports: tuple[KvExport, ...] = ()
     imports: tuple[KvImport, ...] = ()
+    copies: tuple[KvCopy, ...] = ()
 
 
 def execute(pipe: Pipeline, plan: Plan, failed: Callable[[Step, str], None]) -> None:
@@ -166,6 +187,8 @@ def execute(pipe: Pipeline, plan: Plan, failed: Callable[[Step, str], None]) -> 
     a KV move that cannot start fails its `done`."""
     for x in plan.exports:
         _move(pipe, x)
+    for c in plan.copies:
+        _move(pipe, c)
     for key in plan.releases:
         pipe.release(key)
     for y in plan.imports:

@@ -46,8 +46,19 @@ from shardline.pipeline.held import needs
 from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.life import ChainLife, Lost, Sent
-from shardline.pipeline.plan import KvImport, KvMove, Outcome, Placed, PrefillStep, Release, Step, unfit
-from shardline.pipeline.remote_kv import KV_S, KvMoves
+from shardline.pipeline.plan import (
+    KvCopy,
+    KvExport,
+    KvImport,
+    KvMove,
+    Outcome,
+    Placed,
+    PrefillStep,
+    Release,
+    Step,
+    unfit,
+)
+from shardline.pipeline.remote_kv import KV_S, KvMoves, WireMove
 from shardline.pipeline.star import StarRefused, relay
 from shardline.pipeline.timing import breakdown
 from shardline.pipeline.watchdog import overdue, watch
@@ -110,7 +121,7 @@ class RemotePipeline:
         self.kv = KvMoves(self.manifest, self.stage0, max(KV_S, self._clock.limits.floor_s))
         self.life = ChainLife(self._open, self._read, reconnect_s)
         self._local = 0  # steps submitted that stage 0 has not finished sending (under life.lock)
-        self._inbox: queue.Queue[Step | Release | _Repair | KvMove | None] = queue.Queue()
+        self._inbox: queue.Queue[Step | Release | _Repair | WireMove | None] = queue.Queue()
         self._stopping = threading.Event()
         self.life.connect()
         self._thread = threading.Thread(target=self._stage0_loop, daemon=True, name="stage-0")
@@ -152,8 +163,11 @@ class RemotePipeline:
         self._inbox.put(Release(key))
 
     def move(self, item: KvMove) -> None:
-        """As LocalPipeline's; a move also fails when the chain breaks under it."""
-        if not unfit(item, self.kv.identity, self.kv.layout):
+        """As LocalPipeline's; a move also fails when the chain breaks under it. A copy between
+        leases (prefix reuse) is not carried to workers yet: it fails at once."""
+        if isinstance(item, KvCopy):
+            item.done.set_exception(ShardlineError("copying a lease's KV on workers is not supported yet"))
+        elif not unfit(item, self.kv.identity, self.kv.layout):
             self._inbox.put(item)
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome]:
@@ -198,7 +212,7 @@ class RemotePipeline:
             if isinstance(work, _Repair):
                 self._repair()
                 continue
-            if isinstance(work, KvMove):
+            if isinstance(work, KvExport | KvImport):
                 self._move_kv(work)
                 continue
             try:
@@ -221,7 +235,7 @@ class RemotePipeline:
             with contextlib.suppress(LinkClosed):  # a dead worker holds nothing to free
                 link.send(ReleaseMsg(key))
 
-    def _move_kv(self, work: KvMove) -> None:
+    def _move_kv(self, work: WireMove) -> None:
         """Stage 0's part of a KV move here, the workers' over their links (remote_kv.py). An
         import may reopen a broken chain, as a stream's first step does."""
         life = self.life

@@ -31,13 +31,14 @@ from shardline.model.manifest import Manifest
 from shardline.pipeline.held import Held
 from shardline.pipeline.kv import KvSnapshot, StageKv, StageLayout, check, export_identity, frozen, snapshot
 from shardline.pipeline.local import write_kv
-from shardline.pipeline.plan import KvExport, KvImport, KvMove
+from shardline.pipeline.plan import KvExport, KvImport
 from shardline.stage.runners import Stage
 from shardline.wire.codec import WireError
 from shardline.wire.link import Link, LinkClosed
 from shardline.wire.messages import MAX_KV_PARTS, KvDone, KvPart, KvPull, KvPush, Refuse
 from shardline.wire.messages import Release as ReleaseMsg
 
+WireMove = KvExport | KvImport  # the moves workers take (a KvCopy is not carried yet)
 KV_S = 60.0  # a worker that has not finished its part of a move by then is taken as hung
 
 
@@ -50,7 +51,7 @@ class KvHeld(Held):
 
 @dataclass(eq=False)
 class _Move:
-    work: KvMove
+    work: WireMove
     seq: int
     sends: list[list[KvPull | KvPush | KvPart]]  # per worker, in chain order
     head: StageKv | None  # an export's part of stage 0
@@ -92,7 +93,7 @@ class KvMoves:
 
     # --- the stage-0 thread -----------------------------------------------------------------------
 
-    def begin(self, work: KvMove, seq: int, workers: int) -> _Move:
+    def begin(self, work: WireMove, seq: int, workers: int) -> _Move:
         """The messages for each of `workers`, and stage 0's part: an export's copy, an import's
         write. ShardlineError, with stage 0 as it was, when either cannot be done."""
         if isinstance(work, KvExport):
@@ -149,7 +150,7 @@ class KvMoves:
         for move in moves:
             move.landed.wait(max(0.0, move.deadline - time.monotonic()) + 5.0)
 
-    def refused(self, work: KvMove, why: str) -> None:
+    def refused(self, work: WireMove, why: str) -> None:
         """The move did not start (stage 0 left as it was)."""
         verb = "export" if isinstance(work, KvExport) else "import"
         work.done.set_exception(ShardlineError(f"cannot {verb} the KV of key {work.lease}: {why}"))

@@ -37,6 +37,7 @@ from shardline.host import trim_memory_every
 from shardline.pipeline.plan import DecodeStep, Lease, Outcome, Pipeline, Step, execute
 from shardline.serving.admission import Limits, accepts, to_admit
 from shardline.serving.engine_spec import SpecDriver
+from shardline.serving.prefix import PrefixCache
 from shardline.serving.replay import Replays, refusal
 from shardline.serving.roles import Coupled, Role
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
@@ -65,6 +66,10 @@ class Request:
     # The request's text comes with its events when given (needed for `stops`): the caller's
     # tokenizer, a fresh streaming detokenizer per request.
     detokenizer: Callable[[], Detokenizer] | None = None
+    # Prefix reuse (serving/prefix.py), when the engine keeps prefixes: whose kept prefixes it
+    # may start from and join (an API key's), and whether it may at all ("cache_prompt").
+    scope: str = ""
+    cache_prompt: bool = True
 
 
 @dataclass(frozen=True)
@@ -127,15 +132,16 @@ class Serving(Protocol):
 class Engine:
     def __init__(self, pipe: Pipeline, limits: Limits, max_context: int,
                  scheduling: SchedulerConfig | None = None, drafts: Drafts | None = None,
-                 replays: Replays | None = None, role: Role | None = None) -> None:
+                 replays: Replays | None = None, role: Role | None = None, prefix: PrefixCache | None = None) -> None:
         """`role`: what this engine serves in disaggregated serving (disagg/: a prefill or a
-        decode instance); None: coupled, every request prefills and decodes here."""
+        decode instance); None: coupled, every request prefills and decodes here. `prefix`:
+        ended streams' KV kept and reused by later prompts (None: off)."""
         self.pipe = pipe
         self.role: Role = role or Coupled()
         self.replays = replays or Replays()  # how often and how long a lost stream is replayed
         self.limits = limits
         self.max_context = max_context
-        self.scheduler = Scheduler(scheduling, self.role.handoffs)
+        self.scheduler = Scheduler(scheduling, self.role.handoffs, prefix)
         self.spec = SpecDriver(drafts, self.scheduler, pipe)
         self._waiting: deque[Ticket] = deque()
         self._cancels: deque[Ticket] = deque()
@@ -257,6 +263,8 @@ class Engine:
         for step in plan.steps:
             if isinstance(step, DecodeStep):
                 self.spec.launched(step)
+        for c in plan.copies:  # a stream waits for its prefix's copy: its landing wakes the loop
+            c.done.add_done_callback(lambda _: self.pipe.wake())
         execute(self.pipe, plan, self._step_failed)
         if left := self.scheduler.take_left():
             self.role.left(left)
@@ -285,7 +293,8 @@ class Engine:
             params = r.sampling.params(secrets.randbits(63))
             lease = self._lease()
             ticket.stream = Stream(new_stream_id(), list(r.prompt), params, r.sampling.max_tokens, r.stop_ids,
-                                   r.sampling.want_logits, owner=ticket, book=self.scheduler.kv.book(lease), key=lease)
+                                   r.sampling.want_logits, owner=ticket, book=self.scheduler.kv.book(lease), key=lease,
+                                   prefix_scope=r.scope if r.cache_prompt else None)
             if r.speculative:
                 ticket.stream.spec = self.spec.speculation()
             self.scheduler.add(ticket.stream)
@@ -382,7 +391,7 @@ class Engine:
             self._taken -= 1
 
     def _finish(self, stream: Stream, reason: str, error: str = "") -> None:
-        self.scheduler.remove(stream)
+        self.scheduler.remove(stream, keep=reason in ("stop", "length"))
         stats = self.spec.closed(stream)
         self.release_slot()
         ticket = ticket_of(stream)

@@ -17,8 +17,10 @@ from __future__ import annotations
 from concurrent.futures import Future
 from itertools import count
 
+import numpy as np
+
 from shardline.pipeline.kv import KvSnapshot
-from shardline.pipeline.plan import KvExport, KvImport, Lease
+from shardline.pipeline.plan import KvCopy, KvExport, KvImport, Lease
 from shardline.stage.cache import KVBook
 
 
@@ -34,6 +36,7 @@ class KvTable:
         self._freed: list[Lease] = []
         self._exports: list[KvExport] = []
         self._imports: list[KvImport] = []
+        self._copies: list[KvCopy] = []
 
     def lease(self, book: KVBook | None = None) -> Lease:
         """A fresh lease for a stream's own state, with its book: a fresh one (an empty cache),
@@ -74,4 +77,17 @@ class KvTable:
         """The KV moves asked for since the last call, in the order they were asked."""
         out = tuple(self._exports), tuple(self._imports)
         self._exports, self._imports = [], []
+        return out
+
+    def copy(self, src: Lease, index: np.ndarray, row: int = 0, to: Lease | None = None) -> tuple[Lease, Future[None]]:
+        """A lease opened by the next plan (before its releases and steps) with the slots `index`
+        of row `row` of `src`'s state: a fresh lease, or `to` (given and not opened yet). Its
+        book becomes a cache of those slots, every one attended."""
+        lease = self.lease() if to is None else to
+        self.books[lease] = KVBook.filled(len(index))
+        self._copies.append(c := KvCopy(src, lease, np.asarray(index, np.int64), row))
+        return lease, c.done
+
+    def take_copies(self) -> tuple[KvCopy, ...]:
+        out, self._copies = tuple(self._copies), []
         return out

@@ -18,6 +18,8 @@ to release, then the steps to submit now:
 Every stream has at most one step in flight, so a stream's steps reach each stage in order.
 When a stream ends, `remove` frees its own key and, if it leaves a group empty, the group's:
 the next plan (or `releases()`, when nothing more is planned) hands those keys to the pipeline.
+With a prefix cache (reuse.py), a stream added starts from a kept prefix when one matches, and
+a stream that ended well is kept first (its KV copied by the next plan before the releases).
 No processes, no I/O: tested as plain objects.
 """
 
@@ -35,6 +37,8 @@ from shardline.pipeline.timing import Timing
 from shardline.serving.groups import MAX_ROWS, Groups
 from shardline.serving.kv_table import KvTable
 from shardline.serving.pacing import Pacing
+from shardline.serving.prefix import PrefixCache
+from shardline.serving.reuse import Reuse
 from shardline.serving.stream import Stream
 
 
@@ -61,7 +65,8 @@ class Handoffs(Protocol):
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig | None = None, handoffs: Handoffs | None = None) -> None:
+    def __init__(self, cfg: SchedulerConfig | None = None, handoffs: Handoffs | None = None,
+                 prefix: PrefixCache | None = None) -> None:
         self.cfg = cfg or SchedulerConfig()
         self.handoffs = handoffs
         self._left: list[Stream] = []  # handed off by the last plans, for the engine (take_left)
@@ -69,16 +74,26 @@ class Scheduler:
         self.pacing = Pacing(self.cfg.pacing, self.cfg.chunk) if self.cfg.pacing else None
         self.streams: dict[int, Stream] = {}  # running, by id, in admission order
         self.kv = KvTable()  # the leases of this scheduler's pipeline, and those to release
+        self.reuse = Reuse(prefix, self.kv) if prefix is not None else None
 
     def add(self, stream: Stream) -> None:
         self.streams[stream.id] = stream
+        if self.reuse is not None:
+            self.reuse.start(stream)
 
-    def remove(self, stream: Stream) -> None:
-        """`stream` ended (none of its steps in flight): free its own key (if its KV never
-        became a group's row, it is still there) and a group it leaves empty."""
+    def remove(self, stream: Stream, keep: bool = False) -> None:
+        """`stream` ended (none of its steps in flight): keep its KV as a prefix if `keep` (it
+        ended well) and there is a prefix cache; free its own key (if its KV never became a
+        group's row, it is still there) and a group it leaves empty."""
         if stream.in_flight:
             raise ShardlineError(f"stream {stream.id} still has a step in flight")
         self.streams.pop(stream.id, None)
+        if keep and self.reuse is not None:
+            group = self.groups.group_of(stream.id)
+            if group is not None and stream.id in group.held:
+                self.reuse.keep(stream, Lease(group.key), group.held.index(stream.id))
+            else:
+                self.reuse.keep(stream, stream.key, 0)
         self.kv.free(stream.key)
         if (emptied := self.groups.leave(stream.id)) is not None:
             self.kv.free(Lease(emptied))
@@ -88,6 +103,8 @@ class Scheduler:
         leaves the group empty; it starts again on the lease `key` (Stream.restart), keeping its
         id and its place among the streams (the oldest prompts prefill first)."""
         old = stream.key
+        if self.reuse is not None:
+            self.reuse.clear()
         stream.restart(key, self.kv.books.get(key))
         self.kv.free(old)
         if (emptied := self.groups.leave(stream.id)) is not None:
@@ -100,6 +117,8 @@ class Scheduler:
         """This round's plan; `drafts`: the drafts each stream about to decode offers, by stream
         (the engine's speculation chose them; the scheduler only places them in the rows)."""
         self._hand_off()
+        if self.reuse is not None:
+            self.reuse.landed()
         releases = tuple(self.releases())  # after the exports, before the steps: see Plan
         steps = self._decodes(drafts or {}) + self._prefills()
         for step in steps:  # each stream is in one step at most: its book is reserved once
@@ -108,7 +127,7 @@ class Scheduler:
             for s in rows:
                 s.in_flight = True
         exports, imports = self.kv.take_moves()
-        return Plan(releases, tuple(steps), exports, imports)
+        return Plan(releases, tuple(steps), exports, imports, self.kv.take_copies())
 
     def take_left(self) -> list[Stream]:
         """The streams handed off since the last call, each with its KV's exports (handover.kv_sent)."""
@@ -145,7 +164,7 @@ class Scheduler:
 
     def _prefills(self) -> list[Step]:
         waiting = [s for s in self.streams.values() if s.prefilling][: self.cfg.max_prefills]
-        ready = [s for s in waiting if not s.in_flight]
+        ready = [s for s in waiting if not s.in_flight and s.copying is None]
         if self.pacing is None:
             sizes = [self.cfg.chunk] * len(ready)
         else:

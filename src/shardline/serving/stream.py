@@ -66,6 +66,10 @@ class Stream:
     stop_ids: frozenset[int] = frozenset()
     want_logits: bool = False
     owner: Ticket | None = None  # the engine's handle on the request
+    # Whose kept prefixes it may start from and whose its own KV joins when it ends (an API
+    # key's, serving/prefix.py); None: it neither reuses nor is kept ("cache_prompt": false).
+    prefix_scope: str | None = None
+    copying: Future[None] | None = None  # a kept prefix on its way into its lease: no step until in
     book: KVBook = field(default_factory=KVBook)
     prefilled: int = 0  # tokens of `prefix()` sent to the stages
     chunk: tuple[int, int] | None = None  # its last prompt chunk: (tokens, tokens cached before it)

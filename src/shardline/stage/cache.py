@@ -96,9 +96,21 @@ class KVBook:
         self._keep = np.zeros(0, dtype=np.int64)  # one entry per physical slot: 1 attend, 0 masked
         self.position = 0
 
+    @classmethod
+    def filled(cls, n: int) -> KVBook:
+        """A cache of `n` slots holding positions 0..n-1, every one attended (a prefix's copy)."""
+        book = cls()
+        book._keep, book.position = np.ones(n, np.int64), n
+        return book
+
     @property
     def slots(self) -> int:
         return int(self._keep.shape[0])
+
+    def attended(self) -> np.ndarray:
+        """The slots a step attends, in order: slot `attended()[i]` holds the token at position i
+        (rejected drafts and pads are masked; positions count attended slots alone)."""
+        return np.flatnonzero(self._keep)
 
     @property
     def masked(self) -> int:

@@ -1,0 +1,93 @@
+"""Prefix reuse in the scheduler's terms: a new stream starts from a kept prefix's copy, an
+ended stream's KV is kept, as KvCopy items of the next plan (pure: the KV table records them).
+
+- `start`: a stream about to prefill whose prompt starts with an entry of its scope gets the
+  entry's first n slots copied into its own lease (not opened yet), its book a cache of those n
+  positions; once that copy is in (`Stream.copying` done) it prefills only the rest (its first
+  chunk then opens nothing). If the copy failed, it prefills everything: a miss, never a wrong
+  answer.
+- `keep`: a stream that ended well has its attended slots (its tokens' KV, in order, without
+  rejected drafts or pads) copied from its state (its own lease, or its row of a decode group's)
+  into a fresh lease: the entry. It may be matched at once: a pipeline takes its items in order,
+  so a copy from it comes after its own; if its own failed, so does the copy from it.
+- `landed`: copies done since the last round: a stream's lets it prefill (and unpins its
+  entry); an entry whose own copy failed is forgotten.
+The copies run before the round's releases and steps (Plan), so an entry freed in the same
+round is copied from first.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shardline.pipeline.plan import Lease
+from shardline.serving.kv_table import KvTable
+from shardline.serving.prefix import Entry, PrefixCache
+from shardline.serving.stream import Stream
+from shardline.stage.cache import KVBook
+
+
+@dataclass
+class Reuse:
+    cache: PrefixCache
+    kv: KvTable
+    # (entry, its copy, the stream copied into; None: the entry's own copy)
+    _copying: list[tuple[Entry, Future[None], Stream | None]] = field(default_factory=list)
+
+    def start(self, s: Stream) -> None:
+        if s.prefix_scope is None or s.prefilled or s.resumed:
+            return
+        hit = self.cache.match(s.prompt, s.prefix_scope)
+        if hit is None:
+            return
+        entry, n = hit
+        _, s.copying = self.kv.copy(entry.lease, np.arange(n), to=s.key)
+        s.book, s.prefilled = self.kv.book(s.key), n
+        self._copying.append((entry, s.copying, s))
+
+    def keep(self, s: Stream, src: Lease, row: int) -> None:
+        """`s` ended (nothing in flight), its KV in row `row` of `src`'s state."""
+        if s.prefix_scope is None or s.prefilling:
+            return
+        seq = s.prompt + s.generated
+        slots = s.book.attended()[: len(seq)]
+        if not self.cache.fits(len(slots)):
+            return
+        lease, done = self.kv.copy(src, slots, row)
+        entry, drop = self.cache.keep(lease, seq[: len(slots)], s.prefix_scope)
+        for gone in drop:
+            self.kv.free(gone)
+        if entry is not None:
+            self._copying.append((entry, done, None))
+
+    def landed(self) -> None:
+        still = []
+        for entry, done, into in self._copying:
+            if not done.done():
+                still.append((entry, done, into))
+            elif into is not None:
+                self.cache.unpin(entry)
+                self._arrived(into, done)
+            elif done.exception() is not None:  # nothing of it is held: its lease was closed everywhere
+                self.cache.forget(entry)
+                self.kv.free(entry.lease)
+        self._copying = still
+
+    def _arrived(self, s: Stream, done: Future[None]) -> None:
+        """`s`'s copy is in: it prefills the rest; or it failed (its lease closed everywhere):
+        it prefills everything, from an empty cache."""
+        s.copying = None
+        if done.exception() is not None:
+            self.cache.stats.tokens_saved -= s.prefilled
+            s.book = self.kv.books[s.key] = KVBook()
+            s.prefilled = 0
+
+    def clear(self) -> None:
+        """A chain broke: what the stages hold is no longer known; every entry goes (a stream
+        being copied into is replayed, or lands as the copy says)."""
+        for lease in self.cache.clear():
+            self.kv.free(lease)
+        self._copying = [c for c in self._copying if c[2] is not None]
