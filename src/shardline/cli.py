@@ -122,6 +122,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                    help="prompt tokens per prefill step; chunks interleave with running streams' decode steps")
     s.add_argument("--max-prefills", type=int, default=2, help="prompts prefilling at once (oldest first)")
+    s.add_argument("--prefix-cache-mb", type=int, default=None, metavar="MIB",
+                   help="ended requests' KV kept for later prompts that start alike (a chat's next turn, a shared "
+                        "system prompt), in MiB; 0: off (default: a tenth of available memory, at most 2048; "
+                        "in process only for now)")
     s.add_argument("--prefill-budget", type=float, default=PacingConfig.budget, metavar="STEPS",
                    help="while streams decode, one prompt chunk takes at most this many of their step times "
                         f"(default {PacingConfig.budget:g}: a gap of about two steps)")
@@ -401,7 +405,8 @@ def _serve(args: argparse.Namespace) -> int:
                       disaggregate=disaggregation(args.disaggregate) if args.disaggregate else None,
                       admission=args.admission, prefill_policy=args.prefill_policy, flip=args.flip,
                       length_predictor=args.length_predictor, kv_transfer=args.kv_transfer,
-                      pacing=PacingConfig(budget=args.prefill_budget, share=args.prefill_share))
+                      pacing=PacingConfig(budget=args.prefill_budget, share=args.prefill_share),
+                      prefix_cache_mb=args.prefix_cache_mb)
     run = _run(args)
     if cfg.disaggregate and args.draft:
         raise ShardlineError("--disaggregate runs without speculation: it cannot be combined with --draft yet")
@@ -424,7 +429,8 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed, logprobs=args.logprobs,
     )
     run = _run(args)
-    cfg = ServeConfig(max_streams=1, max_queue=0, prefill_chunk=args.prefill_chunk, recovery=_recovery(args))
+    cfg = ServeConfig(max_streams=1, max_queue=0, prefill_chunk=args.prefill_chunk, recovery=_recovery(args),
+                      prefix_cache_mb=0)  # one request: nothing to reuse
     folder = args.shards or default_shards()
     workers = args.workers.split(",") if args.workers else None
     credentials = _credentials(args, links=bool(workers))

@@ -376,8 +376,14 @@ class ServeConfig:
     # KV from prefill to decode instance: "request" (the whole cache once the first token is
     # out) or "chunk" (each prompt chunk's slots as soon as it has run, overlapping the prefill).
     kv_transfer: str = "request"
+    # Prefix reuse (serving/prefix.py): MiB of ended streams' KV kept for later prompts that
+    # start alike, per process; None: a tenth of the memory available at start, at most 2 GiB;
+    # 0: off.
+    prefix_cache_mb: int | None = None
 
     def __post_init__(self) -> None:
+        if self.prefix_cache_mb is not None and not 0 <= self.prefix_cache_mb <= 1 << 20:
+            raise ShardlineError(f"--prefix-cache-mb must be in 0-{1 << 20}, got {self.prefix_cache_mb}")
         if self.decode_groups is not None and self.decode_groups < 0:
             raise ShardlineError("--decode-groups must be >= 0")
         if not 1 <= self.prefill_chunk <= 1 << 16:

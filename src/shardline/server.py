@@ -18,6 +18,7 @@ from shardline.pipeline.plan import Pipeline
 from shardline.serving.admission import Limits, max_streams_for_memory, per_stream_bytes
 from shardline.serving.drafters import LOOKUP_PRIOR, LookupDrafter
 from shardline.serving.engine import Engine, Serving
+from shardline.serving.prefix import PrefixCache
 from shardline.serving.replay import Replays
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import Drafts
@@ -125,8 +126,19 @@ def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[st
     limits = stream_limits(manifest, cfg, local_layers, pipe.context, run.kv, spec, draft)
     replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
     engine = Engine(pipe, limits, pipe.context,
-                    scheduling(cfg, manifest, bool(workers), spec), drafts, replays)
+                    scheduling(cfg, manifest, bool(workers), spec), drafts, replays, prefix=prefix_cache(cfg, pipe))
     return engine, manifest
+
+
+def prefix_cache(cfg: ServeConfig, pipe: Pipeline) -> PrefixCache | None:
+    """The prefix cache of a coupled engine (None: off). In process only for now: the copies it
+    plans are not carried to workers yet (RemotePipeline refuses them)."""
+    from shardline.pipeline.local import LocalPipeline
+
+    if cfg.prefix_cache_mb == 0 or not isinstance(pipe, LocalPipeline):
+        return None
+    mib = cfg.prefix_cache_mb if cfg.prefix_cache_mb is not None else min(2048, available_memory() // 10 >> 20)
+    return PrefixCache(mib << 20, sum(stage.slot_bytes for stage in pipe.layout()))
 
 
 def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None,

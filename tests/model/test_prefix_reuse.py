@@ -55,7 +55,8 @@ def _cache(pipe: LocalPipeline, mib: int = 64) -> PrefixCache:
 
 
 @pytest.fixture
-def engines(request: pytest.FixtureRequest, shards: Callable[..., Path]) -> Iterator[tuple[Engine, Engine, PrefixCache]]:
+def engines(request: pytest.FixtureRequest,
+            shards: Callable[..., Path]) -> Iterator[tuple[Engine, Engine, PrefixCache]]:
     """(cold, warm, the warm one's cache), each over its own pipeline (an engine takes every
     outcome of its pipeline): `request.param` = (stages, groups, speculate)."""
     stages, groups, speculate = request.param

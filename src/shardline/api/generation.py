@@ -77,7 +77,7 @@ class Generation:
             raise ApiError(400, str(e)) from None
         tok = self.tok
         return Request(self.prompt, cfg, frozenset() if b.ignore_eos else frozenset(tok.stop_ids),
-                       b.speculative, tuple(b.stops()), lambda: StreamDecoder(tok))
+                       b.speculative, tuple(b.stops()), lambda: StreamDecoder(tok), cache_prompt=b.cache_prompt)
 
     def start_engine(self) -> None:
         """Submit to the engine now, so that a refusal becomes an HTTP error before any byte

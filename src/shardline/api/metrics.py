@@ -40,6 +40,7 @@ class ServerMetrics:
         Gauge("shardline_active_streams", "streams holding KV state", registry=r).set_function(
             lambda: engine.active)
         r.register(SpeculationCollector(engine))
+        r.register(PrefixCollector(engine))
         Gauge("shardline_max_streams", "stream slots (bounded by memory per stream)", registry=r).set(
             engine.limits.max_streams)
 
@@ -82,3 +83,25 @@ class SpeculationCollector(Collector):
             per["accepted"].add_metric([str(stream)], st.accepted)
             per["k"].add_metric([str(stream)], st.k)
         yield from per.values()
+
+
+class PrefixCollector(Collector):
+    """Prefix reuse at scrape time (serving/prefix.py): prompts that started from a kept prefix
+    or not, the prompt tokens not prefilled thanks to one, and the bytes kept now."""
+
+    def __init__(self, engine: Serving) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats, held = self.engine.prefix_stats()
+        for name, help_, value in (("hits", "prompts that started from a kept prefix", stats.hits),
+                                   ("misses", "prompts that found no kept prefix", stats.misses),
+                                   ("tokens_saved", "prompt tokens not prefilled thanks to a kept prefix",
+                                    stats.tokens_saved),
+                                   ("evictions", "kept prefixes evicted to stay within the budget", stats.evicted)):
+            family = CounterMetricFamily(f"shardline_prefix_cache_{name}", help_)
+            family.add_metric([], value)
+            yield family
+        held_bytes = GaugeMetricFamily("shardline_prefix_cache_bytes", "bytes of KV kept as prefixes (per process)")
+        held_bytes.add_metric([], held)
+        yield held_bytes

@@ -87,6 +87,8 @@ class Sampling(BaseModel):
     n: Int | None = Field(default=None, ge=1)
     ignore_eos: StrictBool = False  # vLLM's extension: generate max_tokens whatever the model says
     speculative: StrictBool = True  # false: this request decodes plainly on a speculating server
+    # llama-server's: false, and the request neither starts from a kept prefix nor is kept
+    cache_prompt: StrictBool = True
     # Parsed (so their types and ranges are checked) but only their neutral values are served.
     presence_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: Number | None = Field(default=None, ge=-2.0, le=2.0)

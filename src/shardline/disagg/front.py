@@ -35,6 +35,7 @@ from shardline.errors import ShardlineError
 from shardline.pipeline.plan import Pipeline, Placed
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Request, Ticket
+from shardline.serving.prefix import PrefixStats
 from shardline.serving.speculation import SpecStats
 
 log = logging.getLogger("shardline.disagg")
@@ -132,6 +133,9 @@ class Disaggregated:
     @property
     def spec_ended(self) -> SpecStats:
         return SpecStats(0, 0, 0, 0)
+
+    def prefix_stats(self) -> tuple[PrefixStats, int]:
+        return PrefixStats(), 0  # instances keep no prefixes (yet)
 
     def stop(self) -> None:
         self._stopping.set()

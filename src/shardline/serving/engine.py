@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import Protocol
 
@@ -37,7 +37,7 @@ from shardline.host import trim_memory_every
 from shardline.pipeline.plan import DecodeStep, Lease, Outcome, Pipeline, Step, execute
 from shardline.serving.admission import Limits, accepts, to_admit
 from shardline.serving.engine_spec import SpecDriver
-from shardline.serving.prefix import PrefixCache
+from shardline.serving.prefix import PrefixCache, PrefixStats
 from shardline.serving.replay import Replays, refusal
 from shardline.serving.roles import Coupled, Role
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
@@ -122,6 +122,7 @@ class Serving(Protocol):
     def failed(self) -> str | None: ...  # why it cannot serve, if it cannot (then unhealthy)
     @property
     def spec_ended(self) -> SpecStats: ...
+    def prefix_stats(self) -> tuple[PrefixStats, int]: ...  # prefix reuse so far, and the bytes kept now
     def submit(self, request: Request, on_event: Callable[[Event], None]) -> Ticket: ...
     def cancel(self, ticket: Ticket) -> None: ...
     def speculating(self) -> dict[int, SpecStats]: ...
@@ -206,6 +207,11 @@ class Engine:
     @property
     def spec_ended(self) -> SpecStats:
         return self.spec.ended
+
+    def prefix_stats(self) -> tuple[PrefixStats, int]:
+        """Prefix reuse so far and the bytes its entries hold (any thread: a snapshot)."""
+        reuse = self.scheduler.reuse
+        return (replace(reuse.cache.stats), reuse.cache.held) if reuse is not None else (PrefixStats(), 0)
 
     def queued(self) -> list[Ticket]:
         """The waiting tickets, oldest first (any thread: a snapshot)."""

@@ -59,7 +59,7 @@ class PrefixCache:
 
     @property
     def held(self) -> int:
-        return sum(e.nbytes for e in self.entries)
+        return sum(e.nbytes for e in list(self.entries))  # a copy: read from other threads too
 
     def fits(self, n: int) -> bool:
         """Whether an entry of `n` tokens may be kept at all."""
@@ -94,7 +94,8 @@ class PrefixCache:
         release (evicted or dominated entries)."""
         ids = np.asarray(tokens, np.int64)
         nbytes = len(ids) * self.bytes_per_slot
-        if not self.fits(len(ids)):
+        pinned = sum(e.nbytes for e in self.entries if e.pins)
+        if not self.fits(len(ids)) or pinned + nbytes > self.budget:  # then nothing is evicted for it
             return None, [lease]
         drop = [e for e in self.entries if e.scope == scope and e.pins == 0 and _common(e.tokens, ids) == len(e.tokens)]
         free = self._drop(drop)
@@ -103,8 +104,6 @@ class PrefixCache:
                 break
             free += self._drop([e])
             self.stats.evicted += 1
-        if self.held + nbytes > self.budget:  # the rest is pinned
-            return None, [*free, lease]
         entry = Entry(lease, ids, scope, nbytes, used=next(self._clock))
         self.entries.append(entry)
         self.stats.kept += 1
