@@ -14,7 +14,8 @@ from shardline.errors import ShardlineError
 from shardline.host import available_memory
 from shardline.model.context import run_context
 from shardline.model.manifest import Manifest, load_manifest
-from shardline.pipeline.plan import Pipeline
+from shardline.pipeline.kv import StageLayout
+from shardline.pipeline.plan import Pipeline, Placed
 from shardline.serving.admission import Limits, max_streams_for_memory, per_stream_bytes
 from shardline.serving.drafters import LOOKUP_PRIOR, LookupDrafter
 from shardline.serving.engine import Engine, Serving
@@ -131,14 +132,24 @@ def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[st
 
 
 def prefix_cache(cfg: ServeConfig, pipe: Pipeline) -> PrefixCache | None:
-    """The prefix cache of a coupled engine (None: off). In process only for now: the copies it
-    plans are not carried to workers yet (RemotePipeline refuses them)."""
-    from shardline.pipeline.local import LocalPipeline
-
-    if cfg.prefix_cache_mb == 0 or not isinstance(pipe, LocalPipeline):
+    """The prefix cache of a coupled engine (None: off). Its budget holds in every process: an
+    entry is counted at the bytes of the process that holds the most of it (this one, with every
+    stage here)."""
+    if cfg.prefix_cache_mb == 0:
         return None
     mib = cfg.prefix_cache_mb if cfg.prefix_cache_mb is not None else min(2048, available_memory() // 10 >> 20)
-    return PrefixCache(mib << 20, sum(stage.slot_bytes for stage in pipe.layout()))
+    return PrefixCache(mib << 20, process_slot_bytes(pipe.layout(), pipe.placement()))
+
+
+def process_slot_bytes(layout: list[StageLayout], placed: list[Placed]) -> int:
+    """The KV bytes of one slot in the process that holds the most: each stage's, summed by where
+    it runs (`placed`: runs of stages by their layers)."""
+    per: dict[str, int] = {}
+    for stage in layout:
+        runs = (p.where for p in placed if p.first_layer <= stage.first_layer and stage.last_layer <= p.last_layer)
+        where = next(runs, f"layers {stage.first_layer}-{stage.last_layer}")
+        per[where] = per.get(where, 0) + stage.slot_bytes
+    return max(per.values())
 
 
 def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None,

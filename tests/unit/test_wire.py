@@ -21,6 +21,7 @@ from shardline.wire.messages import (
     Activations,
     Forward,
     Hello,
+    KvCopy,
     KvDone,
     KvPart,
     KvPull,
@@ -89,6 +90,7 @@ SAMPLES: list[Message] = [
     KvPush(12, 7, 1, 9, 4),
     KvPart(12, 15, 29, "past.15.key", rng.standard_normal((1, 3, 9, 64)).astype(np.float32)),
     KvDone(11, 4, ""),
+    KvCopy(13, 7, 8, 0, np.arange(12, dtype=np.int64)),
 ]
 
 

@@ -41,6 +41,7 @@ from shardline.wire.messages import (
     Arr,
     Forward,
     Hello,
+    KvCopy,
     KvDone,
     KvPart,
     KvPull,
@@ -152,6 +153,14 @@ def kv_parts(draw: Any) -> KvPart:
                   draw(arrays(draw(st.sampled_from(["<f4", "<f2"])), shape)))
 
 
+@st.composite
+def kv_copies(draw: Any) -> KvCopy:
+    src = draw(i64)
+    dst = draw(i64.filter(lambda k: k != src))
+    index = draw(arrays("<i8", (draw(st.integers(1, 8)),), 0, MAX_SLOTS - 1))
+    return KvCopy(draw(seqs), src, dst, draw(st.integers(0, MAX_ROWS - 1)), index)
+
+
 MESSAGE_STRATEGIES: dict[type, Any] = {
     Hello: hellos(), Refuse: st.builds(Refuse, text), StepFailed: st.builds(StepFailed, i64, i64, text),
     Release: st.builds(Release, i64), Forward: forwards(), Sampled: sampleds(),
@@ -159,7 +168,7 @@ MESSAGE_STRATEGIES: dict[type, Any] = {
     KvPull: st.builds(KvPull, seqs, i64),
     KvPush: st.builds(KvPush, seqs, i64, st.integers(1, MAX_ROWS), st.integers(0, MAX_SLOTS),
                       st.integers(1, MAX_KV_PARTS)),
-    KvPart: kv_parts(), KvDone: st.builds(KvDone, seqs, st.integers(0, MAX_KV_PARTS), text),
+    KvPart: kv_parts(), KvDone: st.builds(KvDone, seqs, st.integers(0, MAX_KV_PARTS), text), KvCopy: kv_copies(),
 }
 messages = st.one_of(*MESSAGE_STRATEGIES.values())
 

@@ -1,5 +1,5 @@
 """The KV messages (KvPull, KvPush, KvPart, KvDone; since protocol 6, KvPull's start slot since
-7): they round-trip, and a frame whose fields do not fit (a wrong dtype or shape, a negative
+7, KvCopy since 10): they round-trip, and a frame whose fields do not fit (a wrong dtype or shape, a negative
 seq, layers out of range, a field of the wrong type) or whose bytes are corrupt is refused by
 the codec before any of it reaches a worker or a coordinator."""
 
@@ -16,6 +16,7 @@ from shardline.wire.messages import (
     MAX_ROWS,
     MAX_SLOTS,
     PROTOCOL,
+    KvCopy,
     KvDone,
     KvPart,
     KvPull,
@@ -30,7 +31,8 @@ PULL = KvPull(11, 7)
 PUSH = KvPush(12, 7, 1, 9, 4)
 PART = KvPart(12, 15, 29, "past.15.key", K)
 DONE = KvDone(11, 4, "")
-KV: list[Message] = [PULL, PUSH, PART, DONE]
+COPY = KvCopy(13, 7, 8, 0, np.arange(12, dtype=np.int64))
+KV: list[Message] = [PULL, PUSH, PART, DONE, COPY]
 
 
 def test_kv_pulls_from_a_start_slot_since_protocol_7() -> None:
@@ -47,9 +49,36 @@ def test_kv_pulls_from_a_start_slot_since_protocol_7() -> None:
     KvPart(3, 0, 0, "v", np.zeros((2, 1, 0, 8), np.float16)),  # an empty cache: 0 slots
     KvPart(3, 0, (1 << 16) - 1, "n" * 256, np.zeros((MAX_ROWS, 1, 1, 1), np.float32)),
     KvDone(9, 0, "unknown key 4 on stage1"),
+    KvCopy(0, -2, 5, MAX_ROWS - 1, np.array([3, 1, MAX_SLOTS - 1], np.int64)),  # a group's row into a new key
 ], ids=lambda m: type(m).__name__)
 def test_round_trip(msg: Message) -> None:
     assert equal(decode(encode(msg)), msg)
+
+
+@pytest.mark.parametrize("meta,index,message", [
+    ({"row": -1}, None, "row -1"),
+    ({"row": MAX_ROWS}, None, f"row {MAX_ROWS}"),
+    ({"row": True}, None, "row: True is not an integer"),
+    ({"dst": 7}, None, "a copy of a key into itself"),
+    ({"src": "7"}, None, "src: '7' is not an integer"),
+    ({"seq": -1}, None, "negative seq"),
+    ({}, np.array([], np.int64), "0 slots"),
+    ({}, np.array([0, -1], np.int64), "slots out of range"),
+    ({}, np.array([MAX_SLOTS], np.int64), "slots out of range"),
+    ({}, np.arange(4, dtype=np.int32), "index is i4"),
+    ({}, np.arange(4, dtype=np.float64), "index is f8"),
+    ({}, np.zeros((2, 2), np.int64), "index is i8 with 2 dims"),
+    ({}, None, None),
+])
+def test_a_copy_that_does_not_fit_is_refused(meta: dict[str, Any], index: np.ndarray | None,
+                                             message: str | None) -> None:
+    fields = split(COPY)[0] | meta
+    arrays = {} if index is None else {"index": array_bytes(index)}
+    if message is None:  # the sample itself, rebuilt: it decodes
+        assert equal(decode(rebuild(COPY, fields, arrays=arrays)), COPY)
+        return
+    with pytest.raises(WireError, match=f"malformed KvCopy: .*{message}"):
+        decode(rebuild(COPY, fields, arrays=arrays))
 
 
 def test_a_part_keeps_its_bits_and_big_endian_travels_little_endian() -> None:
@@ -153,6 +182,7 @@ def test_what_does_not_fit_cannot_be_sent(build: Any, message: str) -> None:
 @pytest.mark.parametrize("build", [
     lambda: KvPull(-1, 0), lambda: KvPush(1, 0, 0, 0, 1), lambda: KvPush(1, 0, 1, 0, 0),
     lambda: KvPart(1, 3, 2, "k", K), lambda: KvPart(1, 0, 0, "", K), lambda: KvDone(1, -1, ""),
+    lambda: KvCopy(1, 4, 4, 0, np.arange(3)), lambda: KvCopy(1, 4, 5, 0, np.array([-1])),
 ])
 def test_our_own_messages_are_checked_when_made(build: Any) -> None:
     with pytest.raises(ValueError):

@@ -1,5 +1,6 @@
-"""A worker's part of a KV move: a key's state out of its stages (pull) or into them (push), over
-its coordinator's link, in the order of that link (pipeline/remote_kv.py is the other end).
+"""A worker's part of a KV move: a key's state out of its stages (pull), into them (push), or
+copied from one key into another on each of them (copy: prefix reuse), over its coordinator's
+link, in the order of that link (pipeline/remote_kv.py is the other end).
 
 Everything here answers with a KvDone rather than raise: an unknown key, a part that does not
 fit this worker's stages (layers, name, dtype, shape), a key already open. A push changes nothing
@@ -17,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from shardline.errors import StepRefused
-from shardline.stage.runners import Stage
-from shardline.wire.messages import KvDone, KvPart, KvPull, KvPush, Message
+from shardline.stage.runners import Stage, copy_kv
+from shardline.wire.messages import KvCopy, KvDone, KvPart, KvPull, KvPush, Message
 
 States = dict[str, tuple[np.dtype[Any], int, int]]  # name -> (dtype, kv_heads, head_dim)
 _WIRE = (np.dtype("<f4"), np.dtype("<f2"))  # what a KvPart may carry (messages.KvPart)
@@ -129,3 +130,22 @@ def _incomplete(stages: list[Stage], push: Push) -> str:
         if missing := sorted(states(stage).keys() - arrays.keys()):
             return f"{stage.entry.name} lacks state {', '.join(missing[:4])}"
     return ""
+
+
+def copy(stages: list[Stage], scope: object, msg: KvCopy) -> KvDone:
+    """Open the key `msg.dst` on every stage with its slots of `msg.src`, or on none (the
+    answer says why). Keys are the session's: (scope, key)."""
+    src, dst = (scope, msg.src), (scope, msg.dst)
+    if missing := [s.entry.name for s in stages if not s.has(src)]:
+        return KvDone(msg.seq, 0, f"unknown key {msg.src} on {', '.join(missing)}")
+    opened: list[Stage] = []
+    try:
+        for stage in stages:
+            copy_kv(stage, src, dst, msg.row, msg.index)
+            opened.append(stage)
+    except Exception as e:  # noqa: BLE001 - nothing stays half open; the coordinator hears why
+        for stage in opened:
+            stage.close(dst)
+        why = str(e) if isinstance(e, StepRefused) else f"{type(e).__name__}: {e}"
+        return KvDone(msg.seq, 0, f"copy of key {msg.src} into {msg.dst}: {why}")
+    return KvDone(msg.seq, 0, "")

@@ -64,6 +64,7 @@ from shardline.wire.link import (
 from shardline.wire.messages import (
     Forward,
     Hello,
+    KvCopy,
     KvPart,
     KvPull,
     KvPush,
@@ -307,7 +308,7 @@ class StageWorker:
         elif isinstance(item.msg, Release) and item.link is item.session.coordinator:
             for stage in self.stages:
                 stage.close((item.session.no, item.msg.key))
-        elif isinstance(item.msg, KvPull | KvPush | KvPart) and item.link is item.session.coordinator:
+        elif isinstance(item.msg, KvPull | KvPush | KvPart | KvCopy) and item.link is item.session.coordinator:
             self._move_kv(item.session, item.msg)
         elif isinstance(item.msg, Refuse):
             log.warning("%s refused this worker: %s", item.link.name, item.msg.reason)
@@ -327,7 +328,7 @@ class StageWorker:
         if session.next is not None:
             session.next.close()
 
-    def _move_kv(self, session: Session, msg: KvPull | KvPush | KvPart) -> None:
+    def _move_kv(self, session: Session, msg: KvPull | KvPush | KvPart | KvCopy) -> None:
         """A KV pull or push of the session's coordinator, in the order of its link (node/kv.py).
         A push's parts follow it, all of them before the next push: a part outside a push, or a
         push before the last one's parts are in, means the two ends no longer agree on what the
@@ -337,6 +338,8 @@ class StageWorker:
             for reply in kv.pull(self.stages, (session.no, msg.key), msg):
                 self._send(link, reply)
             return
+        if isinstance(msg, KvCopy):
+            return self._send(link, kv.copy(self.stages, session.no, msg))
         push = session.push
         in_order = isinstance(msg, KvPush) if push is None else (isinstance(msg, KvPart) and msg.seq == push.msg.seq)
         if in_order:

@@ -47,7 +47,7 @@ from shardline.pipeline.plan import (
 )
 from shardline.pipeline.timing import Timing
 from shardline.stage import executor as stage_work
-from shardline.stage.runners import Stage, open_stage
+from shardline.stage.runners import Stage, copy_kv, open_stage
 from shardline.stage.work import StageWork
 
 
@@ -264,7 +264,7 @@ def _apply(k: int, stage: Stage, work: _Control, last: bool) -> bool:
         if isinstance(work, KvImport):
             write_kv(stage, work.lease, work.snap.stages[k])
         else:
-            copy_kv(stage, work)
+            copy_kv(stage, work.src, work.dst, work.row, work.index)
         if last:
             work.done.set_result(None)
     else:
@@ -283,18 +283,6 @@ def write_kv(stage: Stage, key: int, part: StageKv) -> None:
     except BaseException:
         stage.close(key)
         raise
-
-
-def copy_kv(stage: Stage, c: KvCopy) -> None:
-    """Open `c.dst` with the slots `c.index` of row `c.row` of `c.src`, or leave the stage as it
-    was (StepRefused for a source it does not hold, or a row or slot it does not have)."""
-    rows, slots = stage.rows(c.src), stage.slots(c.src)
-    index = c.index
-    if not 0 <= c.row < rows or index.ndim != 1 or (index.size and (int(index.min()) < 0 or
-                                                                     int(index.max()) >= slots)):
-        raise StepRefused(f"slots of row {c.row} of a state of {rows} rows of {slots} slots")
-    part = {n: np.ascontiguousarray(a[c.row : c.row + 1][:, :, index]) for n, a in stage.kv(c.src).items()}
-    write_kv(stage, c.dst, StageKv(stage.entry.first_layer, stage.entry.last_layer, part))
 
 
 def _failed(k: int, work: _Control, e: Exception, head: queue.Queue[_Work]) -> None:

@@ -269,6 +269,7 @@ class Pipeline(Protocol):
     def idle(self) -> bool: ...  # no graph work of this pipeline runs or waits on this machine
     def shutdown(self) -> None: ...
     def placement(self) -> list[Placed]: ...  # in chain order, from stage 0 (any thread)
+    def layout(self) -> list[StageLayout]: ...  # each stage's layers and KV variables
 
 
 def reserve(step: Step, books: Sequence[KVBook]) -> None:

@@ -45,6 +45,7 @@ from shardline.pipeline.frames import choice, forward
 from shardline.pipeline.held import needs
 from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.inflight import Outbox
+from shardline.pipeline.kv import StageLayout
 from shardline.pipeline.life import ChainLife, Lost, Sent
 from shardline.pipeline.plan import (
     KvCopy,
@@ -163,11 +164,8 @@ class RemotePipeline:
         self._inbox.put(Release(key))
 
     def move(self, item: KvMove) -> None:
-        """As LocalPipeline's; a move also fails when the chain breaks under it. A copy between
-        leases (prefix reuse) is not carried to workers yet: it fails at once."""
-        if isinstance(item, KvCopy):
-            item.done.set_exception(ShardlineError("copying a lease's KV on workers is not supported yet"))
-        elif not unfit(item, self.kv.identity, self.kv.layout):
+        """As LocalPipeline's; a move also fails when the chain breaks under it."""
+        if not unfit(item, self.kv.identity, self.kv.layout):
             self._inbox.put(item)
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome]:
@@ -175,6 +173,10 @@ class RemotePipeline:
 
     def wake(self) -> None:
         self.outbox.wake()
+
+    def layout(self) -> list[StageLayout]:
+        """Each stage's layers and state variables, as an import must fit them (remote_kv.py)."""
+        return self.kv.layout()
 
     def placement(self) -> list[Placed]:
         """Stage 0 here, then each worker with the layers it answered its handshake with. While
@@ -212,7 +214,7 @@ class RemotePipeline:
             if isinstance(work, _Repair):
                 self._repair()
                 continue
-            if isinstance(work, KvExport | KvImport):
+            if isinstance(work, KvExport | KvImport | KvCopy):
                 self._move_kv(work)
                 continue
             try:
@@ -249,7 +251,7 @@ class RemotePipeline:
             broken, links, epoch = life.broken, list(life.links), life.epoch
             if not broken:
                 self.kv.track(move, links, self.workers)
-                if isinstance(work, KvImport):
+                if isinstance(work, KvImport | KvCopy):
                     life.held.imported(work.lease)
         if broken:
             return self.kv.end(move, f"the chain broke: {broken}")

@@ -1,13 +1,14 @@
-"""A key's KV out of a chain (export) or into it (import): stage 0's part here, each worker's over
-its own link (node/kv.py is the other end), as RemotePipeline's stage-0 thread takes the move in
-submission order.
+"""A key's KV out of a chain (export), into it (import), or copied into another key on every stage
+(copy: prefix reuse): stage 0's part here, each worker's over its own link (node/kv.py is the
+other end), as RemotePipeline's stage-0 thread takes the move in submission order.
 
 An export copies stage 0's state, sends every worker a KvPull and gathers their KvParts by seq
 until each has said KvDone; the parts, per stage, make the KvSnapshot a LocalPipeline's export
 makes. An import (checked before it is queued: `layout`) writes stage 0's part, then sends each
-worker a KvPush and its parts; once every worker has answered, a failure anywhere is undone
-(stage 0 closes the key, and every worker that opened it gets a Release) before its Future
-fails, naming the worker and why. A chain that breaks ends every move under way with the reason.
+worker a KvPush and its parts; a copy makes stage 0's and sends each worker a KvCopy; once every
+worker has answered, a failed import or copy is undone (stage 0 closes the key, and every
+worker that opened it gets a Release) before its Future fails, naming the worker and why. A chain
+that breaks ends every move under way with the reason.
 
 Chain: the answers come on the links' readers. Star: there are none, and the stage-0 thread
 reads each worker's answers itself (no step is in flight then: star runs one step at a time).
@@ -31,14 +32,15 @@ from shardline.model.manifest import Manifest
 from shardline.pipeline.held import Held
 from shardline.pipeline.kv import KvSnapshot, StageKv, StageLayout, check, export_identity, frozen, snapshot
 from shardline.pipeline.local import write_kv
-from shardline.pipeline.plan import KvExport, KvImport
-from shardline.stage.runners import Stage
+from shardline.pipeline.plan import KvCopy, KvExport, KvImport
+from shardline.stage.runners import Stage, copy_kv
 from shardline.wire.codec import WireError
 from shardline.wire.link import Link, LinkClosed
 from shardline.wire.messages import MAX_KV_PARTS, KvDone, KvPart, KvPull, KvPush, Refuse
+from shardline.wire.messages import KvCopy as KvCopyMsg
 from shardline.wire.messages import Release as ReleaseMsg
 
-WireMove = KvExport | KvImport  # the moves workers take (a KvCopy is not carried yet)
+WireMove = KvExport | KvImport | KvCopy
 KV_S = 60.0  # a worker that has not finished its part of a move by then is taken as hung
 
 
@@ -53,7 +55,7 @@ class KvHeld(Held):
 class _Move:
     work: WireMove
     seq: int
-    sends: list[list[KvPull | KvPush | KvPart]]  # per worker, in chain order
+    sends: list[list[KvPull | KvPush | KvPart | KvCopyMsg]]  # per worker, in chain order
     head: StageKv | None  # an export's part of stage 0
     links: list[Link] = field(default_factory=list)
     workers: list[str] = field(default_factory=list)
@@ -64,7 +66,11 @@ class _Move:
 
     @property
     def verb(self) -> str:
-        return "export" if isinstance(self.work, KvExport) else "import"
+        return _verb(self.work)
+
+    def keys(self) -> set[int]:
+        """The keys a step must not overtake it on: the one it opens, and a copy's source."""
+        return {self.work.lease, self.work.src} if isinstance(self.work, KvCopy) else {self.work.lease}
 
 
 class KvMoves:
@@ -97,16 +103,21 @@ class KvMoves:
         """The messages for each of `workers`, and stage 0's part: an export's copy, an import's
         write. ShardlineError, with stage 0 as it was, when either cannot be done."""
         if isinstance(work, KvExport):
-            sends: list[list[KvPull | KvPush | KvPart]] = [[KvPull(seq, work.lease, work.start)]
-                                                           for _ in range(workers)]
+            sends: list[list[KvPull | KvPush | KvPart | KvCopyMsg]] = [[KvPull(seq, work.lease, work.start)]
+                                                                       for _ in range(workers)]
+        elif isinstance(work, KvCopy):
+            sends = [[_copy_msg(work, seq)] for _ in range(workers)]
         else:
-            sends = [_pushes(work, seq, i, workers) for i in range(workers)]
+            sends = [list(_pushes(work, seq, i, workers)) for i in range(workers)]
         try:
             if isinstance(work, KvExport):
                 e = self.stage0.entry
                 head = StageKv(e.first_layer, e.last_layer, frozen(self.stage0.kv(work.lease, work.start)))
                 return _Move(work, seq, sends, head)
-            write_kv(self.stage0, work.lease, work.snap.stages[0])
+            if isinstance(work, KvCopy):
+                copy_kv(self.stage0, work.src, work.dst, work.row, work.index)
+            else:
+                write_kv(self.stage0, work.lease, work.snap.stages[0])
             return _Move(work, seq, sends, None)
         except Exception as e:  # noqa: BLE001 - the move fails with the reason; the thread goes on
             raise ShardlineError(f"stage 0: {_why(e)}") from None
@@ -146,14 +157,13 @@ class KvMoves:
         could reach a later worker of a daisy chain before it (bounded: a move that overruns
         its deadline is ended by the watchdog, with the chain)."""
         with self._lock:
-            moves = [m for m in self._moves.values() if m.work.lease in keys]
+            moves = [m for m in self._moves.values() if m.keys() & keys]
         for move in moves:
             move.landed.wait(max(0.0, move.deadline - time.monotonic()) + 5.0)
 
     def refused(self, work: WireMove, why: str) -> None:
         """The move did not start (stage 0 left as it was)."""
-        verb = "export" if isinstance(work, KvExport) else "import"
-        work.done.set_exception(ShardlineError(f"cannot {verb} the KV of key {work.lease}: {why}"))
+        work.done.set_exception(ShardlineError(f"cannot {_verb(work)} the KV of key {work.lease}: {why}"))
 
     # --- answers and breaks -----------------------------------------------------------------------
 
@@ -188,7 +198,7 @@ class KvMoves:
         """The pipeline stopped: the moves under way, and those still queued, fail."""
         self.fail_all("the pipeline stopped")
         while not inbox.empty():
-            if isinstance(work := inbox.get_nowait(), KvExport | KvImport):
+            if isinstance(work := inbox.get_nowait(), KvExport | KvImport | KvCopy):
                 self.refused(work, "the pipeline stopped")
 
     def fail_all(self, reason: str) -> None:
@@ -203,7 +213,7 @@ class KvMoves:
         work = move.work
         try:
             if error:
-                if isinstance(work, KvImport):
+                if isinstance(work, KvImport | KvCopy):
                     self._undo(move)
                 raise ShardlineError(error)
             if isinstance(work, KvExport):
@@ -264,6 +274,17 @@ def _pushes(work: KvImport, seq: int, i: int, workers: int) -> list[KvPull | KvP
         return [KvPush(seq, work.lease, snap.rows, snap.slots, len(parts)), *parts]
     except ValueError as e:  # what messages.py checks of every message, ours too
         raise ShardlineError(f"a KV snapshot of {snap.rows} rows of {snap.slots} slots cannot travel: {e}") from None
+
+
+def _copy_msg(work: KvCopy, seq: int) -> KvCopyMsg:
+    try:
+        return KvCopyMsg(seq, work.src, work.dst, work.row, np.asarray(work.index, np.int64))
+    except ValueError as e:  # what messages.py checks of every message, ours too
+        raise ShardlineError(f"a copy of {work.index.size} slots cannot travel: {e}") from None
+
+
+def _verb(work: WireMove) -> str:
+    return "export" if isinstance(work, KvExport) else "copy" if isinstance(work, KvCopy) else "import"
 
 
 def _why(e: Exception) -> str:

@@ -5,7 +5,7 @@ ended stream's KV is kept, as KvCopy items of the next plan (pure: the KV table 
   entry's first n slots copied into its own lease (not opened yet), its book a cache of those n
   positions; once that copy is in (`Stream.copying` done) it prefills only the rest (its first
   chunk then opens nothing). If the copy failed, it prefills everything: a miss, never a wrong
-  answer.
+  answer; the entry is forgotten (a worker that restarted holds nothing of it).
 - `keep`: a stream that ended well has its attended slots (its tokens' KV, in order, without
   rejected drafts or pads) copied from its state (its own lease, or its row of a decode group's)
   into a fresh lease: the entry. It may be matched at once: a pipeline takes its items in order,
@@ -71,10 +71,20 @@ class Reuse:
             elif into is not None:
                 self.cache.unpin(entry)
                 self._arrived(into, done)
+                if done.exception() is not None:  # its source is not whole (a worker restarted): gone
+                    self._forget(entry)
             elif done.exception() is not None:  # nothing of it is held: its lease was closed everywhere
-                self.cache.forget(entry)
-                self.kv.free(entry.lease)
+                self._forget(entry)
         self._copying = still
+
+    def settled(self) -> bool:
+        """No copy is under way (any thread: for tests and tools that wait for one)."""
+        return all(done.done() for _, done, _ in list(self._copying))
+
+    def _forget(self, entry: Entry) -> None:
+        if entry in self.cache.entries:
+            self.cache.forget(entry)
+            self.kv.free(entry.lease)
 
     def _arrived(self, s: Stream, done: Future[None]) -> None:
         """`s`'s copy is in: it prefills the rest; or it failed (its lease closed everywhere):

@@ -15,7 +15,7 @@ import numpy as np
 import openvino as ov
 
 from shardline.config import RunConfig
-from shardline.errors import ShardlineError
+from shardline.errors import ShardlineError, StepRefused
 from shardline.model.manifest import StageEntry
 from shardline.stage.cache import StepInputs
 from shardline.stage.runner import StageRunner
@@ -57,3 +57,23 @@ def open_stage(folder: Path, entry: StageEntry, run: RunConfig, core: ov.Core | 
         raise ShardlineError(f"{entry.name} of {folder} needs a {entry.runner!r} runner; this shardline runs "
                              f"{', '.join(RUNNERS)} stages (a newer export?)")
     return kind(folder, entry, run, core, vocab, context)
+
+
+def copy_kv(stage: Stage, src: Hashable, dst: Hashable, row: int, index: np.ndarray) -> None:
+    """Open `dst` with the slots `index` (in order) of row `row` of `src`'s state, or leave the
+    stage as it was: StepRefused for a source it does not hold, a row or slot it lacks, or `dst`
+    already open (prefix reuse: pipeline/plan.py KvCopy)."""
+    rows, slots = stage.rows(src), stage.slots(src)
+    if not 0 <= row < rows or index.ndim != 1 or not index.size or int(index.min()) < 0 or int(index.max()) >= slots:
+        raise StepRefused(f"slots {_span(index)} of row {row} of a state of {rows} rows of {slots} slots")
+    part = {n: np.ascontiguousarray(a[row : row + 1][:, :, index]) for n, a in stage.kv(src).items()}
+    stage.open(dst)  # refuses a key already open: a live key is never overwritten (nor closed below)
+    try:
+        stage.set_kv(dst, part)
+    except BaseException:
+        stage.close(dst)
+        raise
+
+
+def _span(index: np.ndarray) -> str:
+    return f"{int(index.min())}-{int(index.max())}" if index.size else "(none)"

@@ -1,4 +1,4 @@
-"""The closed set of messages that travel between coordinator and stage workers (protocol 8).
+"""The closed set of messages that travel between coordinator and stage workers (protocol 10).
 
 Every message is a frozen dataclass with a fixed kind number. Scalar fields travel as JSON and
 are checked against their declared types on decode (an int is not a bool, an enum takes only
@@ -23,8 +23,9 @@ from shardline.config import MAX_CONTEXT, SamplingParams
 # 5: `compact` (speculation drops masked slots), verify draws against a draft distribution;
 # 6: a key's KV moves over the coordinator's links (KvPull, KvPush, KvPart, KvDone);
 # 7: KvPull.start, the slots from which a pull copies (chunk-level KV transfer);
-# 8: Hello.context, the longest sequence the sender serves; 9: Hello.device, where its stages run.
-PROTOCOL = 9
+# 8: Hello.context, the longest sequence the sender serves; 9: Hello.device, where its stages run;
+# 10: KvCopy, a lease's slots copied into a new one on the worker (prefix reuse).
+PROTOCOL = 10
 MAX_SUPPORT = 64  # token ids of a draft distribution sent per sampled position
 
 # One row of `hops` per stage a step has run through, appended by the process that ran it:
@@ -447,7 +448,31 @@ class KvDone:
         _need(0 <= self.parts <= MAX_KV_PARTS, f"{self.parts} parts")
 
 
+@dataclass(frozen=True)
+class KvCopy:
+    """Coordinator -> worker: open `dst` on every stage of the worker with the slots `index` (in
+    order) of row `row` of `src`'s state, which stays as it is (prefix reuse: a kept prefix into
+    a new stream's key, an ended stream's KV into an entry's). Answered by a KvDone of no parts;
+    its error says why nothing was opened (an unknown `src`, a row or slot it lacks, `dst` open)."""
+
+    KIND: ClassVar[int] = 14
+    ARRAYS: ClassVar[dict[str, Arr]] = {"index": Arr(("i8",), 1)}
+    seq: int
+    src: int
+    dst: int
+    row: int
+    index: np.ndarray  # [W] i64: slots of `src`
+
+    def __post_init__(self) -> None:
+        _check_seq(self.seq)
+        _need(0 <= self.row < MAX_ROWS, f"row {self.row}")
+        _need(1 <= self.index.size <= MAX_SLOTS, f"{self.index.size} slots")
+        _ids_in(self.index, MAX_SLOTS, "slots")
+        _need(self.src != self.dst, "a copy of a key into itself")
+
+
 Message = (Hello | Refuse | StepFailed | Release | Forward | Sampled | ShardRequest | ShardChunk | Route | KvPull
-           | KvPush | KvPart | KvDone)
+           | KvPush | KvPart | KvDone | KvCopy)
 MESSAGES: dict[int, type] = {m.KIND: m for m in (Hello, Refuse, StepFailed, Release, Forward, Sampled,
-                                                 ShardRequest, ShardChunk, Route, KvPull, KvPush, KvPart, KvDone)}
+                                                 ShardRequest, ShardChunk, Route, KvPull, KvPush, KvPart, KvDone,
+                                                 KvCopy)}
