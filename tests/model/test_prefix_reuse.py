@@ -81,7 +81,8 @@ def test_a_next_turn_starts_from_the_kept_conversation_and_gives_the_cold_tokens
     assert first == _ask(cold, turns[0])
     follow = turns[0] + first + turns[1][-12:]  # the answer, then a new question
     assert _ask(warm, follow) == _ask(cold, follow)
-    assert (cache.stats.hits, cache.stats.kept) == (1, 2)
+    assert (cache.stats.hits, cache.stats.kept) == (1, 3)  # the first prompt once in, then each conversation
+    assert len(cache.entries) == 1  # the entries before went: the last conversation holds each of them whole
     assert cache.stats.tokens_saved == len(turns[0]) + len(first) - 1  # the last answer token was never fed
     other = turns[1]  # the same system prompt, another question
     saved = cache.stats.tokens_saved

@@ -81,8 +81,9 @@ def test_an_entry_that_a_newer_one_extends_is_dropped_and_too_short_or_large_is_
     assert cache.clear() == [Lease(2), Lease(3)] and cache.held == 0
 
 
-def _stream(prompt: list[int], scope: str | None = "") -> Stream:
-    return Stream(new_stream_id(), prompt, SamplingParams(), 8, prefix_scope=scope)
+def _stream(prompt: list[int], scope: str | None = "", prompt_kept: bool = True) -> Stream:
+    """A stream; by default one whose prompt is not offered at prefill's end (keep_prompt's own test)."""
+    return Stream(new_stream_id(), prompt, SamplingParams(), 8, prefix_scope=scope, prompt_kept=prompt_kept)
 
 
 def _scheduler(cache: PrefixCache) -> Scheduler:
@@ -184,3 +185,30 @@ def test_a_stream_in_a_decode_group_is_kept_from_its_row(scope: str) -> None:
     assert (copy.src, copy.row) == (step.key, 0)
     assert copy.index.tolist() == list(range(10, 31))  # past its 10 slots of left padding: prompt, then 1
     assert cache.entries[0].tokens.tolist() == [*range(10, 30), 1] and cache.entries[0].scope == scope
+
+
+def test_a_prompt_is_kept_once_in_so_that_one_arriving_meanwhile_starts_from_it() -> None:
+    cache = _cache(1000)
+    sched = _scheduler(cache)
+    system = list(range(100, 140))
+    a = _stream([*system, 1, 2, 3], prompt_kept=False)
+    a.key = sched.kv.lease()
+    a.book = sched.kv.book(a.key)
+    sched.add(a)
+    sched.plan()
+    a.in_flight = False
+    a.generated.append(9)
+    plan = sched.plan()
+    (copy,) = plan.copies  # before a's first decode step, in the same plan
+    assert (copy.src, copy.index.tolist()) == (a.key, list(range(43))) and len(plan.steps) == 1
+    assert a.prompt_kept and cache.entries[0].tokens.tolist() == [*system, 1, 2, 3]
+    copy.done.set_result(None)
+    b = _stream([*system, 4, 5], prompt_kept=False)  # a is still decoding
+    b.key = sched.kv.lease()
+    sched.add(b)
+    assert b.prefilled == 40 and cache.stats.hits == 1
+    sched.plan().copies[0].done.set_result(None)
+    sched.plan()
+    b.in_flight = False
+    b.generated.append(8)
+    assert sched.plan().copies == ()  # the entry holds all of b's prompt but its last 2: not kept again

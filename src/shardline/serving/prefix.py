@@ -65,6 +65,11 @@ class PrefixCache:
         """Whether an entry of `n` tokens may be kept at all."""
         return n >= self.min_tokens and n * self.bytes_per_slot <= self.budget
 
+    def covers(self, tokens: Sequence[int], scope: str) -> int:
+        """The longest prefix of `tokens` an entry of `scope` holds (no hit counted)."""
+        ids = np.asarray(tokens, np.int64)
+        return max((_common(e.tokens, ids) for e in list(self.entries) if e.scope == scope), default=0)
+
     def match(self, prompt: Sequence[int], scope: str) -> tuple[Entry, int] | None:
         """The entry of `scope` sharing the longest prefix with `prompt`, and how many of its
         slots to start from (None: a miss). The entry is pinned: `unpin` it once the copy is done."""

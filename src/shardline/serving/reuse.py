@@ -6,6 +6,8 @@ ended stream's KV is kept, as KvCopy items of the next plan (pure: the KV table 
   positions; once that copy is in (`Stream.copying` done) it prefills only the rest (its first
   chunk then opens nothing). If the copy failed, it prefills everything: a miss, never a wrong
   answer; the entry is forgotten (a worker that restarted holds nothing of it).
+- `keep_prompt`: a stream whose prompt is in has the prompt's slots copied into an entry, so
+  that prompts arriving while it still runs (a shared system prompt) start from it.
 - `keep`: a stream that ended well has its attended slots (its tokens' KV, in order, without
   rejected drafts or pads) copied from its state (its own lease, or its row of a decode group's)
   into a fresh lease: the entry. It may be matched at once: a pipeline takes its items in order,
@@ -49,15 +51,31 @@ class Reuse:
         self._copying.append((entry, s.copying, s))
 
     def keep(self, s: Stream, src: Lease, row: int) -> None:
-        """`s` ended (nothing in flight), its KV in row `row` of `src`'s state."""
+        """`s` ended (nothing in flight), its KV in row `row` of `src`'s state: its tokens' KV is
+        kept (prompt and answer: a chat's next turn starts with them)."""
         if s.prefix_scope is None or s.prefilling:
             return
         seq = s.prompt + s.generated
-        slots = s.book.attended()[: len(seq)]
-        if not self.cache.fits(len(slots)):
+        self._copy(s.prefix_scope, seq, s.book.attended()[: len(seq)], src, row)
+
+    def keep_prompt(self, s: Stream) -> None:
+        """`s` has its prompt in (its first token chosen, its state still its own lease): the
+        prompt's KV is kept now, so that requests arriving while it runs share it (a system
+        prompt), unless a kept entry already holds nearly all of it."""
+        s.prompt_kept = True
+        n = len(s.prompt)
+        if s.prefix_scope is None or s.resumed:
+            return
+        if self.cache.covers(s.prompt, s.prefix_scope) >= n - self.cache.min_tokens:
+            return
+        self._copy(s.prefix_scope, s.prompt, s.book.attended()[:n], s.key, 0)
+
+    def _copy(self, scope: str, tokens: list[int], slots: np.ndarray, src: Lease, row: int) -> None:
+        tokens = tokens[: len(slots)]
+        if not self.cache.fits(len(tokens)):
             return
         lease, done = self.kv.copy(src, slots, row)
-        entry, drop = self.cache.keep(lease, seq[: len(slots)], s.prefix_scope)
+        entry, drop = self.cache.keep(lease, tokens, scope)
         for gone in drop:
             self.kv.free(gone)
         if entry is not None:

@@ -119,6 +119,9 @@ class Scheduler:
         self._hand_off()
         if self.reuse is not None:
             self.reuse.landed()
+            for s in self.streams.values():  # prompts just in, before they join a decode group
+                if s.decoding and not s.prompt_kept and not s.in_flight and not self.groups.has(s.id):
+                    self.reuse.keep_prompt(s)
         releases = tuple(self.releases())  # after the exports, before the steps: see Plan
         steps = self._decodes(drafts or {}) + self._prefills()
         for step in steps:  # each stream is in one step at most: its book is reserved once

@@ -70,6 +70,7 @@ class Stream:
     # key's, serving/prefix.py); None: it neither reuses nor is kept ("cache_prompt": false).
     prefix_scope: str | None = None
     copying: Future[None] | None = None  # a kept prefix on its way into its lease: no step until in
+    prompt_kept: bool = False  # its prompt's KV was offered to the prefix cache (once)
     book: KVBook = field(default_factory=KVBook)
     prefilled: int = 0  # tokens of `prefix()` sent to the stages
     chunk: tuple[int, int] | None = None  # its last prompt chunk: (tokens, tokens cached before it)
