@@ -40,6 +40,7 @@ class Reuse:
     _copying: list[tuple[Entry, Future[None], Stream | None]] = field(default_factory=list)
 
     def start(self, s: Stream) -> None:
+        """`s` was just added: it starts from the longest kept prefix of its scope, if any."""
         if s.prefix_scope is None or s.prefilled or s.resumed:
             return
         hit = self.cache.match(s.prompt, s.prefix_scope)
@@ -82,6 +83,7 @@ class Reuse:
             self._copying.append((entry, done, None))
 
     def landed(self) -> None:
+        """Take in the copies that are done (each round, before planning)."""
         still = []
         for entry, done, into in self._copying:
             if not done.done():
@@ -108,7 +110,7 @@ class Reuse:
         """`s`'s copy is in: it prefills the rest; or it failed (its lease closed everywhere):
         it prefills everything, from an empty cache."""
         s.copying = None
-        if done.exception() is not None:
+        if done.exception() is not None and s.key in self.kv.books:  # (not if it ended meanwhile)
             self.cache.stats.tokens_saved -= s.prefilled
             s.book = self.kv.books[s.key] = KVBook()
             s.prefilled = 0
