@@ -135,7 +135,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get 413")
     key = s.add_mutually_exclusive_group()
     key.add_argument("--api-key", help="require 'Authorization: Bearer KEY' of /v1 requests (401 otherwise)")
-    key.add_argument("--api-key-file", type=Path, help="the same, the key read from this file's first line")
+    key.add_argument("--api-key-file", type=Path,
+                     help="the same, the keys read from this file, one per line: each key's requests share kept "
+                          "prompt prefixes among themselves alone")
     s.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let pages from this origin (e.g. http://localhost:3000, or *) call the API; repeatable")
     s.add_argument("--threads", type=int, help="OpenVINO threads per stage")
@@ -392,7 +394,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from shardline.api.auth import load_key
+    from shardline.api.auth import load_keys
     from shardline.config import ServeConfig
     from shardline.server import serve
 
@@ -400,7 +402,7 @@ def _serve(args: argparse.Namespace) -> int:
                       default_max_tokens=args.max_tokens, model_id=args.model_id,
                       decode_groups=args.decode_groups, prefill_chunk=args.prefill_chunk,
                       max_prefills=args.max_prefills, max_body_bytes=args.max_body_bytes,
-                      api_key=load_key(args.api_key, args.api_key_file), recovery=_recovery(args),
+                      api_keys=load_keys(args.api_key, args.api_key_file), recovery=_recovery(args),
                       cors_origins=tuple(args.cors_origin),
                       disaggregate=disaggregation(args.disaggregate) if args.disaggregate else None,
                       admission=args.admission, prefill_policy=args.prefill_policy, flip=args.flip,

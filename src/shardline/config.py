@@ -358,7 +358,7 @@ class ServeConfig:
     # (serving/pacing.py); None: every chunk `prefill_chunk` tokens (the old policy, for benchmarks).
     pacing: PacingConfig | None = field(default_factory=PacingConfig)
     max_body_bytes: int = 2 << 20  # larger request bodies get 413
-    api_key: str | None = field(default=None, repr=False)  # /v1 requests must bear it (api/auth.py)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # /v1 requests must bear one (api/auth.py)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)  # after a worker dies or hangs
     # Browser origins allowed to call the API from their pages (CORS); none unless given.
     cors_origins: tuple[str, ...] = ()

@@ -259,7 +259,7 @@ def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | N
         engine, manifest = open_engine(folder, run, cfg, workers, activations, spec=spec, credentials=credentials)
     context = run_context(manifest.arch, run.context)
     served = Served(engine, ChatTokenizer(folder), model_id(manifest, cfg), cfg.default_max_tokens,
-                    cfg.max_body_bytes, api_key=cfg.api_key, cors_origins=cfg.cors_origins, precision=run.precision,
+                    cfg.max_body_bytes, api_keys=cfg.api_keys, cors_origins=cfg.cors_origins, precision=run.precision,
                     context=context, kv=run.kv or "device default")
     sock = socket.create_server((cfg.host, cfg.port))  # bound here, so port 0 reports its real port
     host, port = sock.getsockname()[:2]

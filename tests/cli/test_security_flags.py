@@ -65,6 +65,14 @@ def test_bad_api_keys(tmp_path: Path, key: str, message: str, capsys: pytest.Cap
     _fails(capsys, ["serve", "--shards", str(tmp_path), "--api-key", key], message)
 
 
+@pytest.mark.parametrize("text", ["", "\n\n", "sk-good-0123456789\nshort\n", "sk-good-0123456789\nwith a\ttab\n"])
+def test_an_api_key_file_with_a_bad_key_among_its_lines(tmp_path: Path, text: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "keys").write_text(text)
+    _fails(capsys, ["serve", "--shards", str(tmp_path), "--api-key-file", str(tmp_path / "keys")],
+           "the API key must be at least 8 printable ASCII characters")
+
+
 def test_an_api_key_file_that_is_not_there(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _fails(capsys, ["serve", "--shards", str(tmp_path), "--api-key-file", str(tmp_path / "nope")],
            f"--api-key-file {tmp_path / 'nope'}: [Errno 2] No such file or directory")

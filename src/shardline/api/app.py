@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from shardline.api.auth import ApiKey
+from shardline.api.auth import SCOPE, ApiKey
 from shardline.api.generation import Generation, check_alive
 from shardline.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from shardline.api.logprobs import ChatLogprobs, LegacyLogprobs, TokenLogprob, TokenText
@@ -47,7 +47,7 @@ class Served:
     default_max_tokens: int = 256
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     retry_after_s: int = 1  # Retry-After of a 429 when every stream and queue slot is taken
-    api_key: str | None = None  # required of /v1 requests when set (api/auth.py)
+    api_keys: tuple[str, ...] = ()  # one of them required of /v1 requests when any (api/auth.py)
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (none: CORS off)
     precision: str = "exact"  # the run precision of this process's stages (the fleet page shows it)
     context: int = 0  # the longest sequence served (0: unknown)
@@ -65,8 +65,8 @@ class Json(JSONResponse):
 def build_app(served: Served) -> FastAPI:
     app = FastAPI(title="shardline", docs_url=None, redoc_url=None, default_response_class=Json)
     app.add_middleware(BodyLimit, max_bytes=served.max_body_bytes)
-    if served.api_key is not None:
-        app.add_middleware(ApiKey, key=served.api_key)  # added after: runs before, before the body is read
+    if served.api_keys:
+        app.add_middleware(ApiKey, keys=served.api_keys)  # added after: runs before, before the body is read
     if served.cors_origins:  # outermost: a browser's preflight carries no key, and gets its answer here
         app.add_middleware(CORSMiddleware, allow_origins=list(served.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
@@ -75,9 +75,10 @@ def build_app(served: Served) -> FastAPI:
     _errors(app)
     add_pages(app, served, Json)
 
-    def generation(endpoint: str, prompt: list[int], body: Sampling) -> Generation:
+    def generation(endpoint: str, prompt: list[int], body: Sampling, request: Request) -> Generation:
+        key_scope = getattr(request.state, SCOPE, "")  # whose kept prefixes it may share (auth.py)
         return Generation(served.engine, served.tok, metrics, endpoint, prompt, body, served.default_max_tokens,
-                          served.retry_after_s)
+                          served.retry_after_s, key_scope=key_scope)
 
     @app.get("/health")
     async def health() -> Response:
@@ -105,7 +106,7 @@ def build_app(served: Served) -> FastAPI:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = await tokenize(ChatTokenizer.encode_chat, served.tok, messages, "messages")
         shape = _ChatShape(served.model_id, ChatLogprobs(token_text) if body.wants_logprobs() else None)
-        return await _respond(generation("chat", prompt, body), body, request, shape)
+        return await _respond(generation("chat", prompt, body, request), body, request, shape)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -116,7 +117,8 @@ def build_app(served: Served) -> FastAPI:
             prompt = _known_ids(body.prompt, served.tok.vocab_size)
             prompt_text = await run_in_threadpool(served.tok.decode, prompt) if body.wants_logprobs() else ""
         fmt = LegacyLogprobs(token_text, len(prompt_text)) if body.wants_logprobs() else None
-        return await _respond(generation("completion", prompt, body), body, request, _TextShape(served.model_id, fmt))
+        return await _respond(generation("completion", prompt, body, request), body, request,
+                              _TextShape(served.model_id, fmt))
 
     return app
 

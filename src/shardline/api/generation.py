@@ -62,6 +62,7 @@ class Generation:
     body: Sampling
     default_max_tokens: int
     retry_after_s: int = 1
+    key_scope: str = ""  # the API key's scope (auth.py): kept prefixes are shared within it alone
     completion_tokens: int = 0
     start: float = field(default_factory=time.perf_counter)
     first: float | None = None
@@ -77,7 +78,8 @@ class Generation:
             raise ApiError(400, str(e)) from None
         tok = self.tok
         return Request(self.prompt, cfg, frozenset() if b.ignore_eos else frozenset(tok.stop_ids),
-                       b.speculative, tuple(b.stops()), lambda: StreamDecoder(tok), cache_prompt=b.cache_prompt)
+                       b.speculative, tuple(b.stops()), lambda: StreamDecoder(tok), scope=self.key_scope,
+                       cache_prompt=b.cache_prompt)
 
     def start_engine(self) -> None:
         """Submit to the engine now, so that a refusal becomes an HTTP error before any byte
