@@ -89,3 +89,24 @@ def test_a_next_turn_starts_from_the_kept_conversation_and_gives_the_cold_tokens
     assert _ask(warm, other) == _ask(cold, other)
     shared = next(i for i, (a, b) in enumerate(zip(turns[0], other, strict=False)) if a != b)
     assert cache.stats.hits == 2 and cache.stats.tokens_saved - saved == shared >= 16
+
+
+def test_a_flood_of_distinct_prompts_stays_within_the_budget_and_the_stages_hold_the_entries_alone(
+        shards: Callable[..., Path]) -> None:
+    """A budget of about 3 entries, 12 distinct prompts: after each request the bytes kept are
+    within it, and every stage holds exactly the kept entries' leases (nothing evicted lingers)."""
+    with LocalPipeline(shards("gguf", stages=2)) as pipe:
+        slot = sum(s.slot_bytes for s in pipe.layout())
+        cache = PrefixCache(140 * slot, slot)
+        engine = _engine(pipe, cache)
+        tok = ChatTokenizer(shards("gguf", stages=2))
+        try:
+            for i in range(12):
+                prompt = tok.encode_chat([{"role": "user", "content": f"Request {i}: " + CHAT_PROMPTS[i % 5] * 2}])
+                _ask(engine, prompt, SamplingConfig(max_tokens=8))
+                assert engine.prefix_stats()[1] <= cache.budget
+        finally:
+            engine.stop()
+        assert cache.stats.evicted >= 6 and 1 <= len(cache.entries) <= 4
+        held = {e.lease for e in cache.entries}
+        assert all(set(stage.keys()) == held for stage in pipe.stages), [stage.keys() for stage in pipe.stages]
