@@ -119,7 +119,8 @@ class RemotePipeline:
         self.outbox = Outbox()
         self._seq = count()
         self._clock = StepClock(deadlines or Deadlines())  # when a step in flight counts as lost
-        self.kv = KvMoves(self.manifest, self.stage0, max(KV_S, self._clock.limits.floor_s))
+        floor = self._clock.limits.floor_s
+        self.kv = KvMoves(self.manifest, self.stage0, max(KV_S, floor), copy_s=floor)
         self.life = ChainLife(self._open, self._read, reconnect_s)
         self._local = 0  # steps submitted that stage 0 has not finished sending (under life.lock)
         self._inbox: queue.Queue[Step | Release | _Repair | WireMove | None] = queue.Queue()

@@ -77,8 +77,10 @@ class KvMoves:
     """The moves under way, by seq: started on the stage-0 thread, answered on the links' readers
     (chain) or on the stage-0 thread itself (star), ended by their last answer or by a break."""
 
-    def __init__(self, manifest: Manifest, stage0: Stage, limit_s: float = KV_S) -> None:
-        self.manifest, self.stage0, self.limit_s = manifest, stage0, limit_s
+    def __init__(self, manifest: Manifest, stage0: Stage, limit_s: float = KV_S, copy_s: float = KV_S) -> None:
+        """`limit_s`: how long a worker may take over its part of an export or import (it moves a
+        whole cache over the link); `copy_s`: of a copy (on the worker alone: a step's bound)."""
+        self.manifest, self.stage0, self.limit_s, self.copy_s = manifest, stage0, limit_s, copy_s
         self.identity = export_identity(manifest)
         self._layout: list[StageLayout] | None = None
         self._lock = threading.Lock()
@@ -127,7 +129,7 @@ class KvMoves:
         with the chain known whole, before anything is sent: answers may come back at once)."""
         move.links, move.workers = links, workers
         move.parts, move.done = [[] for _ in links], [None] * len(links)
-        move.deadline = time.monotonic() + self.limit_s
+        move.deadline = time.monotonic() + self._limit(move)
         with self._lock:
             self._moves[move.seq] = move
 
@@ -192,7 +194,10 @@ class KvMoves:
             move = next((m for m in self._moves.values() if now > m.deadline), None)
         if move is None:
             return None
-        return f"did not finish the {move.verb} of the KV of key {move.work.lease} within {self.limit_s:.0f} s"
+        return f"did not answer the {move.verb} of the KV of key {move.work.lease} within {self._limit(move):g} s"
+
+    def _limit(self, move: _Move) -> float:
+        return self.copy_s if isinstance(move.work, KvCopy) else self.limit_s
 
     def stopped(self, inbox: queue.Queue[Any]) -> None:
         """The pipeline stopped: the moves under way, and those still queued, fail."""
