@@ -148,14 +148,20 @@ def free_port() -> int:
 
 
 @contextmanager
-def llama_server(binary: Path, gguf: Path) -> Iterator[System]:
+def llama_server(binary: Path, gguf: Path, log: Path) -> Iterator[System]:
     port = free_port()
-    proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-                             "--parallel", "8", "-c", str(8 * 4096), "--temp", "0", "--no-webui"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # --no-repack: llama.cpp's repacked (AMX) CPU buffers die with SIGILL/SIGSEGV on these VMs
+    # (MISSION.md: llama-cpp-python needs use_extra_bufts=False for the same reason).
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+                                 "--parallel", "8", "-c", str(8 * 4096), "--temp", "0", "--no-webui", "--no-repack"],
+                                stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {proc.returncode}: see {log}")
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break
@@ -216,7 +222,7 @@ def main() -> int:
             systems[system.name] = system
 
     if has_llama:
-        measure(llama_server(binary, default_model_path()))
+        measure(llama_server(binary, default_model_path(), args.work / "llama-server.log"))
     measure(shardline("shardline, cache off", two, 0))
     measure(shardline("shardline", two, 512))
     ws = [worker(three, 1), worker(three, 2)]

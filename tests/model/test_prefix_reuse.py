@@ -112,3 +112,36 @@ def test_a_flood_of_distinct_prompts_stays_within_the_budget_and_the_stages_hold
     assert cache.stats.evicted >= 6 and 1 <= len(cache.entries) <= 4
     held = {e.lease for e in cache.entries}
     assert all(set(stage.keys()) == held for stage in pipe.stages), [stage.keys() for stage in pipe.stages]
+
+
+def test_prompts_arriving_together_prefill_their_shared_system_prompt_once(shards: Callable[..., Path]) -> None:
+    """Four requests at once, one system prompt: the first prefills it, the other three wait for
+    it to be kept and start from it (three hits, the shared part saved three times), and every
+    answer is a cold run's, token for token (2 stages, decode groups)."""
+    folder = shards("gguf", stages=2)
+    tok = ChatTokenizer(folder)
+    system = {"role": "system", "content": " ".join(CHAT_PROMPTS[:3])}
+    prompts = [tok.encode_chat([system, {"role": "user", "content": f"Question {i}: why?"}]) for i in range(4)]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts[:2], strict=False)) if a != b)
+    with LocalPipeline(folder) as one, LocalPipeline(folder) as other:
+        cold = _engine(one, None)
+        cache = _cache(other)
+        warm = Engine(other, Limits(4, 4), other.context, SchedulerConfig(chunk=32, groups=1), prefix=cache)
+        try:
+            queues: list[queue.Queue] = [queue.Queue() for _ in prompts]
+            for p, q in zip(prompts, queues, strict=True):
+                warm.submit(Request(p, GREEDY, frozenset()), q.put)
+            together = [_tokens(q) for q in queues]
+            assert together == [_ask(cold, p) for p in prompts]
+        finally:
+            cold.stop()
+            warm.stop()
+    assert (cache.stats.hits, cache.stats.tokens_saved) == (3, 3 * shared)
+
+
+def _tokens(events: queue.Queue) -> list[int]:
+    out = []
+    while (ev := events.get(timeout=300)).token is not None:
+        out.append(ev.token)
+    assert ev.finish == "length", ev.error
+    return out

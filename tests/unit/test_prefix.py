@@ -122,8 +122,9 @@ def test_an_ended_stream_is_kept_by_a_copy_before_its_release_and_a_later_prompt
     second = _stream([*range(10, 30), 7, 8, 50, 51])
     second.key = sched.kv.lease()
     sched.add(second)
-    assert second.prefilled == 22 and second.book.position == 22 and second.copying is not None
+    assert second.prefilled == 0 and cache.stats.hits == 0  # looked up as its prefill is next
     plan = sched.plan()
+    assert second.prefilled == 22 and second.book.position == 22 and second.copying is not None
     (copy,) = plan.copies
     assert (copy.src, copy.dst, copy.index.tolist()) == (entry.lease, second.key, list(range(22)))
     assert plan.steps == () and entry.pins == 1  # no step before the copy is in
@@ -206,9 +207,62 @@ def test_a_prompt_is_kept_once_in_so_that_one_arriving_meanwhile_starts_from_it(
     b = _stream([*system, 4, 5], prompt_kept=False)  # a is still decoding
     b.key = sched.kv.lease()
     sched.add(b)
-    assert b.prefilled == 40 and cache.stats.hits == 1
     sched.plan().copies[0].done.set_result(None)
+    assert b.prefilled == 40 and cache.stats.hits == 1
     sched.plan()
     b.in_flight = False
     b.generated.append(8)
     assert sched.plan().copies == ()  # the entry holds all of b's prompt but its last 2: not kept again
+
+
+def _added(sched: Scheduler, prompt: list[int], scope: str | None = "") -> Stream:
+    s = _stream(prompt, scope, prompt_kept=False)
+    s.key = sched.kv.lease()
+    s.book = sched.kv.book(s.key)
+    sched.add(s)
+    return s
+
+
+def test_prompts_arriving_together_with_one_system_prompt_wait_for_the_first_then_start_from_it() -> None:
+    """Prompts sharing most of themselves with an earlier one still prefilling wait for its prompt
+    to be kept, then copy it and prefill only their own tokens; a prompt sharing little (a chat
+    template's header), one opted out, or one of another scope never waits."""
+    cache = _cache(1000)
+    sched = Scheduler(SchedulerConfig(chunk=64, groups=0, pacing=None, max_prefills=6), prefix=cache)
+    system = list(range(100, 200))
+    a = _added(sched, [*system, 1, 2, 3])
+    b, c = _added(sched, [*system, 4, 5, 6]), _added(sched, [*system, 7])
+    header = _added(sched, [*system[:20], *range(500, 540)])  # shares 20 of its 60
+    alone = _added(sched, [*system, 8, 9], scope=None)
+    other = _added(sched, [*system, 8, 9], scope="bob")
+    first = sched.plan()
+    assert [s.streams for s in first.steps] == [(a.id,), (header.id,), (alone.id,), (other.id,)]
+    assert first.copies == () and (cache.stats.hits, cache.stats.misses) == (0, 3)  # `alone` looks for none
+    for s in (a, header, alone, other):
+        s.in_flight = False
+    assert [s.streams for s in sched.plan().steps] == [(a.id,), (alone.id,), (other.id,)]  # a's rest: b, c wait
+    a.in_flight = False
+    a.generated.append(9)
+    plan = sched.plan()
+    keep, into_b, into_c = plan.copies  # a's prompt kept, then copied into b and c, in that order
+    assert (keep.src, into_b.src, into_c.src) == (a.key, keep.dst, keep.dst)
+    assert (into_b.dst, into_b.index.tolist(), into_c.index.tolist()) == (b.key, list(range(100)), list(range(100)))
+    assert cache.stats.hits == 2 and not any(b.id in s.streams or c.id in s.streams for s in plan.steps)
+    for x in plan.copies:
+        x.done.set_result(None)
+    steps = {s.streams[0]: s for s in sched.plan().steps}
+    assert steps[b.id].inputs.input_ids.tolist() == [[4, 5, 6]]  # type: ignore[attr-defined]
+    assert steps[c.id].inputs.input_ids.tolist() == [[7]]  # type: ignore[attr-defined]
+
+
+def test_a_stream_waiting_for_an_earlier_prompt_starts_cold_when_that_one_ends_first() -> None:
+    cache = _cache(1000)
+    sched = Scheduler(SchedulerConfig(chunk=64, groups=0, pacing=None), prefix=cache)
+    system = list(range(100, 200))
+    a, b = _added(sched, [*system, 1]), _added(sched, [*system, 2])
+    assert [s.streams for s in sched.plan().steps] == [(a.id,)]
+    a.in_flight = False
+    sched.remove(a)  # cancelled mid-prompt: nothing kept
+    (step,) = sched.plan().steps
+    assert step.streams == (b.id,) and step.first and step.inputs.input_ids.shape == (1, 64)  # type: ignore[attr-defined]
+    assert (cache.stats.hits, cache.stats.misses) == (0, 2)

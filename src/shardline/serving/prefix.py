@@ -68,7 +68,7 @@ class PrefixCache:
     def covers(self, tokens: Sequence[int], scope: str) -> int:
         """The longest prefix of `tokens` an entry of `scope` holds (no hit counted)."""
         ids = np.asarray(tokens, np.int64)
-        return max((_common(e.tokens, ids) for e in list(self.entries) if e.scope == scope), default=0)
+        return max((common_prefix(e.tokens, ids) for e in list(self.entries) if e.scope == scope), default=0)
 
     def match(self, prompt: Sequence[int], scope: str) -> tuple[Entry, int] | None:
         """The entry of `scope` sharing the longest prefix with `prompt`, and how many of its
@@ -78,7 +78,7 @@ class PrefixCache:
         for e in self.entries:
             if e.scope != scope:
                 continue
-            n = min(_common(e.tokens, ids), len(ids) - 1)
+            n = min(common_prefix(e.tokens, ids), len(ids) - 1)
             if best is None or n > best[1]:
                 best = (e, n)
         if best is None or best[1] < self.min_tokens:
@@ -102,7 +102,8 @@ class PrefixCache:
         pinned = sum(e.nbytes for e in self.entries if e.pins)
         if not self.fits(len(ids)) or pinned + nbytes > self.budget:  # then nothing is evicted for it
             return None, [lease]
-        drop = [e for e in self.entries if e.scope == scope and e.pins == 0 and _common(e.tokens, ids) == len(e.tokens)]
+        drop = [e for e in self.entries
+                if e.scope == scope and e.pins == 0 and common_prefix(e.tokens, ids) == len(e.tokens)]
         free = self._drop(drop)
         for e in sorted((e for e in self.entries if e.pins == 0), key=lambda e: e.used):
             if self.held + nbytes <= self.budget:
@@ -129,7 +130,7 @@ class PrefixCache:
         return [e.lease for e in entries]
 
 
-def _common(a: np.ndarray, b: np.ndarray) -> int:
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """The length of the common prefix of `a` and `b`."""
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])

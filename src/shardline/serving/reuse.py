@@ -1,11 +1,16 @@
 """Prefix reuse in the scheduler's terms: a new stream starts from a kept prefix's copy, an
 ended stream's KV is kept, as KvCopy items of the next plan (pure: the KV table records them).
 
-- `start`: a stream about to prefill whose prompt starts with an entry of its scope gets the
+- `start`: a stream about to prefill (its first chunk next; looked up then, not when it arrived,
+  so that what was kept meanwhile counts) whose prompt starts with an entry of its scope gets the
   entry's first n slots copied into its own lease (not opened yet), its book a cache of those n
   positions; once that copy is in (`Stream.copying` done) it prefills only the rest (its first
   chunk then opens nothing). If the copy failed, it prefills everything: a miss, never a wrong
   answer; the entry is forgotten (a worker that restarted holds nothing of it).
+- `unblocked`: of the streams waiting to prefill, those that need not wait. A stream whose
+  prompt shares most of itself with an earlier stream's prompt still prefilling (requests that
+  arrived together with one system prompt) waits for that prompt to be kept, then starts from
+  it: one prefill of the shared part instead of one per request.
 - `keep_prompt`: a stream whose prompt is in has the prompt's slots copied into an entry, so
   that prompts arriving while it still runs (a shared system prompt) start from it.
 - `keep`: a stream that ended well has its attended slots (its tokens' KV, in order, without
@@ -27,7 +32,7 @@ import numpy as np
 
 from shardline.pipeline.plan import Lease
 from shardline.serving.kv_table import KvTable
-from shardline.serving.prefix import Entry, PrefixCache
+from shardline.serving.prefix import Entry, PrefixCache, common_prefix
 from shardline.serving.stream import Stream
 from shardline.stage.cache import KVBook
 
@@ -40,9 +45,11 @@ class Reuse:
     _copying: list[tuple[Entry, Future[None], Stream | None]] = field(default_factory=list)
 
     def start(self, s: Stream) -> None:
-        """`s` was just added: it starts from the longest kept prefix of its scope, if any."""
-        if s.prefix_scope is None or s.prefilled or s.resumed:
+        """`s`'s first chunk is next: it starts from the longest kept prefix of its scope, if any
+        (looked for once)."""
+        if s.prefix_looked or s.prefix_scope is None or s.prefilled or s.resumed:
             return
+        s.prefix_looked = True
         hit = self.cache.match(s.prompt, s.prefix_scope)
         if hit is None:
             return
@@ -50,6 +57,23 @@ class Reuse:
         _, s.copying = self.kv.copy(entry.lease, np.arange(n), to=s.key)
         s.book, s.prefilled = self.kv.book(s.key), n
         self._copying.append((entry, s.copying, s))
+
+    def unblocked(self, prefilling: list[Stream]) -> list[Stream]:
+        """`prefilling` (in admission order) less the streams that wait for an earlier one's
+        prompt. The first of streams sharing a prompt never waits: each wait ends."""
+        return [s for i, s in enumerate(prefilling) if not any(self._waits(s, e) for e in prefilling[:i])]
+
+    def _waits(self, s: Stream, e: Stream) -> bool:
+        """Whether `s`, not started, waits for the earlier `e`'s prompt to be kept: they share
+        at least half of `s`'s prompt beyond what is kept already, and what `e` has left to
+        prefill is at most twice that (waiting costs `e`'s rest; it saves the shared part)."""
+        if (s.prefix_looked or s.prefilled or s.resumed or e.resumed or s.prefix_scope is None
+                or e.prefix_scope != s.prefix_scope or not self.cache.fits(len(e.prompt))):
+            return False
+        mine = np.asarray(s.prompt, np.int64)
+        shared = min(common_prefix(np.asarray(e.prompt, np.int64), mine), len(mine) - 1)
+        gain = shared - self.cache.covers(s.prompt, s.prefix_scope)
+        return gain >= max(self.cache.min_tokens, len(mine) // 2) and len(e.prompt) - e.prefilled <= 2 * gain
 
     def keep(self, s: Stream, src: Lease, row: int) -> None:
         """`s` ended (nothing in flight), its KV in row `row` of `src`'s state: its tokens' KV is

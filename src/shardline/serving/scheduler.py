@@ -18,8 +18,10 @@ to release, then the steps to submit now:
 Every stream has at most one step in flight, so a stream's steps reach each stage in order.
 When a stream ends, `remove` frees its own key and, if it leaves a group empty, the group's:
 the next plan (or `releases()`, when nothing more is planned) hands those keys to the pipeline.
-With a prefix cache (reuse.py), a stream added starts from a kept prefix when one matches, and
-a stream that ended well is kept first (its KV copied by the next plan before the releases).
+With a prefix cache (reuse.py), a stream about to prefill starts from a kept prefix when one
+matches (one sharing most of its prompt with an earlier one still prefilling waits for that
+prompt to be kept), and a stream that ended well is kept first (its KV copied by the next plan
+before the releases).
 No processes, no I/O: tested as plain objects.
 """
 
@@ -78,8 +80,6 @@ class Scheduler:
 
     def add(self, stream: Stream) -> None:
         self.streams[stream.id] = stream
-        if self.reuse is not None:
-            self.reuse.start(stream)
 
     def remove(self, stream: Stream, keep: bool = False) -> None:
         """`stream` ended (none of its steps in flight): keep its KV as a prefix if `keep` (it
@@ -166,7 +166,13 @@ class Scheduler:
                            drafted=drafted([proposal]), key=s.key)
 
     def _prefills(self) -> list[Step]:
-        waiting = [s for s in self.streams.values() if s.prefilling][: self.cfg.max_prefills]
+        waiting = [s for s in self.streams.values() if s.prefilling]
+        if self.reuse is not None:
+            waiting = self.reuse.unblocked(waiting)[: self.cfg.max_prefills]
+            for s in waiting:  # their first chunks are next: from a kept prefix, if one matches
+                self.reuse.start(s)
+        else:
+            waiting = waiting[: self.cfg.max_prefills]
         ready = [s for s in waiting if not s.in_flight and s.copying is None]
         if self.pacing is None:
             sizes = [self.cfg.chunk] * len(ready)

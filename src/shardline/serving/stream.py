@@ -71,6 +71,7 @@ class Stream:
     prefix_scope: str | None = None
     copying: Future[None] | None = None  # a kept prefix on its way into its lease: no step until in
     prompt_kept: bool = False  # its prompt's KV was offered to the prefix cache (once)
+    prefix_looked: bool = False  # a kept prefix was looked for (once, as its prefill was about to start)
     book: KVBook = field(default_factory=KVBook)
     prefilled: int = 0  # tokens of `prefix()` sent to the stages
     chunk: tuple[int, int] | None = None  # its last prompt chunk: (tokens, tokens cached before it)
