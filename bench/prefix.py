@@ -16,6 +16,7 @@ llama-cpp-python sdist vendors (bench/llama_cpp_tools.sh), `--parallel 8`, 2 thr
 
     python bench/prefix.py --quick
     python bench/prefix.py [--llama-server PATH] [--rounds 3]
+    python bench/prefix.py --disaggregate   # instead: serve --disaggregate 1:1, cache off and on
 
 The last line on stdout is one JSON object with the figures, ratios first.
 """
@@ -177,9 +178,10 @@ def llama_server(binary: Path, gguf: Path, log: Path) -> Iterator[System]:
 
 
 @contextmanager
-def shardline(name: str, folder: Path, cache_mb: int, workers: list[Proc] | None = None) -> Iterator[System]:
+def shardline(name: str, folder: Path, cache_mb: int, workers: list[Proc] | None = None,
+              extra: tuple[str, ...] = ()) -> Iterator[System]:
     args = ["serve", "--shards", str(folder), "--port", "0", "--model-id", MODEL, "--max-streams", "8",
-            "--prefix-cache-mb", str(cache_mb)]
+            "--prefix-cache-mb", str(cache_mb), *extra]
     if workers:
         args += ["--workers", ",".join(w.addr for w in workers), "--insecure"]
     server = Proc(args, "serving ", stream="stderr", timeout_s=600)
@@ -199,6 +201,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--llama-server", type=Path, help="the llama-server binary (default: bench/llama_cpp_tools.sh's)")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "shardline-bench")
+    p.add_argument("--disaggregate", action="store_true",
+                   help="instead: shardline --disaggregate 1:1 (a prefill and a decode instance), cache off and on")
     args = p.parse_args()
     from shardline.model.source import default_model_path
 
@@ -221,6 +225,11 @@ def main() -> int:
                       f"{' '.join(f'{a.ttft:.2f}' for a in system.chat[-1])} s", file=sys.stderr, flush=True)
             systems[system.name] = system
 
+    if args.disaggregate:
+        split = ("--disaggregate", "1:1")
+        measure(shardline("shardline 1:1, cache off", two, 0, extra=split))
+        measure(shardline("shardline 1:1", two, 512, extra=split))
+        return report(systems, rounds, quiet, load)
     if has_llama:
         measure(llama_server(binary, default_model_path(), args.work / "llama-server.log"))
     measure(shardline("shardline, cache off", two, 0))
@@ -252,6 +261,11 @@ def report(systems: dict[str, System], rounds: int, quiet: bool, load: float) ->
         figures[f"{name} later turn ttft s"] = round(later[name], 3)
         figures[f"{name} shared ttft s"] = round(shared, 3)
     ratios = {}
+    if "shardline 1:1" in later:
+        ratios["ratio_later_turn_ttft_1to1_vs_cache_off"] = round(
+            later["shardline 1:1"] / later["shardline 1:1, cache off"], 3)
+        print(json.dumps(ratios | figures | {"rounds": rounds, "quiet": quiet, "load_at_start": round(load, 2)}))
+        return 0
     if "llama-server" in later:
         ratios["ratio_later_turn_ttft_vs_llama_server"] = round(later["shardline"] / later["llama-server"], 3)
         ratios["ratio_later_turn_ttft_2workers_vs_llama_server"] = round(

@@ -131,14 +131,14 @@ def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[st
     return engine, manifest
 
 
-def prefix_cache(cfg: ServeConfig, pipe: Pipeline) -> PrefixCache | None:
-    """The prefix cache of a coupled engine (None: off). Its budget holds in every process: an
-    entry is counted at the bytes of the process that holds the most of it (this one, with every
-    stage here)."""
+def prefix_cache(cfg: ServeConfig, pipe: Pipeline, instances: int = 1) -> PrefixCache | None:
+    """The prefix cache of an engine (None: off), of `instances` whose pipelines share this
+    process (each gets an even share). Its budget holds in every process: an entry is counted
+    at the bytes of the process that holds the most of it (this one, with every stage here)."""
     if cfg.prefix_cache_mb == 0:
         return None
     mib = cfg.prefix_cache_mb if cfg.prefix_cache_mb is not None else min(2048, available_memory() // 10 >> 20)
-    return PrefixCache(mib << 20, process_slot_bytes(pipe.layout(), pipe.placement()))
+    return PrefixCache((mib << 20) // instances, process_slot_bytes(pipe.layout(), pipe.placement()))
 
 
 def process_slot_bytes(layout: list[StageLayout], placed: list[Placed]) -> int:
@@ -184,9 +184,11 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
     predict, summarize = length_prediction(cfg.length_predictor, manifest)
 
     def prefill_on(pipe: Pipeline) -> PrefillRole:
+        # every instance has stage 0 here and may flip to prefill: each gets 1/(P+D) of the budget
         return prefill_instance(pipe, limits, context, cfg.prefill_chunk, front.dispatch, predict,
                                 PrefillPolicy(cfg.prefill_policy), replays=replays,
-                                chunked_kv=cfg.kv_transfer == "chunk")
+                                chunked_kv=cfg.kv_transfer == "chunk",
+                                prefix=prefix_cache(cfg, pipe, n_prefill + n_decode))
 
     def decode_on(pipe: Pipeline) -> DecodeRole:
         return decode_instance(pipe, limits, context, scheduling(cfg, manifest, bool(workers)),

@@ -1,7 +1,7 @@
 """`shardline serve --disaggregate 1:1`: a real server process of one prefill and one decode
 instance behind the OpenAI API, driven by the official client. Its greedy answers equal a
-coupled engine's, concurrent and streamed; /health and /metrics tell the truth; bad flags get a
-clear error before anything loads."""
+coupled engine's, concurrent and streamed, a prompt kept by the prefill instance or not;
+/health and /metrics tell the truth; bad flags get a clear error before anything loads."""
 
 from __future__ import annotations
 
@@ -84,8 +84,17 @@ def test_stream_equals_plain(client: openai.OpenAI, alone: dict[str, str]) -> No
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == alone[p]
 
 
-def test_health_and_metrics_after_the_requests(server: Server, client: openai.OpenAI) -> None:
+def test_health_and_metrics_after_the_requests(server: Server, client: openai.OpenAI,
+                                               alone: dict[str, str]) -> None:
+    """The prefill instance keeps each prompt it prefills: the same prompt again starts from it,
+    with the same answer."""
     _chat(client, CHAT_PROMPTS[0])
+    hits, saved = server.metric("shardline_prefix_cache_hits_total"), server.metric(
+        "shardline_prefix_cache_tokens_saved_total")
+    assert _chat(client, CHAT_PROMPTS[0]) == alone[CHAT_PROMPTS[0]]
+    assert server.metric("shardline_prefix_cache_hits_total") == hits + 1
+    assert server.metric("shardline_prefix_cache_tokens_saved_total") - saved >= 16
+    assert server.metric("shardline_prefix_cache_bytes") > 0
     health = httpx.get(f"{server.url}/health", timeout=10).json()
     assert health["status"] == "ok" and health["waiting"] == 0
     assert server.metric("shardline_max_streams") == 4  # the decode instance's slots

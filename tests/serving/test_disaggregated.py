@@ -7,6 +7,7 @@ no decode instance takes fails alone."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -20,11 +21,13 @@ from shardline.disagg.instance import Admission, FlipConfig
 from shardline.disagg.policies import PrefillPolicy
 from shardline.disagg.prefill import Moving, PrefillRole, oracle_predict, prefill_instance
 from shardline.disagg.state import Role
+from shardline.errors import ShardlineError
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.plan import KvExport, KvMove, Pipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Request, Serving
+from shardline.serving.prefix import PrefixCache
 from shardline.serving.scheduler import SchedulerConfig
 from tests.conftest import CHAT_PROMPTS
 
@@ -329,8 +332,9 @@ def test_an_idle_decode_instance_flips_to_prefill_and_no_request_is_lost(
         engine.stop()
     front = Disaggregated(FrontConfig(heavy_from=64, period_s=0.02, flip=FlipConfig(idle_s=0.05, pressure=1.0)))
 
-    def prefill_on(pipe: Pipeline) -> PrefillRole:
-        return prefill_instance(pipe, Limits(8, 16), CONTEXT, 16, front.dispatch, PREDICT)
+    def prefill_on(pipe: Pipeline) -> PrefillRole:  # each keeps the prompts it prefills (the burst repeats 5)
+        return prefill_instance(pipe, Limits(8, 16), CONTEXT, 16, front.dispatch, PREDICT,
+                                prefix=PrefixCache(64 << 20, _slot_bytes(pipe)))
 
     def decode_on(pipe: Pipeline) -> DecodeRole:
         return decode_instance(pipe, Limits(8, 16), CONTEXT, SchedulerConfig(chunk=16, groups=1), Admission.VANILLA,
@@ -342,5 +346,65 @@ def test_an_idle_decode_instance_flips_to_prefill_and_no_request_is_lost(
         assert _run(front, burst) == alone
         assert [(f.old, f.new) for f in front.flips][:1] == [(Role.DECODE, Role.PREFILL)]
         assert len(front.prefills) + len(front.decodes) == 3 and front.decodes and front.failed is None
+        assert front.prefix_stats()[0].kept >= 1
     finally:
         front.stop()
+        for r in front.prefills.values():
+            r.engine.drop_prefixes()
+
+
+def _held(pipe: LocalPipeline) -> list[set[int]]:
+    """The keys each stage holds, once the releases submitted so far have run (bounded wait)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            held = [set(stage.keys()) for stage in pipe.stages]
+        except RuntimeError:  # a stage thread changed its keys while they were read
+            continue
+        if not any(held) or time.monotonic() > deadline:
+            return held
+        time.sleep(0.01)
+
+
+def test_prefill_instances_keep_prompts_and_a_chat_s_next_turn_prefills_only_the_rest_where_it_is_kept(
+        pipes: list[LocalPipeline], prompts: list[list[int]]) -> None:
+    """Two prefill instances with prefix caches, one decode instance. An unrelated request goes to
+    the first prefill instance, the chat's first turn to the second (the first is busy); the next
+    turn, sent when both are idle, goes to the second, which keeps the first turn's prompt, and
+    prefills only what is new. Every token equals a coupled engine's without a cache; once the
+    instances drop their entries, their stages hold nothing."""
+    system = prompts[0] * 3
+    other = Request(prompts[1] * 3, SamplingConfig(max_tokens=6), frozenset())
+    turn1 = Request(system, SamplingConfig(max_tokens=8), frozenset())
+    engine = Engine(pipes[0], Limits(8, 16), CONTEXT, SchedulerConfig(chunk=16, groups=1))
+    try:
+        cold = _run(engine, [other, turn1])
+        turn2 = Request(system + cold[1][0] + prompts[2], SamplingConfig(max_tokens=8), frozenset())
+        cold += _run(engine, [turn2])
+    finally:
+        engine.stop()
+    front = Disaggregated(FrontConfig(heavy_from=64, period_s=0.02))
+    prefills = {f"p{i}": prefill_instance(pipes[i], Limits(8, 16), CONTEXT, 16, front.dispatch, PREDICT,
+                                          prefix=PrefixCache(64 << 20, _slot_bytes(pipes[i]))) for i in range(2)}
+    decode = decode_instance(pipes[2], Limits(8, 16), CONTEXT, SchedulerConfig(chunk=16, groups=1),
+                             Admission.VANILLA, 8 * CONTEXT, 64)
+    front.start(prefills, {"d": decode})
+    try:
+        assert _run(front, [other, turn1]) == cold[:2]
+        assert [r.engine.prefix_stats()[0].kept for r in prefills.values()] == [1, 1]
+        time.sleep(0.1)  # the monitor reads both idle
+        assert _run(front, [turn2]) == cold[2:]
+        stats, held = front.prefix_stats()
+        assert (prefills["p1"].engine.prefix_stats()[0].hits, stats.hits) == (1, 1)
+        assert stats.tokens_saved == len(system) and held > 0
+        with pytest.raises(ShardlineError, match="kept prefixes are dropped only once the engine has stopped"):
+            prefills["p0"].engine.drop_prefixes()
+    finally:
+        front.stop()
+        for r in prefills.values():
+            r.engine.drop_prefixes()
+    assert _held(pipes[0]) == _held(pipes[1]) == [set()] * len(pipes[0].stages)
+
+
+def _slot_bytes(pipe: Pipeline) -> int:
+    return sum(s.slot_bytes for s in pipe.layout())

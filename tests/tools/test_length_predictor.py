@@ -200,6 +200,14 @@ def test_a_hidden_summary_over_chunks_is_the_mean_the_last_and_the_length() -> N
             HiddenChunk.of(np.zeros(shape, np.float32))
     with pytest.raises(ShardlineError, match="no prompt positions"):
         PromptHidden(8).vector()
+    assert s.vector(10).tolist() == v.tolist()
+    rest = PromptHidden(8)  # a prompt that started from a kept prefix of 6: stage 0 ran the rest
+    rest.add(HiddenChunk.of(h[:, 6:]))
+    w = rest.vector(10)
+    np.testing.assert_allclose(w[:8], h[0, 6:].mean(axis=0), rtol=1e-6)
+    assert w[8:16].tolist() == v[8:16].tolist() and w[16] == v[16]  # its last position and its length
+    with pytest.raises(ShardlineError, match="a prompt of 3 positions of which 4 were summarized"):
+        rest.vector(3)
 
 
 def test_features_survive_the_dataset_encoding_exactly() -> None:

@@ -34,6 +34,14 @@ def test_least_loaded_prefill_fewest_tokens_then_requests_then_name() -> None:
     assert least_loaded_prefill(tie) == "pa"
 
 
+def test_least_loaded_prefill_counts_what_a_kept_prefix_saves() -> None:
+    state = ClusterState({"p0": PrefillLoad(0, 0, False), "p1": PrefillLoad(1, 300, True)})
+    assert least_loaded_prefill(state, {"p1": 1000}) == "p1"  # 300 queued, 1000 of this prompt saved
+    assert least_loaded_prefill(state, {"p1": 299}) == "p0"  # what it saves does not pay for the queue
+    assert least_loaded_prefill(state, {"p1": 300}) == "p0"  # even: fewer requests
+    assert least_loaded_prefill(state, {"gone": 5000}) == least_loaded_prefill(state) == "p0"
+
+
 def test_least_loaded_prefill_needs_a_prefill_instance() -> None:
     with pytest.raises(ShardlineError, match="no prefill instance in the cluster state"):
         least_loaded_prefill(ClusterState({"d": DecodeLoad(0, 0, 0, 0, 10, 0)}))

@@ -9,6 +9,7 @@ from shardline.config import SamplingParams
 from shardline.disagg.prefill import PrefillOnly
 from shardline.pipeline.plan import KvExport, KvImport, KvMove, Plan, PrefillStep, Step, execute
 from shardline.serving.kv_table import KvTable
+from shardline.serving.prefix import PrefixCache
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
 from shardline.serving.stream import Stream
 from shardline.stage.cache import KVBook
@@ -57,6 +58,33 @@ def test_chunk_level_transfer_exports_each_chunk_before_the_next_one_runs() -> N
     assert [type(p.steps[0]).__name__ for p in plans[:3]] == ["PrefillStep"] * 3
     assert [p.steps[0].inputs.position_ids.tolist() for p in plans[1:3]] == [[[4, 5, 6, 7]], [[8, 9]]]
     assert len(s.handover.kv_sent) == 3 and sched.take_left() == [s]
+
+
+def test_a_leaving_stream_s_prompt_is_kept_before_its_lease_is_released() -> None:
+    """With a prefix cache, a prefill instance keeps each leaving prompt's KV (a copy within the
+    stages, before the release); the next prompt sharing it starts from a copy of that entry
+    and prefills only the rest, and leaves with its whole KV exported."""
+    sched = Scheduler(SchedulerConfig(chunk=8, groups=0, max_prefills=1, pacing=None), PrefillOnly(),
+                      PrefixCache(1 << 20, 1, min_tokens=4))
+    system = list(range(100, 110))
+    first = Stream(1, system + [7, 8], SamplingParams(), 8, key=sched.kv.lease(), prefix_scope="")
+    sched.add(first)
+    plans = _rounds(sched, 3)
+    kept = plans[2]
+    assert [(c.src, c.index.tolist()) for c in kept.copies] == [(0, list(range(12)))]
+    assert kept.releases == (0,) and [x.lease for x in kept.exports] == [0]
+    for c in kept.copies:
+        c.done.set_result(None)
+    second = Stream(2, system + [9, 9, 9], SamplingParams(), 8, key=sched.kv.lease(), prefix_scope="")
+    sched.add(second)
+    start = sched.plan()  # the copy of the entry's first 10 slots, then the rest once it is in
+    (copy,) = start.copies
+    assert (copy.src, copy.dst, copy.index.tolist(), start.steps) == (kept.copies[0].dst, 2, list(range(10)), ())
+    copy.done.set_result(None)
+    rest = _rounds(sched, 2)
+    assert rest[0].steps[0].inputs.position_ids.tolist() == [[10, 11, 12]]
+    assert [(x.lease, x.start) for x in rest[1].exports] == [(2, 0)] and sched.take_left() == [first, second]
+    assert sched.reuse is not None and sched.reuse.cache.stats.tokens_saved == 10
 
 
 def test_a_stream_ending_at_its_first_token_does_not_leave() -> None:

@@ -71,6 +71,7 @@ class Disaggregated:
         self._make: Make | None = None
         self._idle = IdleClock()
         self.flips: list[Flipped] = []  # role changes so far (the monitor's thread appends)
+        self._prefix_before = PrefixStats()  # of engines replaced by flips: the counters never go back
 
     def start(self, prefills: dict[str, PrefillRole], decodes: dict[str, DecodeRole],
               make: Make | None = None) -> None:
@@ -94,8 +95,9 @@ class Disaggregated:
 
     def submit(self, request: Request, on_event: Callable[[Event], None]) -> Ticket:
         with self._lock:  # held through the submit: an instance taken out to flip gets nothing after
-            name = least_loaded_prefill(self._state)
-            self._state = sent_prefill(self._state, name, len(request.prompt))
+            covered = {n: r.engine.prefix_covers(request) for n, r in self.prefills.items()}
+            name = least_loaded_prefill(self._state, covered)
+            self._state = sent_prefill(self._state, name, max(1, len(request.prompt) - covered.get(name, 0)))
             return self.prefills[name].engine.submit(request, on_event)
 
     def dispatch(self, moving: Moving) -> None:
@@ -135,7 +137,15 @@ class Disaggregated:
         return SpecStats(0, 0, 0, 0)
 
     def prefix_stats(self) -> tuple[PrefixStats, int]:
-        return PrefixStats(), 0  # instances keep no prefixes (yet)
+        """Prefix reuse over every instance (prefill instances keep prompts; decode ones none)."""
+        with self._lock:  # the pools and the counts of engines flipped away, read together
+            total = self._prefix_before
+            engines = [r.engine for r in self.prefills.values()] + [r.engine for r in self.decodes.values()]
+        held = 0
+        for engine in engines:
+            stats, n = engine.prefix_stats()
+            total, held = total + stats, held + n
+        return total, held
 
     def stop(self) -> None:
         self._stopping.set()
@@ -176,6 +186,7 @@ class Disaggregated:
         if (taken := self._take_out(name)) is None:
             return
         taken.engine.stop()
+        taken.engine.drop_prefixes()  # the pipeline goes on under an engine that knows none of them
         fresh = self._make(new, taken.engine.pipe)
         with self._lock:
             if isinstance(fresh, PrefillRole):
@@ -196,6 +207,8 @@ class Disaggregated:
                 return None
             self.prefills.pop(name, None)
             self.decodes.pop(name, None)
+            # an empty engine's counts no longer change: they stay in the front's from now on
+            self._prefix_before = self._prefix_before + taken.engine.prefix_stats()[0]
             self._state = ClusterState({n: x for n, x in self._state.loads.items() if n != name})
             return taken
 

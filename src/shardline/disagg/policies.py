@@ -1,6 +1,7 @@
 """Where a request goes and when it runs: TetriInfer's two-level scheduling, as pure functions.
 
-- The global scheduler sends each new request to the least-loaded prefill instance.
+- The global scheduler sends each new request to the least-loaded prefill instance, counting
+  what a prefix kept there would save of its prompt (prefix reuse: not in TetriInfer).
 - A prefill instance's local scheduler orders its queued requests (FCFS, SJF or LJF) over a
   window of PrefillSchedBatch requests, non-preemptively, and prefills each in fixed-size chunks.
 - Its dispatcher then picks the decode instance for the prefilled request from the decode loads
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -24,13 +25,17 @@ from shardline.errors import ShardlineError
 DEFAULT_PREFILL_BATCH = 16  # TetriInfer's PrefillSchedBatch: the window a local policy reorders
 
 
-def least_loaded_prefill(state: ClusterState) -> str:
-    """The prefill instance a new request goes to: the fewest queued prompt tokens (the work
-    ahead of it), then the fewest queued requests, then the first name."""
+def least_loaded_prefill(state: ClusterState, covered: Mapping[str, int] | None = None) -> str:
+    """The prefill instance a new request goes to: the least prompt work there with it, which
+    is its queued prompt tokens (the work ahead of it) less the tokens of this prompt a kept
+    prefix there would save (`covered`, by instance; none: 0), then the fewest queued
+    requests, then the first name. So a chat's next turn goes where its earlier turns are kept,
+    unless the work queued there outweighs what that saves."""
     prefills = state.prefill()
     if not prefills:
         raise ShardlineError("no prefill instance in the cluster state: nowhere to send the request")
-    return min(prefills, key=lambda n: (prefills[n].queued_tokens, prefills[n].queued, n))
+    saved = covered or {}
+    return min(prefills, key=lambda n: (prefills[n].queued_tokens - saved.get(n, 0), prefills[n].queued, n))
 
 
 class PrefillPolicy(Enum):

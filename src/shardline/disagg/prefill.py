@@ -33,6 +33,7 @@ from shardline.pipeline.kv import Handoff, KvSnapshot, handoff, join
 from shardline.pipeline.plan import Pipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Ticket, ticket_of
+from shardline.serving.prefix import PrefixCache
 from shardline.serving.replay import Replays
 from shardline.serving.scheduler import Handoffs, SchedulerConfig
 from shardline.serving.stream import Stream
@@ -189,13 +190,16 @@ class PrefillRole:
 
 def prefill_instance(pipe: Pipeline, limits: Limits, max_context: int, chunk: int, send: Callable[[Moving], None],
                      predict: Predict, policy: PrefillPolicy = PrefillPolicy.FCFS, batch: int = DEFAULT_PREFILL_BATCH,
-                     replays: Replays | None = None, chunked_kv: bool = False) -> PrefillRole:
+                     replays: Replays | None = None, chunked_kv: bool = False,
+                     prefix: PrefixCache | None = None) -> PrefillRole:
     """An engine over `pipe` in the prefill role (`chunked_kv`: chunk-level KV transfer; else the
     whole cache is exported as a stream leaves). No decode groups: a stream never decodes here;
-    one prompt at a time, in fixed chunks (TetriInfer), in the policy's order."""
+    one prompt at a time, in fixed chunks (TetriInfer), in the policy's order. With `prefix`,
+    each leaving stream's prompt is kept here, and a prompt starting with a kept one prefills
+    only the rest: its export still carries its whole KV (the copy's slots and the rest's)."""
     role = PrefillRole(send, predict, policy, batch, chunked_kv)
     scheduling = SchedulerConfig(chunk=chunk, groups=0, max_prefills=1, pacing=None)
-    Engine(pipe, limits, max_context, scheduling, None, replays, role)
+    Engine(pipe, limits, max_context, scheduling, None, replays, role, prefix)
     return role
 
 
@@ -213,7 +217,7 @@ def trained_predict(predictor: LengthPredictor) -> Predict:
         try:
             if s.handover.hidden is None:
                 raise ShardlineError("no stage-0 summary of its prompt")
-            return predictor.predict(s.handover.hidden.vector())
+            return predictor.predict(s.handover.hidden.vector(len(s.prefix())))
         except ShardlineError as e:
             log.warning("stream %d: predicted by its max_tokens (%s)", s.id, e)
             return bucket(s.max_tokens, predictor.g, predictor.buckets)

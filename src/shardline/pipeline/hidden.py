@@ -48,8 +48,14 @@ class PromptHidden:
         self._last = chunk.last
         self.positions += chunk.positions
 
-    def vector(self) -> np.ndarray:
+    def vector(self, length: int | None = None) -> np.ndarray:
+        """`length`: the prompt's positions (None: those summarized). A prompt that started from a
+        kept prefix (serving/prefix.py) had only the rest run on stage 0: its mean is the rest's,
+        its last position and its length are the whole prompt's."""
         if not self.positions:
             raise ShardlineError("no prompt positions were summarized")
+        length = self.positions if length is None else length
+        if length < self.positions:
+            raise ShardlineError(f"a prompt of {length} positions of which {self.positions} were summarized")
         mean = (self._sum / self.positions).astype(np.float32)
-        return np.concatenate([mean, self._last, np.array([np.log1p(self.positions)], np.float32)])
+        return np.concatenate([mean, self._last, np.array([np.log1p(length)], np.float32)])

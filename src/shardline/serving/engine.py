@@ -34,7 +34,7 @@ from shardline.config import SamplingConfig
 from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
 from shardline.host import trim_memory_every
-from shardline.pipeline.plan import DecodeStep, Lease, Outcome, Pipeline, Step, execute
+from shardline.pipeline.plan import DecodeStep, Lease, Outcome, Pipeline, Plan, Step, execute
 from shardline.serving.admission import Limits, accepts, to_admit
 from shardline.serving.engine_spec import SpecDriver
 from shardline.serving.prefix import PrefixCache, PrefixStats
@@ -212,6 +212,24 @@ class Engine:
         """Prefix reuse so far and the bytes its entries hold (any thread: a snapshot)."""
         reuse = self.scheduler.reuse
         return (replace(reuse.cache.stats), reuse.cache.held) if reuse is not None else (PrefixStats(), 0)
+
+    def prefix_covers(self, request: Request) -> int:
+        """How many of `request`'s prompt tokens a kept prefix would save now (any thread: a
+        reading that may be stale by the time the request starts; a front routes by it)."""
+        reuse = self.scheduler.reuse
+        if reuse is None or not request.cache_prompt:
+            return 0
+        n = reuse.cache.covers(request.prompt[:-1], request.scope)  # as `match` counts: the last token runs
+        return n if n >= reuse.cache.min_tokens else 0
+
+    def drop_prefixes(self) -> None:
+        """After `stop`: every kept entry released on every stage, so that the pipeline, which
+        goes on under another engine (an instance that changes role), holds none of them."""
+        if self._thread.is_alive():
+            raise ShardlineError("kept prefixes are dropped only once the engine has stopped")
+        if self.scheduler.reuse is not None:
+            self.scheduler.reuse.clear()
+            execute(self.pipe, Plan(tuple(self.scheduler.releases())), self._step_failed)
 
     def queued(self) -> list[Ticket]:
         """The waiting tickets, oldest first (any thread: a snapshot)."""

@@ -19,7 +19,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from itertools import count
 
 import numpy as np
@@ -46,6 +46,9 @@ class PrefixStats:
     tokens_saved: int = 0  # prompt tokens not prefilled thanks to a hit
     kept: int = 0
     evicted: int = 0
+
+    def __add__(self, other: PrefixStats) -> PrefixStats:  # several instances' together
+        return PrefixStats(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 @dataclass

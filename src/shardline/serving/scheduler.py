@@ -21,7 +21,7 @@ the next plan (or `releases()`, when nothing more is planned) hands those keys t
 With a prefix cache (reuse.py), a stream about to prefill starts from a kept prefix when one
 matches (one sharing most of its prompt with an earlier one still prefilling waits for that
 prompt to be kept), and a stream that ended well is kept first (its KV copied by the next plan
-before the releases).
+before the releases); a stream leaving for another instance has its prompt kept here.
 No processes, no I/O: tested as plain objects.
 """
 
@@ -147,6 +147,8 @@ class Scheduler:
                 s.handover.kv_sent.append(self.kv.export(s.key, s.handover.kv_through))
                 s.handover.kv_through = s.book.slots
             if leaves:
+                if self.reuse is not None:  # its prompt's KV stays here, kept, as its copy leaves
+                    self.reuse.keep_prompt(s)
                 self.remove(s)
                 self._left.append(s)
 
