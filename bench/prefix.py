@@ -264,15 +264,14 @@ def report(systems: dict[str, System], rounds: int, quiet: bool, load: float) ->
     if "shardline 1:1" in later:
         ratios["ratio_later_turn_ttft_1to1_vs_cache_off"] = round(
             later["shardline 1:1"] / later["shardline 1:1, cache off"], 3)
-        print(json.dumps(ratios | figures | {"rounds": rounds, "quiet": quiet, "load_at_start": round(load, 2)}))
-        return 0
-    if "llama-server" in later:
-        ratios["ratio_later_turn_ttft_vs_llama_server"] = round(later["shardline"] / later["llama-server"], 3)
-        ratios["ratio_later_turn_ttft_2workers_vs_llama_server"] = round(
-            later["shardline 2 workers"] / later["llama-server"], 3)
-    ratios["ratio_later_turn_ttft_vs_cache_off"] = round(later["shardline"] / later["shardline, cache off"], 3)
-    ratios["ratio_later_turn_ttft_2workers_vs_cache_off"] = round(
-        later["shardline 2 workers"] / later["shardline 2 workers, cache off"], 3)
+    else:
+        if "llama-server" in later:
+            ratios["ratio_later_turn_ttft_vs_llama_server"] = round(later["shardline"] / later["llama-server"], 3)
+            ratios["ratio_later_turn_ttft_2workers_vs_llama_server"] = round(
+                later["shardline 2 workers"] / later["llama-server"], 3)
+        ratios["ratio_later_turn_ttft_vs_cache_off"] = round(later["shardline"] / later["shardline, cache off"], 3)
+        ratios["ratio_later_turn_ttft_2workers_vs_cache_off"] = round(
+            later["shardline 2 workers"] / later["shardline 2 workers, cache off"], 3)
     print(json.dumps(ratios | figures | {"rounds": rounds, "quiet": quiet, "load_at_start": round(load, 2)}))
     return 0
 

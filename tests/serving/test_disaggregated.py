@@ -25,6 +25,7 @@ from shardline.errors import ShardlineError
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.plan import KvExport, KvMove, Pipeline
+from shardline.server import process_slot_bytes
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Request, Serving
 from shardline.serving.prefix import PrefixCache
@@ -353,6 +354,13 @@ def test_an_idle_decode_instance_flips_to_prefill_and_no_request_is_lost(
             r.engine.drop_prefixes()
 
 
+def _until(ready: Callable[[], bool]) -> None:
+    """Wait for `ready` (the cluster monitor's next readings), bounded."""
+    deadline = time.monotonic() + WAIT_S
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _held(pipe: LocalPipeline) -> list[set[int]]:
     """The keys each stage holds, once the releases submitted so far have run (bounded wait)."""
     deadline = time.monotonic() + WAIT_S
@@ -392,7 +400,7 @@ def test_prefill_instances_keep_prompts_and_a_chat_s_next_turn_prefills_only_the
     try:
         assert _run(front, [other, turn1]) == cold[:2]
         assert [r.engine.prefix_stats()[0].kept for r in prefills.values()] == [1, 1]
-        time.sleep(0.1)  # the monitor reads both idle
+        _until(lambda: all(load.queued == 0 for load in front.state.prefill().values()))  # read idle
         assert _run(front, [turn2]) == cold[2:]
         stats, held = front.prefix_stats()
         assert (prefills["p1"].engine.prefix_stats()[0].hits, stats.hits) == (1, 1)
@@ -407,4 +415,4 @@ def test_prefill_instances_keep_prompts_and_a_chat_s_next_turn_prefills_only_the
 
 
 def _slot_bytes(pipe: Pipeline) -> int:
-    return sum(s.slot_bytes for s in pipe.layout())
+    return process_slot_bytes(pipe.layout(), pipe.placement())
