@@ -132,6 +132,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-share", type=float, default=PacingConfig.share, metavar="S",
                    help="while streams decode, prefill gets at most this share of the pipeline's time, and always "
                         f"some (default {PacingConfig.share:g}: running streams keep at least half their pace)")
+    s.add_argument("--short-prompt", type=int, default=PacingConfig.short, metavar="TOKENS",
+                   help="a prompt of at most this many tokens is not paced: its chunks go at once, beside at most "
+                        f"--max-prefills others (default {PacingConfig.short}; 0: every prompt paced)")
     s.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get 413")
     key = s.add_mutually_exclusive_group()
     key.add_argument("--api-key", help="require 'Authorization: Bearer KEY' of /v1 requests (401 otherwise)")
@@ -407,7 +410,8 @@ def _serve(args: argparse.Namespace) -> int:
                       disaggregate=disaggregation(args.disaggregate) if args.disaggregate else None,
                       admission=args.admission, prefill_policy=args.prefill_policy, flip=args.flip,
                       length_predictor=args.length_predictor, kv_transfer=args.kv_transfer,
-                      pacing=PacingConfig(budget=args.prefill_budget, share=args.prefill_share),
+                      pacing=PacingConfig(budget=args.prefill_budget, share=args.prefill_share,
+                                          short=args.short_prompt),
                       prefix_cache_mb=args.prefix_cache_mb)
     run = _run(args)
     if cfg.disaggregate and args.draft:

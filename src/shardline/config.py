@@ -320,7 +320,9 @@ class RecoveryConfig:
 @dataclass(frozen=True)
 class PacingConfig:
     """Prefill while streams decode (serving/pacing.py): one chunk takes at most `budget` of their
-    step times, and prefill at most `share` of the pipeline's time."""
+    step times, and prefill at most `share` of the pipeline's time. A prompt of at most `short`
+    tokens is not paced: it goes in full chunks at once (an ordinary chat message must never
+    wait behind the pacing; issue 35)."""
 
     # 2 steps: a short prompt (tens of tokens) goes in one or two chunks, not a token at a time.
     # share 0.3 of the graph time: running streams keep >= 50% of their steady rate (measured,
@@ -328,8 +330,13 @@ class PacingConfig:
     # the graph time left them ~37%)
     budget: float = 2.0
     share: float = 0.3
+    # 256 tokens: a chat turn (GuideLLM's 128-token prompts are ~160 with the template) costs
+    # about one 128-token chunk more than a paced one would, a gap of ~5-8 decode steps, once
+    short: int = 256
 
     def __post_init__(self) -> None:
+        if not 0 <= self.short <= 1 << 20:
+            raise ShardlineError(f"--short-prompt must be in 0-{1 << 20} tokens, got {self.short}")
         if not 0 < self.budget <= 100:
             raise ShardlineError(f"--prefill-budget must be in (0, 100] decode steps, got {self.budget}")
         if not 0 < self.share < 1:

@@ -97,10 +97,12 @@ def scheduling(cfg: ServeConfig, manifest: Manifest, remote: bool,
     static = [e for e in manifest.stages if e.runner == "static"]
     groups = 0 if static else decode_groups(cfg.decode_groups, len(manifest.stages), remote)
     chunk = min([cfg.prefill_chunk, *(e.prefill_width for e in static if e.prefill_width)])
+    # a short prompt in one call (pacing.py), except through static stages: their graphs' width binds
+    whole = chunk if static or cfg.pacing is None else max(chunk, cfg.pacing.short)
     # a cache that slid past a ring is no longer whole: it is never compacted (masked drafts stay)
     compact_at = 1 << 30 if any(e.sinks for e in static) else (spec or SpeculationConfig()).compact_at
-    return SchedulerConfig(chunk=chunk, groups=groups, max_prefills=cfg.max_prefills, compact_at=compact_at,
-                           pacing=cfg.pacing)
+    return SchedulerConfig(chunk=chunk, short_chunk=whole, groups=groups, max_prefills=cfg.max_prefills,
+                           compact_at=compact_at, pacing=cfg.pacing)
 
 
 def open_drafts(spec: SpeculationConfig, target: Manifest, run: RunConfig) -> tuple[Drafts | None, Manifest | None]:

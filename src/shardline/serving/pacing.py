@@ -15,6 +15,12 @@ iteration, in time rather than tokens, since attention's cost grows with the con
   under again and the next chunk goes. So prefill always moves, and a prompt finishes within
   about its idle prefill time / share, plus the chunks' own fixed costs (BENCHMARKS.md, issue 23).
 
+A short prompt (at most `short` tokens left: a chat turn, an agent's call) is not paced at all:
+its chunks go at full size at once, and their time is not counted in prefill's share. The rules
+above exist to bound what a long prompt does to running streams; under steady load of ordinary
+requests they starved admission instead (issue 35: at 4 users each prompt waited 20-60 decode
+steps for its share, so fewer streams decoded at once and throughput halved).
+
 With nothing decoding, prefill runs at the full chunk size. Pure: the engine reports what steps
 cost (their outcomes' timings), the scheduler asks for chunk sizes; tested with made-up seconds.
 """
@@ -124,10 +130,15 @@ class Pacing:
         self.prefill_s *= FORGET
         self.decode_s = self.decode_s * FORGET + graph_s
 
-    def chunk_done(self, n: int, c: int, seconds: float, learn: bool = True) -> None:
+    def short(self, left: int) -> bool:
+        """A prompt with `left` tokens still to prefill is not paced."""
+        return left <= self.cfg.short
+
+    def chunk_done(self, n: int, c: int, seconds: float, learn: bool = True, counted: bool = True) -> None:
         """A chunk of n tokens after c cached took `seconds` of graph time; `learn`: a chunk the
-        cost model may learn from (not one that also paid for opening its stream)."""
-        if seconds > 0:
+        cost model may learn from (not one that also paid for opening its stream); `counted`:
+        its time counts in prefill's share (not a short prompt's)."""
+        if seconds > 0 and counted:
             self.prefill_s += seconds
         if learn:
             self.costs.observe(n, c, seconds)

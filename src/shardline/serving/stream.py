@@ -75,6 +75,7 @@ class Stream:
     book: KVBook = field(default_factory=KVBook)
     prefilled: int = 0  # tokens of `prefix()` sent to the stages
     chunk: tuple[int, int] | None = None  # its last prompt chunk: (tokens, tokens cached before it)
+    paced: bool | None = None  # its prompt is paced (not a short one: pacing.py), fixed by its first chunk
     generated: list[int] = field(default_factory=list)  # chosen so far; the last is fed next
     in_flight: bool = False  # a step of it is between submit and outcome
     spec: Speculation | None = None  # its drafter and drafts, when it speculates
@@ -105,7 +106,7 @@ class Stream:
         decode step would have fed next: the prefill's last chunk samples what follows it)."""
         if self.in_flight:
             raise ValueError(f"stream {self.id} still has a step in flight")
-        self.key, self.book, self.prefilled, self.sent = key, book or KVBook(), 0, None
+        self.key, self.book, self.prefilled, self.sent, self.paced = key, book or KVBook(), 0, None, None
         self.handover.restart()
         self.resumed = len(self.generated)
         self.replays += 1
