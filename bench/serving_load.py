@@ -193,7 +193,7 @@ def report(systems: list[System], workloads: list[str], levels: tuple[int, ...])
                 tag = other.name.replace(" ", "_").replace("-", "_")
                 ratios[f"{w}_c{c}_tok_s_vs_{tag}"] = round(me["out_tok_s"] / them["out_tok_s"], 3)
                 ratios[f"{w}_c{c}_ttft_p50_vs_{tag}"] = round(me["ttft_p50_ms"] / them["ttft_p50_ms"], 3)
-            if c > 1:
+            if c > 1 and f"{w}/{main}/c1" in figures:
                 ratios[f"{w}_c{c}_vs_c1_tok_s"] = round(me["out_tok_s"] / figures[f"{w}/{main}/c1"]["out_tok_s"], 3)
     print("\nratios (" + main + " over the others)")
     for k, v in ratios.items():
@@ -211,6 +211,8 @@ def main() -> int:
     p.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                    help="another shardline tree (a git worktree of an older commit) served the same way")
     p.add_argument("--serve-args", default="", help="extra flags for this tree's `shardline serve`")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="this tree served again with these flags (e.g. 'nocache=--prefix-cache-mb 0')")
     p.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
     p.add_argument("--no-llama-server", action="store_true")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "shardline-serving-load")
@@ -227,6 +229,9 @@ def main() -> int:
 
     with ExitStack() as stack:
         systems = [stack.enter_context(shardline("shardline", HERE, args.work, args.serve_args.split()))]
+        for spec in args.variant:
+            name, _, flags = spec.partition("=")
+            systems.append(stack.enter_context(shardline(f"shardline {name}", HERE, args.work, flags.split())))
         for spec in args.tree:
             name, _, tree = spec.partition("=")
             systems.append(stack.enter_context(shardline(f"shardline {name}", Path(tree), args.work, [])))
