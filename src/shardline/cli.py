@@ -115,7 +115,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-streams", type=int, help="concurrent streams (default: what memory holds, <= 64)")
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a stream")
-    s.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="a request without max_tokens generates at most this many tokens (default: what is left "
+                        "of the context after its prompt)")
     s.add_argument("--model-id", help="the model name clients use (default: the source file's name)")
     s.add_argument("--decode-groups", type=int, help="groups of streams batched into one call per stage "
                    "(default: 1 with local stages, one per stage with workers; 0: one call per stream)")

@@ -349,7 +349,9 @@ class ServeConfig:
     port: int = 8000
     max_streams: int | None = None  # None: as many as the memory budget allows (capped)
     max_queue: int = 64
-    default_max_tokens: int = 256
+    # A request without max_tokens: at most this many new tokens, and never more than what is
+    # left of the context after its prompt; None: what is left (as vLLM and llama-server do).
+    default_max_tokens: int | None = None
     memory_fraction: float = 0.5  # of available memory that stream KV may take
     model_id: str | None = None  # None: the source model's file or folder name
     # Decode groups whose streams share each infer call (pipeline/groups.py); 0: no batching,
@@ -405,7 +407,7 @@ class ServeConfig:
             raise ShardlineError("--max-streams must be >= 1")
         if self.max_queue < 0:
             raise ShardlineError("--max-queue must be >= 0")
-        if self.default_max_tokens < 1:
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ShardlineError("--max-tokens must be >= 1")
         if not 0 < self.memory_fraction <= 1:
             raise ShardlineError("--memory-fraction must be in (0, 1]")

@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from shardline.api.auth import SCOPE, ApiKey
-from shardline.api.generation import Generation, check_alive
+from shardline.api.generation import Generation, check_alive, fitted_max_tokens
 from shardline.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from shardline.api.logprobs import ChatLogprobs, LegacyLogprobs, TokenLogprob, TokenText
 from shardline.api.metrics import ServerMetrics
@@ -44,7 +44,7 @@ class Served:
     engine: Serving
     tok: ChatTokenizer
     model_id: str
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None  # a request's without max_tokens; None: what is left of the context
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     retry_after_s: int = 1  # Retry-After of a 429 when every stream and queue slot is taken
     api_keys: tuple[str, ...] = ()  # one of them required of /v1 requests when any (api/auth.py)
@@ -77,7 +77,8 @@ def build_app(served: Served) -> FastAPI:
 
     def generation(endpoint: str, prompt: list[int], body: Sampling, request: Request) -> Generation:
         key_scope = getattr(request.state, SCOPE, "")  # whose kept prefixes it may share (auth.py)
-        return Generation(served.engine, served.tok, metrics, endpoint, prompt, body, served.default_max_tokens,
+        default = fitted_max_tokens(served.default_max_tokens, served.context, len(prompt))
+        return Generation(served.engine, served.tok, metrics, endpoint, prompt, body, default,
                           served.retry_after_s, key_scope=key_scope)
 
     @app.get("/health")

@@ -52,6 +52,19 @@ def check_alive(engine: Serving) -> None:
         raise engine_failed(engine)
 
 
+UNKNOWN_CONTEXT_MAX_TOKENS = 256  # a request's default when the app is not told the context
+
+
+def fitted_max_tokens(default: int | None, context: int, prompt: int) -> int:
+    """The max_tokens of a request that gives none: what is left of the `context` after its
+    `prompt` tokens (as vLLM and llama-server do), at most the server's `default` if it sets one;
+    at least 1, so that a prompt filling the context is refused by the engine as too long."""
+    if context <= 0:
+        return default or UNKNOWN_CONTEXT_MAX_TOKENS
+    left = max(1, context - prompt)
+    return left if default is None else min(default, left)
+
+
 @dataclass
 class Generation:
     engine: Serving
