@@ -179,9 +179,11 @@ class Scheduler:
         waiting = [s for s in self.streams.values() if s.prefilling]
         if self.reuse is not None:
             waiting = self.reuse.unblocked(waiting, self._paced)
-        short = [s for s in waiting if not self._paced(s)]
-        long = [s for s in waiting if s not in short][: self.cfg.max_prefills]
-        short = short[: self.cfg.max_prefills]
+        short: list[Stream] = []
+        long: list[Stream] = []
+        for s in waiting:
+            (long if self._paced(s) else short).append(s)
+        short, long = short[: self.cfg.max_prefills], long[: self.cfg.max_prefills]
         if self.reuse is not None:
             for s in short + long:  # their first chunks are next: from a kept prefix, if one matches
                 self.reuse.start(s)
