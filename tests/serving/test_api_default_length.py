@@ -53,3 +53,13 @@ def test_an_explicit_max_tokens_past_the_context_is_still_a_400(client: openai.O
     with pytest.raises(openai.BadRequestError) as e:  # a prompt that fills the context leaves nothing
         client.completions.create(model=MODEL, prompt=[100] * CONTEXT, temperature=0)
     assert e.value.code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("bad", [0, -5])
+def test_a_server_default_below_one_is_a_clear_error(bad: int) -> None:
+    from shardline.config import ServeConfig
+    from shardline.errors import ShardlineError
+
+    with pytest.raises(ShardlineError, match="--max-tokens must be >= 1"):
+        ServeConfig(default_max_tokens=bad)
+    assert ServeConfig().default_max_tokens is None

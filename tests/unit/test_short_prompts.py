@@ -171,3 +171,15 @@ def test_a_short_prompt_never_waits_for_a_paced_one_sharing_its_start() -> None:
     arrived = run.round
     run.rounds(3)
     assert sched.streams[3].prefilling and run.first_token[4] - arrived <= 1
+
+
+def test_a_short_prompt_bound_outside_its_range_is_a_clear_error() -> None:
+    import pytest
+
+    from shardline.errors import ShardlineError
+
+    for bad in (-1, (1 << 20) + 1):
+        with pytest.raises(ShardlineError, match="--short-prompt must be in 0-1048576 tokens"):
+            PacingConfig(short=bad)
+    with pytest.raises(ShardlineError, match="short prompt's chunk"):
+        SchedulerConfig(short_chunk=-1)
