@@ -446,6 +446,9 @@ def disaggregation(text: str) -> tuple[int, int]:
 
 DRAFT_K_MAX = 8  # drafts per verify step at most (auto K stays within it)
 COMPACT_AT = 128  # masked slots a stream's cache may hold before a step compacts it (bench/compaction.py)
+# At most: a worker refuses a row of more than its context + 512 slots (node/bounds.py), which
+# must leave room for these masked slots and a step's drafts.
+MAX_COMPACT_AT = 256
 
 
 @dataclass(frozen=True)
@@ -468,8 +471,9 @@ class SpeculationConfig:
             raise ShardlineError(f"the most drafts per step must be in 1-32, got {self.k_max}")
         if self.k is not None and not 1 <= self.k <= self.k_max:
             raise ShardlineError(f"--draft-k must be 'auto' or in 1-{self.k_max}, got {self.k}")
-        if self.compact_at < 1:
-            raise ShardlineError("the compaction threshold must be >= 1 masked slot")
+        if not 1 <= self.compact_at <= MAX_COMPACT_AT:
+            raise ShardlineError(f"the compaction threshold must be 1-{MAX_COMPACT_AT} masked slots, "
+                                 f"got {self.compact_at}")
         if self.kind == "layers" and not (self.draft[7:].isdigit() and int(self.draft[7:]) >= 1):
             raise ShardlineError(f"--draft layers:L needs a layer count L >= 1, got {self.draft!r}")
 

@@ -98,7 +98,7 @@ def forwards(draw: Any) -> Forward:
                                                  unique=True))
     merge = [] if kept is None else draw(st.lists(i64, min_size=b - kept, max_size=b - kept, unique=True))
     samples = draw(st.lists(st.tuples(st.integers(0, b - 1), st.integers(0, t - 1)), max_size=b * t))
-    first = draw(st.booleans())
+    first = b == 1 and draw(st.booleans())  # a key opens with one row
     compact = kept is None and not first and draw(st.booleans())
     e = len(samples)
     drafted = draw(st.booleans())
@@ -157,7 +157,7 @@ def kv_parts(draw: Any) -> KvPart:
 def kv_copies(draw: Any) -> KvCopy:
     src = draw(i64)
     dst = draw(i64.filter(lambda k: k != src))
-    index = draw(arrays("<i8", (draw(st.integers(1, 8)),), 0, MAX_SLOTS - 1))
+    index = np.array(sorted(draw(st.sets(st.integers(0, MAX_SLOTS - 1), min_size=1, max_size=8))), np.int64)
     return KvCopy(draw(seqs), src, dst, draw(st.integers(0, MAX_ROWS - 1)), index)
 
 
@@ -166,7 +166,7 @@ MESSAGE_STRATEGIES: dict[type, Any] = {
     Release: st.builds(Release, i64), Forward: forwards(), Sampled: sampleds(),
     ShardRequest: st.builds(ShardRequest, text), ShardChunk: chunks(), Route: st.builds(Route, text),
     KvPull: st.builds(KvPull, seqs, i64),
-    KvPush: st.builds(KvPush, seqs, i64, st.integers(1, MAX_ROWS), st.integers(0, MAX_SLOTS),
+    KvPush: st.builds(KvPush, seqs, i64, st.just(1), st.integers(0, MAX_SLOTS),
                       st.integers(1, MAX_KV_PARTS)),
     KvPart: kv_parts(), KvDone: st.builds(KvDone, seqs, st.integers(0, MAX_KV_PARTS), text), KvCopy: kv_copies(),
 }

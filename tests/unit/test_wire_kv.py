@@ -45,11 +45,11 @@ def test_kv_pulls_from_a_start_slot_since_protocol_7() -> None:
     KvPull(0, -3),  # a decode group's key is negative: its state may move too
     KvPull(4, 7, 256),  # a chunk-level transfer's slice: the slots from 256 on
     KvPull(4, 7, MAX_SLOTS),
-    KvPush(0, -1, MAX_ROWS, MAX_SLOTS, MAX_KV_PARTS),
+    KvPush(0, -1, 1, MAX_SLOTS, MAX_KV_PARTS),
     KvPart(3, 0, 0, "v", np.zeros((2, 1, 0, 8), np.float16)),  # an empty cache: 0 slots
     KvPart(3, 0, (1 << 16) - 1, "n" * 256, np.zeros((MAX_ROWS, 1, 1, 1), np.float32)),
     KvDone(9, 0, "unknown key 4 on stage1"),
-    KvCopy(0, -2, 5, MAX_ROWS - 1, np.array([3, 1, MAX_SLOTS - 1], np.int64)),  # a group's row into a new key
+    KvCopy(0, -2, 5, MAX_ROWS - 1, np.array([1, 3, MAX_SLOTS - 1], np.int64)),  # a group's row into a new key
 ], ids=lambda m: type(m).__name__)
 def test_round_trip(msg: Message) -> None:
     assert equal(decode(encode(msg)), msg)
@@ -183,6 +183,9 @@ def test_what_does_not_fit_cannot_be_sent(build: Any, message: str) -> None:
     lambda: KvPull(-1, 0), lambda: KvPush(1, 0, 0, 0, 1), lambda: KvPush(1, 0, 1, 0, 0),
     lambda: KvPart(1, 3, 2, "k", K), lambda: KvPart(1, 0, 0, "", K), lambda: KvDone(1, -1, ""),
     lambda: KvCopy(1, 4, 4, 0, np.arange(3)), lambda: KvCopy(1, 4, 5, 0, np.array([-1])),
+    lambda: KvPush(1, 0, 2, 9, 4),  # a push opens one row (protocol 11)
+    lambda: KvCopy(1, 4, 5, 0, np.zeros(16384, np.int64)),  # the audit's copy: slot 0 16,384 times
+    lambda: KvCopy(1, 4, 5, 0, np.array([0, 2, 1])),  # out of order
 ])
 def test_our_own_messages_are_checked_when_made(build: Any) -> None:
     with pytest.raises(ValueError):

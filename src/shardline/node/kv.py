@@ -63,9 +63,12 @@ def pull(stages: list[Stage], key: Hashable, msg: KvPull) -> Iterator[Message]:
     yield KvDone(msg.seq, sent, "")
 
 
-def begin(stages: list[Stage], msg: KvPush) -> Push:
+def begin(stages: list[Stage], msg: KvPush, refused: str | None = None) -> Push:
+    """A push under way; `refused` (node/bounds.py) makes it keep none of its parts."""
     push = Push(msg, arrays=[{} for _ in stages])
-    if msg.parts < (want := sum(len(states(s)) for s in stages)):
+    if refused:
+        push.error = refused
+    elif msg.parts < (want := sum(len(states(s)) for s in stages)):
         push.error = f"{msg.parts} parts announced; this worker's stages hold {want} state variables"
     return push
 

@@ -42,6 +42,7 @@ from shardline.config import RunConfig
 from shardline.errors import ShardlineError, StepRefused
 from shardline.host import parse_hostport, trim_memory_every
 from shardline.node import kv
+from shardline.node.bounds import Bounds
 from shardline.node.execute import run_stages, sampled, work_of
 from shardline.node.session import MAX_QUEUED, Ended, Item, Received, Routed, Session, check_peer
 from shardline.node.shard import Shard
@@ -65,6 +66,7 @@ from shardline.wire.messages import (
     Forward,
     Hello,
     KvCopy,
+    KvDone,
     KvPart,
     KvPull,
     KvPush,
@@ -99,6 +101,7 @@ class StageWorker:
         self._session_nos = count()
         self._inbox: queue.Queue[Item] = queue.Queue()
         self._server: socket.socket | None = None
+        self._bounds: Bounds | None = None  # once the stages are loaded
         self._stopping = False
         self.port = 0
 
@@ -115,6 +118,15 @@ class StageWorker:
     @property
     def hello(self) -> Hello | None:
         return self.shard.hello
+
+    @property
+    def bounds(self) -> Bounds:
+        """What a frame may cost here (node/bounds.py); asked only once the stages are loaded."""
+        if self._bounds is None:
+            hello = self.hello
+            assert hello is not None, "bounds before the stages are loaded"
+            self._bounds = Bounds.of(self.stages, hello.context)
+        return self._bounds
 
     @property
     def received_bytes(self) -> int:
@@ -339,7 +351,8 @@ class StageWorker:
                 self._send(link, reply)
             return
         if isinstance(msg, KvCopy):
-            return self._send(link, kv.copy(self.stages, session.no, msg))
+            why = self.bounds.copy(msg)
+            return self._send(link, KvDone(msg.seq, 0, why) if why else kv.copy(self.stages, session.no, msg))
         push = session.push
         in_order = isinstance(msg, KvPush) if push is None else (isinstance(msg, KvPart) and msg.seq == push.msg.seq)
         if in_order:
@@ -350,7 +363,7 @@ class StageWorker:
 
     def _push(self, session: Session, msg: KvPush | KvPart) -> None:
         if isinstance(msg, KvPush):
-            session.push = push = kv.begin(self.stages, msg)
+            session.push = push = kv.begin(self.stages, msg, self.bounds.push(msg))
         else:
             assert session.push is not None
             push = session.push
@@ -363,6 +376,8 @@ class StageWorker:
         msg, session = item.msg, item.session
         assert isinstance(msg, Forward)
         graph_s: list[float] = []
+        if why := self.bounds.forward(msg):  # before the mask is made or a state grows
+            return self._send(session.coordinator, StepFailed(msg.key, msg.seq, why))
         try:
             work = work_of(msg, lambda k: (session.no, k))
             out = run_stages(self.stages, work, msg, graph_s, time.perf_counter)

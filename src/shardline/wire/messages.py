@@ -24,8 +24,10 @@ from shardline.config import MAX_CONTEXT, SamplingParams
 # 6: a key's KV moves over the coordinator's links (KvPull, KvPush, KvPart, KvDone);
 # 7: KvPull.start, the slots from which a pull copies (chunk-level KV transfer);
 # 8: Hello.context, the longest sequence the sender serves; 9: Hello.device, where its stages run;
-# 10: KvCopy, a lease's slots copied into a new one on the worker (prefix reuse).
-PROTOCOL = 10
+# 10: KvCopy, a lease's slots copied into a new one on the worker (prefix reuse);
+# 11: what a frame may cost bounded (a key opens with one row: a first step, a push; a copy's
+# slots increasing), Ping/Pong on idle links.
+PROTOCOL = 11
 MAX_SUPPORT = 64  # token ids of a draft distribution sent per sampled position
 
 # One row of `hops` per stage a step has run through, appended by the process that ran it:
@@ -97,6 +99,10 @@ def _range(a: np.ndarray) -> tuple[int, int] | None:
 def _ids_in(a: np.ndarray, n: int, what: str) -> None:
     r = _range(a)
     _need(r is None or (r[0] >= 0 and r[1] < n), f"{what} out of range 0-{n - 1}")
+
+
+def _increasing(a: np.ndarray) -> bool:
+    return bool((a[1:] > a[:-1]).all())
 
 
 def _distinct(a: np.ndarray) -> bool:
@@ -222,6 +228,9 @@ class Forward:
         _ids_in(self.sample_at[:, 1], t, "sample position")
         _need(self.sample_at.shape[0] <= b * t, "more samples than positions")
         _need(_distinct(self.rows), "a stream twice in one step")
+        # A key opens with one row (rows join a group only by a merge of open keys): no frame
+        # makes a worker hold more than one new row (node/bounds.py).
+        _need(not self.first or b == 1, f"Forward.rows: a key's first step opens one row, not {b}")
         # keep and merge both empty: the state's rows as they are; keep alone: those rows (the
         # others dropped); merge: the kept rows, then the merged streams' own states.
         _need(b == self.keep.size + self.merge.size or (self.keep.size == 0 and self.merge.size == 0),
@@ -406,7 +415,9 @@ class KvPush:
 
     def __post_init__(self) -> None:
         _check_seq(self.seq)
-        _need(1 <= self.rows <= MAX_ROWS and 0 <= self.slots <= MAX_SLOTS, f"{self.rows} rows of {self.slots} slots")
+        # One row, as a first step opens (a stream's KV; a group's is made by merges, never pushed).
+        _need(self.rows == 1 and 0 <= self.slots <= MAX_SLOTS, f"KvPush: {self.rows} rows of {self.slots} slots "
+              f"(a push opens one row of at most {MAX_SLOTS})")
         _need(1 <= self.parts <= MAX_KV_PARTS, f"{self.parts} parts")
 
 
@@ -466,8 +477,10 @@ class KvCopy:
     def __post_init__(self) -> None:
         _check_seq(self.seq)
         _need(0 <= self.row < MAX_ROWS, f"row {self.row}")
-        _need(1 <= self.index.size <= MAX_SLOTS, f"{self.index.size} slots")
-        _ids_in(self.index, MAX_SLOTS, "slots")
+        _need(1 <= self.index.size <= MAX_SLOTS, f"KvCopy.index: {self.index.size} slots")
+        _ids_in(self.index, MAX_SLOTS, "KvCopy.index: slots")
+        # Increasing, so distinct: a copy holds no more slots than its source (node/bounds.py).
+        _need(_increasing(self.index), "KvCopy.index: slots not strictly increasing")
         _need(self.src != self.dst, "a copy of a key into itself")
 
 
