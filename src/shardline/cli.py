@@ -239,6 +239,9 @@ def _recovery_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-deadline-multiple", type=float, default=d.step_multiple, metavar="X")
     p.add_argument("--reconnect-window", type=float, default=d.reconnect_s, metavar="S",
                    help="how long a broken chain is reopened before its streams get an error")
+    p.add_argument("--heartbeat", type=float, default=d.heartbeat_s, metavar="S",
+                   help="a worker that sends nothing this long, pings on its quiet link unanswered, is taken as "
+                        "hung: /health turns 503 naming it, the chain is repaired (0: no pings)")
     p.add_argument("--max-replays", type=int, default=d.max_replays, metavar="N",
                    help="times a request is replayed on the repaired chain after a fault (0: never)")
     p.add_argument("--replay-within", type=float, default=d.replay_within_s, metavar="S",
@@ -248,7 +251,7 @@ def _recovery_flags(p: argparse.ArgumentParser) -> None:
 def _recovery(args: argparse.Namespace) -> RecoveryConfig:
     return RecoveryConfig(step_floor_s=args.step_deadline, step_multiple=args.step_deadline_multiple,
                           reconnect_s=args.reconnect_window, max_replays=args.max_replays,
-                          replay_within_s=args.replay_within)
+                          replay_within_s=args.replay_within, heartbeat_s=args.heartbeat)
 
 
 def _security_flags(p: argparse.ArgumentParser) -> None:

@@ -296,15 +296,20 @@ class RecoveryConfig:
     lost once it waits longer than max(`step_floor_s`, `step_multiple` x the recent average of
     its phase); a broken chain is reopened for up to `reconnect_s`; a lost stream is replayed
     (prompt and tokens so far prefilled again) at most `max_replays` times in its life, each
-    within `replay_within_s` of the break, else its request ends with an error."""
+    within `replay_within_s` of the break, else its request ends with an error. A worker that
+    sends nothing for `heartbeat_s`, pings unanswered, is taken as hung with no traffic (0: no
+    pings; a hung idle worker is then seen only by a step's deadline)."""
 
     step_floor_s: float = 10.0
     step_multiple: float = 20.0
     reconnect_s: float = 10.0
     max_replays: int = 4
     replay_within_s: float = 30.0
+    heartbeat_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if not (self.heartbeat_s == 0 or 1 <= self.heartbeat_s <= 3600):
+            raise ShardlineError(f"--heartbeat must be 0 (off) or in 1-3600 seconds, got {self.heartbeat_s}")
         if not 0 < self.step_floor_s <= 3600:
             raise ShardlineError(f"--step-deadline must be in (0, 3600] seconds, got {self.step_floor_s}")
         if not 1 <= self.step_multiple <= 1000:

@@ -83,7 +83,7 @@ def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None = None
         wire = activations or default_activations(run.precision)
         pipe = RemotePipeline(folder, workers, run, wire, topology, credentials,
                               deadlines=Deadlines(rec.step_floor_s, rec.step_multiple), reconnect_s=rec.reconnect_s,
-                              summarize=summarize)
+                              summarize=summarize, heartbeat_s=rec.heartbeat_s)
         return pipe, manifest.stages[0].last_layer + 1
     from shardline.pipeline.local import LocalPipeline
 
@@ -264,7 +264,7 @@ def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | N
     context = run_context(manifest.arch, run.context)
     served = Served(engine, ChatTokenizer(folder), model_id(manifest, cfg), cfg.default_max_tokens,
                     cfg.max_body_bytes, api_keys=cfg.api_keys, cors_origins=cfg.cors_origins, precision=run.precision,
-                    context=context, kv=run.kv or "device default")
+                    context=context, kv=run.kv or "device default", reconnect_s=cfg.recovery.reconnect_s)
     sock = socket.create_server((cfg.host, cfg.port))  # bound here, so port 0 reports its real port
     host, port = sock.getsockname()[:2]
     print(f"serving {served.model_id} ({len(manifest.stages)} stages, context {context} tokens, KV cache "

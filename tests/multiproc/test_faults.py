@@ -137,14 +137,15 @@ def test_a_hung_worker_ends_the_request_with_why_within_the_deadline(three: Path
         finally:
             engine.stop()
             remote.shutdown()
-        workers = re.escape(f"{first.addr}, {last.addr}")
+        stopped_one = re.escape(last.addr)  # not the first worker: it answered its pings meanwhile
         assert final.finish == "error"
-        assert re.fullmatch(rf"the pipeline broke and could not be repaired within 2 s: the workers \({workers}\) "
-                            r"did not answer a decode step within 1\.0 s \(one of them hung\?\); reconnecting for "
+        assert re.fullmatch(rf"the pipeline broke and could not be repaired within 2 s: worker {stopped_one} "
+                            r"did not answer a decode step within 1\.0 s; reconnecting for "
                             r"2 s failed: no answer within [12]\.\d s", final.error), final.error
-        # the deadline (1 s, checked every 0.25 s), then one reconnect window (2 s); a second
-        # window at most, if the first ended a hair before the repair's 2 s had passed
-        assert 3.0 <= took < 6.0, took
+        # the deadline (1 s, but judged only once every quiet link has had a ping to answer:
+        # 2.5 s at the default heartbeat; checked every 0.25 s), then one reconnect window (2 s);
+        # a second window at most, if the first ended a hair before the repair's 2 s had passed
+        assert 4.5 <= took < 8.0, took
         assert len(faulty.tokens()[0]) >= 4  # what came before the hang was delivered
     finally:
         os.kill(last.proc.pid, signal.SIGCONT)
@@ -173,8 +174,8 @@ def test_generate_takes_its_recovery_settings_from_the_command_line(three: Path)
         assert gen.returncode == 1
         line = err.decode().strip().splitlines()[-1]
         assert line.startswith("shardline: error: the pipeline broke and could not be repaired within 2 s: ")
-        assert "did not answer a decode step within 1.0 s (one of them hung?); reconnecting for 2 s failed" in line
-        assert took < 8.0, took
+        assert f"worker {last.addr} did not answer a decode step within 1.0 s; reconnecting for 2 s failed" in line
+        assert took < 10.0, took
     finally:
         gen.kill()
         gen.wait(timeout=30)

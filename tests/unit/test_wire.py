@@ -28,6 +28,8 @@ from shardline.wire.messages import (
     KvPush,
     Message,
     Phase,
+    Ping,
+    Pong,
     Refuse,
     Release,
     Role,
@@ -91,6 +93,8 @@ SAMPLES: list[Message] = [
     KvPart(12, 15, 29, "past.15.key", rng.standard_normal((1, 3, 9, 64)).astype(np.float32)),
     KvDone(11, 4, ""),
     KvCopy(13, 7, 8, 0, np.arange(12, dtype=np.int64)),
+    Ping(14),
+    Pong(14),
 ]
 
 

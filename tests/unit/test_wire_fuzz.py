@@ -48,6 +48,8 @@ from shardline.wire.messages import (
     KvPush,
     Message,
     Phase,
+    Ping,
+    Pong,
     Refuse,
     Release,
     Role,
@@ -169,6 +171,7 @@ MESSAGE_STRATEGIES: dict[type, Any] = {
     KvPush: st.builds(KvPush, seqs, i64, st.just(1), st.integers(0, MAX_SLOTS),
                       st.integers(1, MAX_KV_PARTS)),
     KvPart: kv_parts(), KvDone: st.builds(KvDone, seqs, st.integers(0, MAX_KV_PARTS), text), KvCopy: kv_copies(),
+    Ping: st.builds(Ping, seqs), Pong: st.builds(Pong, seqs),
 }
 messages = st.one_of(*MESSAGE_STRATEGIES.values())
 

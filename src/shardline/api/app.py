@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from shardline.api.auth import SCOPE, ApiKey
+from shardline.api.availability import when_up
 from shardline.api.generation import Generation, check_alive, fitted_max_tokens
 from shardline.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from shardline.api.logprobs import ChatLogprobs, LegacyLogprobs, TokenLogprob, TokenText
@@ -52,6 +53,7 @@ class Served:
     precision: str = "exact"  # the run precision of this process's stages (the fleet page shows it)
     context: int = 0  # the longest sequence served (0: unknown)
     kv: str = "f32"  # this process's KV cache precision ("device default" where the device chose)
+    reconnect_s: float = 10.0  # how long a request waits for a broken chain's repair before a 503
 
 
 class Json(JSONResponse):
@@ -107,6 +109,7 @@ def build_app(served: Served) -> FastAPI:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = await tokenize(ChatTokenizer.encode_chat, served.tok, messages, "messages")
         shape = _ChatShape(served.model_id, ChatLogprobs(token_text) if body.wants_logprobs() else None)
+        await when_up(served.engine, served.reconnect_s)
         return await _respond(generation("chat", prompt, body, request), body, request, shape)
 
     @app.post("/v1/completions", response_model=None)
@@ -118,6 +121,7 @@ def build_app(served: Served) -> FastAPI:
             prompt = _known_ids(body.prompt, served.tok.vocab_size)
             prompt_text = await run_in_threadpool(served.tok.decode, prompt) if body.wants_logprobs() else ""
         fmt = LegacyLogprobs(token_text, len(prompt_text)) if body.wants_logprobs() else None
+        await when_up(served.engine, served.reconnect_s)
         return await _respond(generation("completion", prompt, body, request), body, request,
                               _TextShape(served.model_id, fmt))
 

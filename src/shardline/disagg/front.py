@@ -221,5 +221,9 @@ class Disaggregated:
         with self._lock:
             return [*self.prefills.items(), *self.decodes.items()]
 
+    def engines(self) -> list[Engine]:
+        """Every instance's engine (a snapshot)."""
+        return self._engines()
+
     def _engines(self) -> list[Engine]:
         return [e.engine for _, e in self._named()]

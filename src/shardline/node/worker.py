@@ -12,6 +12,9 @@ session it carries. A Route is taken only from the session's own coordinator lin
 link drops, everything the session held is freed. A key's KV leaves or enters the stages
 (KvPull, KvPush: node/kv.py) in the order of the coordinator's link, as its Releases do.
 
+A Ping is answered by the link's reader at once (a Pong), not queued behind steps: its
+coordinator tells a stopped worker from a busy one with no traffic (pipeline/watchdog.py).
+
 Nothing a peer sends ends the process: a frame the codec refuses or a message that has no
 business on a link closes that link; a step that does not fit the state fails that step alone
 (StepFailed to its coordinator); any other exception while handling an item is logged. Nor does
@@ -63,6 +66,7 @@ from shardline.wire.link import (
     server_handshake,
 )
 from shardline.wire.messages import (
+    LOST_NEXT,
     Forward,
     Hello,
     KvCopy,
@@ -71,6 +75,8 @@ from shardline.wire.messages import (
     KvPull,
     KvPush,
     Message,
+    Ping,
+    Pong,
     Refuse,
     Release,
     Role,
@@ -198,6 +204,9 @@ class StageWorker:
                 msg = link.recv()
                 if isinstance(msg, Route):
                     self._route(link, session, msg)
+                    continue
+                if isinstance(msg, Ping):  # here, not queued: a busy executor is not a hung worker
+                    self._send(link, Pong(msg.seq))
                     continue
                 slot.acquire()  # bounded: the executor takes items as fast as it can
                 self._inbox.put(Received(link, session, msg, link.last_decode_s, time.perf_counter(), slot))
@@ -397,7 +406,7 @@ class StageWorker:
             me = self.hello
             assert me is not None
             refuse(session.coordinator, f"the worker for layers {me.first_layer}-{me.last_layer} "
-                                        f"lost the next worker: {e}")
+                                        f"{LOST_NEXT}: {e}")
             session.coordinator.close()
 
     def _hops(self, msg: Forward, graph_s: list[float], item: Received) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 
 from shardline.errors import ShardlineError
@@ -28,14 +29,17 @@ Delivered = list[tuple[str, str, int]]  # (worker, file, bytes) sent to workers
 
 
 def open_chain(folder: Path, manifest: Manifest, workers: list[str], activations: str, topology: str,
-               delivered: Delivered, credentials: Credentials | None, context: int) -> list[Link]:
+               delivered: Delivered, credentials: Credentials | None, context: int,
+               reaching: Callable[[int], None] = lambda i: None) -> list[Link]:
     """One link per worker, in chain order, under a new session; routed for `topology`; under
-    mutual TLS with `credentials` (None: in clear); every worker serving `context` tokens."""
+    mutual TLS with `credentials` (None: in clear); every worker serving `context` tokens.
+    `reaching(i)` is told before worker i is connected (who a stuck attempt waits on)."""
     session = secrets.token_hex(16)
     links: list[Link] = []
     last = manifest.stages[0].last_layer
     try:
-        for addr in workers:
+        for i, addr in enumerate(workers):
+            reaching(i)
             link, hello = _connect_one(folder, manifest, addr, last, session, activations, delivered, credentials,
                                        context)
             links.append(link)

@@ -26,10 +26,13 @@ from shardline.pipeline.repair import reopen
 from shardline.wire.link import Link
 
 # While a broken chain is idle it is reopened in the background: attempts of at most REPAIR_S
-# each, REPAIR_FIRST_S after the break, then backing off to REPAIR_MAX_S apart.
+# each, REPAIR_FIRST_S after the break, then backing off to REPAIR_MAX_S apart (short: a worker
+# that comes back is serving again within seconds; an attempt on a dead one costs a refused connect).
 REPAIR_S = 3.0
 REPAIR_FIRST_S = 0.5
-REPAIR_MAX_S = 15.0
+REPAIR_MAX_S = 4.0
+
+Down = frozenset[int]  # the workers (by index) a break names; empty: it cannot tell which
 
 
 class Lost(ShardlineError):
@@ -63,7 +66,10 @@ class ChainLife:
         self.links: list[Link] = []
         self.epoch = 0
         self.broken: str | None = None
+        self.down: Down = frozenset()  # whom the break names (placement: those are down)
         self.last_break = ""  # why the chain last broke (what a step whose state went with it says)
+        self.adopted_at = time.monotonic()  # when the links were adopted (silence counts from then)
+        self.reaching: int | None = None  # the worker a (re)connect is shaking hands with now
         self.pending: dict[int, Sent] = {}
         self.held = KvHeld()
         self.repair_at = float("inf")
@@ -79,20 +85,23 @@ class ChainLife:
         with self.lock:
             old, self.links = self.links, links
             self.epoch += 1
-            epoch, self.broken = self.epoch, None
+            epoch, self.broken, self.down = self.epoch, None, frozenset()
+            self.adopted_at = time.monotonic()
             self.held.clear()
             self.repair_at, self._repair_gap = float("inf"), REPAIR_FIRST_S
         close_all(old)
         self._on_links(links, epoch)
 
-    def break_(self, reason: str, epoch: int) -> list[Sent] | None:
-        """The chain of `epoch` is unusable: its links are closed (a send blocked on a stopped
-        worker returns) and the steps in flight returned, lost. None when it already broke, or
-        a reconnect replaced that chain: later news of it changes nothing."""
+    def break_(self, reason: str, epoch: int, down: Down = frozenset()) -> list[Sent] | None:
+        """The chain of `epoch` is unusable because of the workers `down` (empty: it cannot
+        tell): its links are closed (a send blocked on a stopped worker returns) and the steps
+        in flight returned, lost. None when it already broke, or a reconnect replaced that
+        chain: later news of it changes nothing."""
         with self.lock:
             if epoch != self.epoch or self.broken:
                 return None
             self.broken = self.last_break = reason
+            self.down = down
             self.repair_at = time.monotonic() + self._repair_gap
             self.held.clear()
             lost, self.pending = list(self.pending.values()), {}
@@ -111,10 +120,22 @@ class ChainLife:
         except ShardlineError as e:
             self._gave_up = time.perf_counter()
             with self.lock:
-                self.broken = f"{self.last_break}; {e}"
+                self._failed_again(e)
                 self.repair_at = time.monotonic() + self._repair_gap
             raise Lost(self.broken) from None
         self._adopt(links)
+
+    def _failed_again(self, e: ShardlineError) -> None:
+        """A reopen failed (under the lock): the worker it was waiting on is the one down now."""
+        self.broken = f"{self.last_break}; {e}"
+        if self.reaching is not None:
+            self.down = frozenset({self.reaching})
+
+    def hurry(self) -> None:
+        """A request waits on the broken chain: the next background repair is due now."""
+        with self.lock:
+            if self.broken and self.repair_at != float("inf"):  # inf: an attempt is under way
+                self.repair_at, self._repair_gap = time.monotonic(), REPAIR_FIRST_S
 
     def repair_due(self, busy: bool) -> bool:
         """Whether a background repair should run now (then none is due until it fails); `busy`:
@@ -136,7 +157,7 @@ class ChainLife:
             links = reopen(self._open, REPAIR_S, close_all)
         except ShardlineError as e:
             with self.lock:
-                self.broken = f"{self.last_break}; {e}"
+                self._failed_again(e)
                 self._repair_gap = min(REPAIR_MAX_S, 2 * self._repair_gap)
                 self.repair_at = time.monotonic() + self._repair_gap
             return False

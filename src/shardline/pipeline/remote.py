@@ -42,11 +42,12 @@ from shardline.pipeline import metrics
 from shardline.pipeline.chain import Delivered, open_chain
 from shardline.pipeline.deadline import Deadlines, StepClock
 from shardline.pipeline.frames import choice, forward
+from shardline.pipeline.heartbeat import beat, quiet_for, settle_for
 from shardline.pipeline.held import needs
 from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import StageLayout
-from shardline.pipeline.life import ChainLife, Lost, Sent
+from shardline.pipeline.life import ChainLife, Down, Lost, Sent
 from shardline.pipeline.plan import (
     KvCopy,
     KvExport,
@@ -62,15 +63,17 @@ from shardline.pipeline.plan import (
 from shardline.pipeline.remote_kv import KV_S, KvMoves, WireMove
 from shardline.pipeline.star import StarRefused, relay
 from shardline.pipeline.timing import breakdown
-from shardline.pipeline.watchdog import overdue, watch
+from shardline.pipeline.watchdog import Late, overdue, watch
 from shardline.stage import executor as stage_work
 from shardline.stage.runners import open_stage
 from shardline.wire.codec import WireError
 from shardline.wire.link import Link, LinkClosed, Refused
 from shardline.wire.messages import (
+    LOST_NEXT,
     Forward,
     KvDone,
     KvPart,
+    Pong,
     Refuse,
     Sampled,
     StepFailed,
@@ -81,6 +84,7 @@ from shardline.wire.tls import Credentials
 log = logging.getLogger(__name__)
 ACTIVATIONS = {"f16": np.float16, "f32": np.float32}
 RECONNECT_S = 10.0  # how long a stream's first step waits for a chain that broke to come back
+HEARTBEAT_S = 5.0  # a worker silent this long (pings unanswered) is taken as hung
 
 
 class _Repair:
@@ -91,9 +95,10 @@ class RemotePipeline:
     def __init__(self, folder: Path, workers: list[str], run: RunConfig | None = None,
                  activations: str = "f16", topology: str = "chain", credentials: Credentials | None = None, *,
                  deadlines: Deadlines | None = None, reconnect_s: float = RECONNECT_S,
-                 summarize: bool = False) -> None:
+                 summarize: bool = False, heartbeat_s: float = HEARTBEAT_S) -> None:
         """`deadlines`: when a step in flight counts as lost (a worker hung); `reconnect_s`: how
         long a stream's first step tries to reopen a chain that broke (tests make both short);
+        `heartbeat_s`: a worker silent this long, pings unanswered, is taken as hung (0: no pings);
         `summarize`: a prefill chunk's outcome carries stage 0's output summarized (hidden.py)."""
         if activations not in ACTIVATIONS or topology not in ("chain", "star"):
             raise ShardlineError(f"bad activations {activations!r} or topology {topology!r}")
@@ -122,6 +127,8 @@ class RemotePipeline:
         floor = self._clock.limits.floor_s
         self.kv = KvMoves(self.manifest, self.stage0, max(KV_S, floor), copy_s=floor)
         self.life = ChainLife(self._open, self._read, reconnect_s)
+        # Pings only where replies come back on every link (a star reads its links in turn).
+        self.heartbeat_s = heartbeat_s if topology == "chain" else 0.0
         self._local = 0  # steps submitted that stage 0 has not finished sending (under life.lock)
         self._inbox: queue.Queue[Step | Release | _Repair | WireMove | None] = queue.Queue()
         self._stopping = threading.Event()
@@ -130,6 +137,9 @@ class RemotePipeline:
         self._thread.start()
         threading.Thread(target=watch, daemon=True, name="watchdog",
                          args=(self._stopping, self._clock, self._overdue, self._break, self._queue_repair)).start()
+        if self.heartbeat_s:
+            threading.Thread(target=beat, args=(self._stopping, self.life, self.heartbeat_s), daemon=True,
+                             name="heartbeat").start()
 
     # --- the chain ---------------------------------------------------------------------------
 
@@ -143,12 +153,15 @@ class RemotePipeline:
 
     def _open(self) -> list[Link]:
         return open_chain(self.folder, self.manifest, self.workers, self.activations, self.topology,
-                          self.delivered, self.credentials, self.context)
+                          self.delivered, self.credentials, self.context, self._reaching)
+
+    def _reaching(self, i: int) -> None:
+        self.life.reaching = i  # a plain store: read under the lock when an attempt fails
 
     def _read(self, links: list[Link], epoch: int) -> None:
         if self.topology == "chain":  # tokens come back on the last link, refusals on any
-            for link in links:
-                threading.Thread(target=self._receive, args=(link, epoch), daemon=True, name="receive").start()
+            for i, link in enumerate(links):
+                threading.Thread(target=self._receive, args=(link, epoch, i), daemon=True, name="receive").start()
 
     def _repair(self) -> None:
         if self.life.repair():
@@ -181,19 +194,22 @@ class RemotePipeline:
 
     def placement(self) -> list[Placed]:
         """Stage 0 here, then each worker with the layers it answered its handshake with. While
-        the chain is broken, a worker the reason names is down (a link of it ended, it refused or
-        stopped answering); a break that names none marks every worker."""
+        the chain is broken, the workers the break blames are down (a link of it ended, it
+        refused, went silent, or a reconnect waited on it); a break that blames none marks all."""
         with self.life.lock:
-            links, broken = list(self.life.links), self.life.broken
+            links, broken, blamed = list(self.life.links), self.life.broken, self.life.down
         e0 = self.manifest.stages[0]
         out = [Placed(e0.first_layer, e0.last_layer, "this process", device=self.device)]
-        named = [w for w in self.workers if broken and w in broken]
         for i, addr in enumerate(self.workers):
             peer = links[i].peer if i < len(links) else None
             first, last = (peer.first_layer, peer.last_layer) if peer else (-1, -1)
-            down = bool(broken) and (addr in named or not named)
+            down = bool(broken) and (i in blamed or not blamed)
             out.append(Placed(first, last, addr, not down, (broken or "") if down else "", peer.device if peer else ""))
         return out
+
+    def hurry_repair(self) -> None:
+        """A request waits for the broken chain: try to reopen it now (life.hurry)."""
+        self.life.hurry()
 
     def idle(self) -> bool:
         """Whether stage 0 has run every submitted step (the rest is on workers and links)."""
@@ -293,24 +309,26 @@ class RemotePipeline:
         try:
             first.send(fwd, stamp=True)
         except LinkClosed as e:  # the step is pending: breaking the chain loses it with the rest
-            self._break(f"lost worker {self.workers[0]}: {e}", epoch)
+            self._break(f"lost worker {self.workers[0]}: {e}", epoch, frozenset({0}))
 
     def _fail(self, step: Step, why: str, lost: bool = False) -> None:
         for stream in step.streams:
             self.outbox.put(Outcome(stream, error=why, lost=lost))
 
-    def _break(self, reason: str, epoch: int) -> None:
-        """The chain of `epoch` is unusable (life.py): every step in flight and every KV move
-        is lost. Once broken, later news of the same chain changes nothing."""
-        lost = self.life.break_(reason, epoch)
+    def _break(self, reason: str, epoch: int, down: Down = frozenset()) -> None:
+        """The chain of `epoch` is unusable (life.py), because of the workers `down` (empty:
+        it cannot tell): every step in flight and every KV move is lost. Once broken, later
+        news of the same chain changes nothing."""
+        lost = self.life.break_(reason, epoch, down)
         if lost is None:
             return
         for sent in lost:
             self._fail(sent.step, reason, lost=True)
         self.kv.fail_all(reason)
 
-    def _overdue(self) -> tuple[str, int] | None:
-        return overdue(self.life, self._clock, self.workers, self.kv.overdue)
+    def _overdue(self) -> Late | None:
+        return overdue(self.life, self._clock, self.workers, self.kv.overdue, quiet_for(self.heartbeat_s),
+                       settle_for(self.heartbeat_s))
 
     def _queue_repair(self) -> None:
         """A repair for stage 0's thread once one is due and the pipeline is idle (a request's
@@ -333,15 +351,19 @@ class RemotePipeline:
             return self._break(f"lost worker: {e}", epoch)
         self._done(reply, self.life.links[-1].last_decode_s, received_at)
 
-    def _receive(self, link: Link, epoch: int) -> None:
+    def _receive(self, link: Link, epoch: int, me: int) -> None:
         """Chain: tokens come back on the last worker's link, failed steps and refusals on any.
-        A refusal or a lost link breaks the chain (every step in flight is lost)."""
+        A refusal or a lost link breaks the chain (every step in flight is lost), blaming this
+        link's worker, or the next one when this one says it lost it."""
+        down = frozenset({me})
         while True:
             try:
                 msg = link.recv()
             except Exception as e:  # noqa: BLE001 - any end of the link ends this reader
                 reason = f"lost worker {link.name}: {e}"
                 break
+            if isinstance(msg, Pong):  # its bytes were the news (link.heard)
+                continue
             if isinstance(msg, Sampled):
                 self._done(msg, link.last_decode_s, time.perf_counter())
             elif isinstance(msg, StepFailed):
@@ -351,8 +373,10 @@ class RemotePipeline:
             else:
                 reason = f"worker {link.name}: " + (msg.reason if isinstance(msg, Refuse) else
                                                      f"unexpected {type(msg).__name__}")
+                if isinstance(msg, Refuse) and LOST_NEXT in msg.reason and me + 1 < len(self.workers):
+                    down = frozenset({me + 1})
                 break
-        self._break(reason, epoch)  # nothing, if a reconnect replaced this link on purpose
+        self._break(reason, epoch, down)  # nothing, if a reconnect replaced this link on purpose
 
     def _answered(self, seq: int, timed: bool) -> Sent | None:
         """The step `seq` was answered now (None: it was not in flight, e.g. lost meanwhile)."""

@@ -12,7 +12,7 @@ from shardline.pipeline import metrics
 from shardline.pipeline.plan import Placed
 from shardline.pipeline.timing import Timing
 
-__all__ = ["Health", "PipelineStatus", "Placed", "Timing", "health", "pipeline_status"]
+__all__ = ["Health", "PipelineStatus", "Placed", "Timing", "health", "hurry_repairs", "pipeline_status"]
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ class Health:
 
 def health(placements: dict[str, list[Placed]], failed: str | None) -> Health:
     """Pure: whether requests can be served now. A stage is down from the moment its link ends,
-    it refuses, or a step outlives its deadline (a hung worker), until the chain is reopened;
-    a hung worker that no step has reached yet cannot be told from an idle one."""
+    it refuses, it answers no ping for the heartbeat window (a hung worker, idle or not) or a
+    step outlives its deadline, until the chain is reopened."""
     stages = [{"instance": name, "index": i, "where": p.where,
                "layers": [p.first_layer, p.last_layer] if p.first_layer >= 0 else None,
                "state": "up" if p.up else "down", "why": p.why}
@@ -65,3 +65,12 @@ def placements(engine: Any) -> dict[str, list[Placed]]:
     if (pipe := getattr(engine, "pipe", None)) is not None:
         return {"": pipe.placement()}
     return engine.placements() if hasattr(engine, "placements") else {}
+
+
+def hurry_repairs(engine: Any) -> None:
+    """Ask every broken chain the engine serves through to try to reopen now (a request waits)."""
+    pipes = [engine.pipe] if getattr(engine, "pipe", None) is not None else \
+        [e.pipe for e in engine.engines()] if hasattr(engine, "engines") else []
+    for pipe in pipes:
+        if (hurry := getattr(pipe, "hurry_repair", None)) is not None:
+            hurry()

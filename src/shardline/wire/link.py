@@ -78,6 +78,9 @@ class Link:
         self._wait: float | None = None  # longest wait for the next frame to begin; None: for ever
         self._deadline: float | None = None  # when the frame being read must be complete
         self._rcvtimeo: float | None = None  # the transport's receive timeout now (None: none)
+        # When bytes last came from the peer (monotonic): a link whose peer answers nothing, not
+        # even a Ping, for long is taken as hung (pipeline/watchdog.py).
+        self.heard = time.monotonic()
         # Received bytes not yet returned: _buf[_start:_end]. One reader at a time.
         self._buf, self._start, self._end = bytearray(_BUFFER), 0, 0
 
@@ -107,6 +110,22 @@ class Link:
             except OSError as e:
                 raise LinkClosed(f"{self.name}: {e}") from None
         self.bytes_sent += len(frame)
+
+    def try_send(self, msg: Message) -> bool:
+        """Send `msg` unless another send is under way (a ping need not queue behind a frame,
+        whose bytes tell the peer as much). LinkClosed as send."""
+        if not self._send_lock.acquire(blocking=False):
+            return False
+        try:
+            frame = encode(msg)
+            try:
+                self.transport.sendall(frame)
+            except OSError as e:
+                raise LinkClosed(f"{self.name}: {e}") from None
+        finally:
+            self._send_lock.release()
+        self.bytes_sent += len(frame)
+        return True
 
     def recv(self) -> Message:
         """The next message; WireError for a frame that is not ours, or one that stalls half way
@@ -160,6 +179,7 @@ class Link:
                 raise WireError(f"truncated frame from {self.name}: {have} of {n} bytes, then end of stream")
             raise LinkClosed(f"{self.name} closed the connection")
         self._end += k
+        self.heard = time.monotonic()
 
     def _begun(self) -> None:
         """A frame has begun: from now on all of it must arrive within the frame timeout."""

@@ -151,6 +151,10 @@ class Refuse:
     reason: str
 
 
+# In a worker's Refuse: what it lost is the next worker of the chain, not itself.
+LOST_NEXT = "lost the next worker"
+
+
 @dataclass(frozen=True)
 class StepFailed:
     """A step that could not run (an unknown key, a shape that does not fit the cache): its rows
@@ -484,8 +488,33 @@ class KvCopy:
         _need(self.src != self.dst, "a copy of a key into itself")
 
 
+@dataclass(frozen=True)
+class Ping:
+    """Coordinator -> worker on a link that has been quiet: answered at once with a Pong by the
+    link's reader (not queued behind steps), so a worker that stopped is seen with no traffic."""
+
+    KIND: ClassVar[int] = 15
+    ARRAYS: ClassVar[dict[str, Arr]] = {}
+    seq: int
+
+    def __post_init__(self) -> None:
+        _check_seq(self.seq)
+
+
+@dataclass(frozen=True)
+class Pong:
+    """Worker -> coordinator: the answer to the Ping of the same seq."""
+
+    KIND: ClassVar[int] = 16
+    ARRAYS: ClassVar[dict[str, Arr]] = {}
+    seq: int
+
+    def __post_init__(self) -> None:
+        _check_seq(self.seq)
+
+
 Message = (Hello | Refuse | StepFailed | Release | Forward | Sampled | ShardRequest | ShardChunk | Route | KvPull
-           | KvPush | KvPart | KvDone | KvCopy)
+           | KvPush | KvPart | KvDone | KvCopy | Ping | Pong)
 MESSAGES: dict[int, type] = {m.KIND: m for m in (Hello, Refuse, StepFailed, Release, Forward, Sampled,
                                                  ShardRequest, ShardChunk, Route, KvPull, KvPush, KvPart, KvDone,
-                                                 KvCopy)}
+                                                 KvCopy, Ping, Pong)}
