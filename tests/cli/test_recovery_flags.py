@@ -15,9 +15,11 @@ from tests.cli.test_bad_input import _fails
 
 def test_the_flags_reach_the_config() -> None:
     args = _parser().parse_args(["serve", "--step-deadline", "2.5", "--step-deadline-multiple", "8",
-                                 "--reconnect-window", "4", "--max-replays", "0", "--replay-within", "9"])
+                                 "--reconnect-window", "4", "--max-replays", "0", "--replay-within", "9",
+                                 "--heartbeat", "2"])
     assert _recovery(args) == RecoveryConfig(step_floor_s=2.5, step_multiple=8.0, reconnect_s=4.0, max_replays=0,
-                                             replay_within_s=9.0)
+                                             replay_within_s=9.0, heartbeat_s=2.0)
+    assert _recovery(_parser().parse_args(["serve", "--heartbeat", "0"])).heartbeat_s == 0  # pings off
     assert _recovery(_parser().parse_args(["generate", "hi"])) == RecoveryConfig()
 
 
@@ -29,6 +31,9 @@ def test_the_flags_reach_the_config() -> None:
     ("--reconnect-window", "-1", "--reconnect-window must be in (0, 3600] seconds, got -1.0"),
     ("--max-replays", "-1", "--max-replays must be in 0-100, got -1"),
     ("--max-replays", "101", "--max-replays must be in 0-100, got 101"),
+    ("--heartbeat", "0.5", "--heartbeat must be 0 (off) or in 1-3600 seconds, got 0.5"),
+    ("--heartbeat", "-5", "--heartbeat must be 0 (off) or in 1-3600 seconds, got -5.0"),
+    ("--heartbeat", "nan", "--heartbeat must be 0 (off) or in 1-3600 seconds, got nan"),
     ("--replay-within", "1e9", "--replay-within must be in (0, 3600] seconds, got 1000000000.0"),
 ])
 @pytest.mark.parametrize("command", ["generate", "serve"])

@@ -10,6 +10,8 @@ from itertools import count
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from shardline.errors import ShardlineError
 from shardline.pipeline.deadline import Deadlines, StepClock
 from shardline.pipeline.heartbeat import ping_quiet, quiet_for, settle_for
@@ -123,3 +125,13 @@ def test_a_failed_reconnect_blames_the_worker_it_waited_on_and_a_request_hurries
         "no answer within 1.0 s"
     life.hurry()  # after a failed attempt: due at once again, from the shortest gap
     assert life.repair_due(busy=False) is True and life._repair_gap == REPAIR_FIRST_S
+
+
+def test_the_compaction_threshold_stays_within_what_a_worker_lets_a_row_hold() -> None:
+    from shardline.config import MAX_COMPACT_AT, SpeculationConfig
+    from shardline.node.bounds import SLACK_SLOTS
+
+    assert MAX_COMPACT_AT + 2 * (32 + 1) <= SLACK_SLOTS  # masked slots + a step's drafts (k_max <= 32), twice
+    assert SpeculationConfig(compact_at=MAX_COMPACT_AT).compact_at == MAX_COMPACT_AT
+    with pytest.raises(ShardlineError, match=f"threshold must be 1-{MAX_COMPACT_AT} masked slots, got 257"):
+        SpeculationConfig(compact_at=257)
