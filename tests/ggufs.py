@@ -137,6 +137,8 @@ class FileSpec:
     tied: bool = False
     rope_freqs: bool = False  # Llama 3.1-style frequency factors as a rope_freqs.weight tensor
     biases: bool = False  # q/k/v biases (qwen2 has them)
+    head_size: int | None = None  # a head size of its own (qwen3), written as key/value_length
+    qk_norms: bool = False  # per-head q/k RMSNorm weights (qwen3's attn_q_norm / attn_k_norm)
     vocab: Vocab = field(default_factory=byte_level_vocab)
     extra_keys: dict[str, object] = field(default_factory=dict)  # more or other metadata ({arch} in keys)
     vocab_rows: int | None = None  # rows of the embedding and head, if not the vocabulary's size
@@ -144,7 +146,7 @@ class FileSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
     def type_of(self, kind: str, layer: int | None = None) -> str:
         if not self.mix:
@@ -193,6 +195,9 @@ def _vectors(spec: FileSpec) -> list[tuple[str, np.ndarray]]:
         p = f"blk.{i}."
         out += [(p + "attn_norm.weight", 1.0 + det_normal(spec.seed + p + "attn_norm", (h,), 0.1)),
                 (p + "ffn_norm.weight", 1.0 + det_normal(spec.seed + p + "ffn_norm", (h,), 0.1))]
+        if spec.qk_norms:
+            out += [(p + f"attn_{x}_norm.weight", 1.0 + det_normal(spec.seed + p + x + "norm", (hd,), 0.2))
+                    for x in ("q", "k")]
         if spec.biases:
             for x, n in (("q", spec.heads), ("k", spec.kv_heads), ("v", spec.kv_heads)):
                 out.append((p + f"attn_{x}.bias", det_normal(spec.seed + p + x + "bias", (n * hd,), 0.3)))
@@ -215,7 +220,8 @@ def _metadata(w: GGUFWriter, spec: FileSpec) -> None:
         "{arch}.rope.freq_base": float(spec.rope_theta),
         "{arch}.attention.layer_norm_rms_epsilon": float(spec.rms_eps),
         "{arch}.vocab_size": spec.vocab.size,
-    } | spec.extra_keys
+    } | ({"{arch}.attention.key_length": spec.head_dim, "{arch}.attention.value_length": spec.head_dim}
+         if spec.head_size else {}) | spec.extra_keys
     for key, value in keys.items():
         key = key.format(arch=spec.arch)
         if isinstance(value, bool):

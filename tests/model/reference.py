@@ -17,7 +17,7 @@ def _config(arch: Arch):  # type: ignore[no-untyped-def]
     import transformers
 
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config}[arch.family]
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch.family]
     kw = dict(
         vocab_size=arch.vocab, hidden_size=arch.hidden, intermediate_size=arch.intermediate,
         num_hidden_layers=arch.n_layers, num_attention_heads=arch.n_heads,
@@ -25,7 +25,7 @@ def _config(arch: Arch):  # type: ignore[no-untyped-def]
         rope_theta=arch.rope_theta, tie_word_embeddings=arch.tied_embeddings,
         max_position_embeddings=arch.max_context,
     )
-    if arch.family == "llama":
+    if arch.family in ("llama", "qwen3"):
         kw["attention_bias"] = arch.qkv_bias
     cfg = cls(**kw)
     cfg._attn_implementation = "eager"
@@ -37,7 +37,7 @@ def reference_model(source: ModelSource):  # type: ignore[no-untyped-def]
 
     arch = source.arch
     cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-           "qwen2": transformers.Qwen2ForCausalLM}[arch.family]
+           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[arch.family]
     if source.format == "hf":  # transformers reads the folder itself: an independent check of ours
         return cls.from_pretrained(source.path, attn_implementation="eager", dtype=torch.float32).eval()
     model = cls(_config(arch)).eval()
@@ -73,17 +73,19 @@ def save_tiny_hf(folder: Path, family: str, seed: int = 0, **config: object) -> 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     torch.manual_seed(seed)
-    arch = Arch(family=family, n_layers=6, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16,
+    # Qwen3's head size is its own (4 heads of 32 over a hidden size of 64 here, as Qwen3-0.6B's
+    # 16 of 128 over 1024), not hidden / heads.
+    arch = Arch(family=family, n_layers=6, hidden=64, n_heads=4, n_kv_heads=2, head_dim=32 if family == "qwen3" else 16,
                 intermediate=128, vocab=320, rope_theta=10000.0, rms_eps=1e-6,
                 biases=("q_proj", "k_proj", "v_proj") if family == "qwen2" else (),
-                tied_embeddings=family == "qwen2", max_context=256)
+                tied_embeddings=family in ("qwen2", "qwen3"), max_context=256)
     cfg = _config(arch)
     if family == "mistral":
         cfg.sliding_window = None
     for key, value in config.items():
         setattr(cfg, key, value)
     cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-           "qwen2": transformers.Qwen2ForCausalLM}[family]
+           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[family]
     model = cls(cfg).eval()
     with torch.no_grad():  # random init leaves tiny weights; widen them so logits are well separated
         for p in model.parameters():

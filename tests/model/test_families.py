@@ -18,7 +18,7 @@ PROMPTS = [[5, 17, 42, 99, 3], [250, 251, 7], list(range(10, 40))]
 EXACT = RunConfig(precision="exact")
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_hf(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -34,7 +34,8 @@ def test_tiny_family_n_stages_equal_one_and_reference(tiny: Path, shards: Callab
 
 def test_tiny_family_arch_is_read_from_config(tiny: Path) -> None:
     arch = open_source(tiny).arch
-    assert (arch.n_layers, arch.hidden, arch.n_heads, arch.n_kv_heads, arch.head_dim) == (6, 64, 4, 2, 16)
+    head = 32 if arch.family == "qwen3" else 16  # Qwen3's head size is its own, not hidden / heads
+    assert (arch.n_layers, arch.hidden, arch.n_heads, arch.n_kv_heads, arch.head_dim) == (6, 64, 4, 2, head)
     assert arch.qkv_bias == (arch.family == "qwen2")
 
 

@@ -113,6 +113,16 @@ CHAT_CASES: list[tuple[str, object, str | None, str]] = [
     ("tools", [TOOL], "tools", UNSUPPORTED),
     ("functions", [TOOL["function"]], "functions", UNSUPPORTED),
     ("tool_choice", "required", "tool_choice", UNSUPPORTED),
+    ("chat_template_kwargs", {"messages": "x"}, "chat_template_kwargs", "'messages' is set by the server"),
+    ("chat_template_kwargs", {"bos_token": "<s>"}, "chat_template_kwargs", "set by the server, not the request"),
+    ("chat_template_kwargs", {"a b": 1}, "chat_template_kwargs", "'a b' is not a variable name"),
+    ("chat_template_kwargs", {"__class__": 1}, "chat_template_kwargs", "is not a variable name"),
+    ("chat_template_kwargs", {f"k{i}": 1 for i in range(17)}, "chat_template_kwargs", "at most 16 variables"),
+    ("chat_template_kwargs", {"x": "y" * 5000}, "chat_template_kwargs", "longer than 4096 characters"),
+    ("chat_template_kwargs", {"x": [1]}, "chat_template_kwargs", "x must be a string, a number or a boolean"),
+    ("chat_template_kwargs", {"x": None}, "chat_template_kwargs", "x must be a string, a number or a boolean"),
+    ("chat_template_kwargs", {"x": math.nan}, "chat_template_kwargs", "x must be a string, a number or a boolean"),
+    ("chat_template_kwargs", "yes", "chat_template_kwargs", "valid dictionary"),
     ("stream", "yes", "stream", "valid boolean"),
     ("stream_options", {"include_usage": "yes"}, "stream_options.include_usage", "valid boolean"),
     ("ignore_eos", "yes", "ignore_eos", "valid boolean"),
@@ -386,13 +396,15 @@ def test_overloaded_server_answers_429_with_retry_after(two: Path) -> None:
 def engine(two: Path) -> Iterator[Engine]:
     trim_memory_every()  # the process's one memory trimmer, started by the first engine whichever test that is
     before = set(threading.enumerate())
-    e = Engine(LocalPipeline(two, RunConfig()), Limits(1, 0), 8192)
+    pipe = LocalPipeline(two, RunConfig())
+    e = Engine(pipe, Limits(1, 0), 8192)
     yield e
     e.stop()
+    pipe.shutdown()  # its stage threads, started by the first step a test ran
     deadline = time.monotonic() + 10
     while set(threading.enumerate()) - before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not set(threading.enumerate()) - before, "a thread was left behind"
+    assert not set(threading.enumerate()) - before, f"a thread was left behind: {set(threading.enumerate()) - before}"
 
 
 def _call(served: Served, method: str, path: str, body: object = None,
@@ -444,6 +456,26 @@ def test_template_failure_is_a_400(engine: Engine, two: Path, tmp_path: Path, te
     r = _call(Served(engine, ChatTokenizer(tmp_path), MODEL), "POST", "/v1/chat/completions", CHAT)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "messages" and says in r.json()["error"]["message"]
+
+
+def test_chat_template_kwargs_reach_the_template(engine: Engine, two: Path, tmp_path: Path) -> None:
+    """Qwen3's thinking switch as vLLM and llama-server take it: `chat_template_kwargs` are the
+    template's variables (here a template that adds a line when enable_thinking is false)."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(two / name, tmp_path / name)
+    cfg = json.loads((two / "tokenizer_config.json").read_text())
+    template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}\n<think>\n\n</think>\n\n{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": template}))
+    served = Served(engine, ChatTokenizer(tmp_path), MODEL)
+    used = {}
+    for kwargs in (None, {"enable_thinking": True}, {"enable_thinking": False}):
+        r = _call(served, "POST", "/v1/chat/completions", CHAT | ({"chat_template_kwargs": kwargs} if kwargs else {}))
+        assert r.status_code == 200, r.text
+        used[str(kwargs)] = r.json()["usage"]["prompt_tokens"]
+    plain = len(ChatTokenizer(tmp_path).tokens(CHAT["messages"][0]["content"]))  # type: ignore[index]
+    think = len(ChatTokenizer(tmp_path).tokens("\n<think>\n\n</think>\n\n"))
+    assert used == {"None": plain, "{'enable_thinking': True}": plain, "{'enable_thinking': False}": plain + think}
 
 
 def test_configured_body_limit(engine: Engine, two: Path) -> None:

@@ -12,6 +12,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -107,7 +108,8 @@ def build_app(served: Served) -> FastAPI:
     async def chat(body: ChatRequest, request: Request) -> Response:
         _admit(served, body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = await tokenize(ChatTokenizer.encode_chat, served.tok, messages, "messages")
+        prompt = await tokenize(partial(ChatTokenizer.encode_chat, extra=body.chat_template_kwargs), served.tok,
+                                messages, "messages")
         shape = _ChatShape(served.model_id, ChatLogprobs(token_text) if body.wants_logprobs() else None)
         await when_up(served.engine, served.reconnect_s)
         return await _respond(generation("chat", prompt, body, request), body, request, shape)

@@ -9,6 +9,7 @@ cannot honour are refused by `refusals()` with code `unsupported_parameter`, nev
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Annotated, Any, Literal
 
@@ -206,6 +207,9 @@ class ChatRequest(Sampling):
     functions: list[Any] | None = None
     tool_choice: Any = None
     function_call: Any = None
+    # More variables for the chat template (vLLM's and llama-server's field): Qwen3's
+    # enable_thinking, a system date... Scalars only, under names the template does not own.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def wants_logprobs(self) -> bool:
         return bool(self.logprobs)
@@ -226,6 +230,30 @@ class ChatRequest(Sampling):
         for i, m in enumerate(self.messages):
             if m.tool_calls:
                 raise unsupported(f"messages[{i}].tool_calls", "tool calling")
+        _check_template_kwargs(self.chat_template_kwargs)
+
+
+# What the template is given by the server itself: a request may not set these.
+_TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception",
+                           "tools", "documents"})
+MAX_TEMPLATE_KWARGS, MAX_TEMPLATE_VALUE = 16, 4096
+
+
+def _check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    if not kwargs:
+        return
+    where = "chat_template_kwargs"
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ApiError(400, f"{where}: at most {MAX_TEMPLATE_KWARGS} variables, got {len(kwargs)}", param=where)
+    for key, value in kwargs.items():
+        if not (key.isidentifier() and key.isascii() and len(key) <= 64) or key.startswith("_"):
+            raise ApiError(400, f"{where}: {key[:64]!r} is not a variable name", param=where)
+        if key in _TEMPLATE_OWN:
+            raise ApiError(400, f"{where}: {key!r} is set by the server, not the request", param=where)
+        if not isinstance(value, bool | int | float | str) or (isinstance(value, float) and not math.isfinite(value)):
+            raise ApiError(400, f"{where}: {key} must be a string, a number or a boolean", param=where)
+        if isinstance(value, str) and len(value) > MAX_TEMPLATE_VALUE:
+            raise ApiError(400, f"{where}: {key} is longer than {MAX_TEMPLATE_VALUE} characters", param=where)
 
 
 class CompletionRequest(Sampling):

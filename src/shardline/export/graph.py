@@ -103,6 +103,11 @@ class _Builder:
         inv = ops.divide(np.float32(1.0), ops.sqrt(ops.add(var, np.float32(self.a.rms_eps))))
         return ops.multiply(ops.multiply(x, inv), self.w.vector(name)).output(0)
 
+    def head_rms(self, x: ov.Output, name: str) -> ov.Output:
+        """RMSNorm over each head's head_dim values: [B, T, n*D] -> [B, T, n, D], normed, back."""
+        heads = ops.reshape(x, _i64(0, 0, -1, self.a.head_dim), True)
+        return ops.reshape(self.rms(heads.output(0), name), _i64(0, 0, -1), True).output(0)
+
     def rope_tables(self, position_ids: ov.Output) -> tuple[ov.Output, ov.Output]:
         pos = ops.unsqueeze(ops.convert(position_ids, ov.Type.f32), _i64(-1))
         freqs = ops.multiply(pos, ops.constant(inv_freq(self.a)))  # [B, T, D/2]

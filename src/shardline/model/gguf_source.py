@@ -18,6 +18,7 @@ import numpy as np
 from shardline.errors import ShardlineError
 from shardline.model import families
 from shardline.model.arch import Arch
+from shardline.model.families.base import HEAD_NORMS
 from shardline.model.gguf_blocks import BLOCK_TYPES, KEPT_TYPES, unpack
 from shardline.model.gguf_file import GGUFFile, TensorInfo
 from shardline.model.gguf_meta import gguf_arch
@@ -32,6 +33,8 @@ _LAYER = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -247,6 +250,8 @@ def layer_shapes(a: Arch, i: int) -> dict[str, tuple[int, ...]]:
         linear = module.rpartition(".")[2]
         if linear in rows:
             out[name] = rows[linear] if kind == "weight" else (rows[linear][0],)
+        elif short in HEAD_NORMS:
+            out[name] = (a.head_dim,)
         else:
             out[name] = (a.hidden,)
     return out

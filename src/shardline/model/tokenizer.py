@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -75,17 +76,20 @@ class ChatTokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
+    def chat_prompt(self, messages: list[dict[str, Any]], extra: Mapping[str, Any] | None = None) -> str:
+        """The template rendered; `extra`: more variables it may read (a request's
+        chat_template_kwargs, e.g. Qwen3's enable_thinking), never one of those set here."""
         if self._template is None:
             raise ShardlineError("this model has no chat template")
-        return str(self._template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                                         eos_token=self.eos_token, raise_exception=_raise_exception))
+        return str(self._template.render({**(extra or {}), "messages": messages, "add_generation_prompt": True,
+                                          "bos_token": self.bos_token, "eos_token": self.eos_token,
+                                          "raise_exception": _raise_exception}))
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], extra: Mapping[str, Any] | None = None) -> list[int]:
         """The rendered template's ids: its own control tokens, and every piece of text between
         them with special tokens left as text, so a message never smuggles in a control token."""
         hidden, back = self._control.hide(messages, self._source)
-        prompt = self.chat_prompt(hidden)
+        prompt = self.chat_prompt(hidden, extra)
         pieces = list(self._control.split(prompt))
         texts = [reveal(p, back) for p in pieces if isinstance(p, str)]
         encoded = iter(self._plain.encode_batch(texts, add_special_tokens=False))  # releases the GIL
