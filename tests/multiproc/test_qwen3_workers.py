@@ -1,0 +1,70 @@
+"""Qwen3 through worker processes (issue 37, point 6): the hand-built Qwen3 file of
+tests/model/test_qwen3.py exported in 3 stages, stage 0 here and two `shardline worker`s on
+loopback. Greedy tokens equal one stage in process: alone, as rows of a decode group joined
+while another stream decodes, and under prompt-lookup speculation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shardline.config import ExportConfig, RunConfig, SamplingConfig
+from shardline.export.exporter import export
+from shardline.pipeline.local import LocalPipeline
+from shardline.pipeline.remote import RemotePipeline
+from shardline.serving.admission import Limits
+from shardline.serving.drafters import LookupDrafter
+from shardline.serving.engine import Engine
+from shardline.serving.scheduler import SchedulerConfig
+from shardline.serving.speculation import Drafts
+from tests.helpers import engine_tokens, staggered
+from tests.model.test_qwen3 import CASE
+from tests.multiproc.procs import worker
+
+EXACT = RunConfig(precision="exact")
+N = 40
+PROMPTS = [CASE.prompt(), [(5 + 11 * i) % 250 + 3 for i in range(23)]]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("qwen3-workers")
+    path = CASE.write(root)
+    return {n: export(ExportConfig(out=root / f"shards-{n}", model=path, stages=n, isolate=False, progress=False))
+            for n in (1, 3)}
+
+
+@pytest.fixture(scope="module")
+def plain(folders: dict[int, Path]) -> list[list[int]]:
+    with LocalPipeline(folders[1], EXACT) as local:
+        return [engine_tokens(local, p, SamplingConfig(max_tokens=N), groups=0) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def remote(folders: dict[int, Path]) -> Iterator[RemotePipeline]:
+    ws = [worker(folders[3], "1"), worker(folders[3], "2")]
+    try:
+        pipe = RemotePipeline(folders[3], [w.addr for w in ws], EXACT, activations="f32")
+        yield pipe
+        pipe.shutdown()
+    finally:
+        for w in ws:
+            w.stop()
+
+
+def test_qwen3_through_two_workers_alone_and_in_a_decode_group(remote: RemotePipeline,
+                                                                plain: list[list[int]]) -> None:
+    assert engine_tokens(remote, PROMPTS[0], SamplingConfig(max_tokens=N), groups=0) == plain[0]
+    engine = Engine(remote, Limits(4, 4), 8192, SchedulerConfig(groups=1))
+    try:
+        assert staggered(engine, PROMPTS, [N, N]) == plain
+    finally:
+        engine.stop()
+
+
+def test_qwen3_through_two_workers_under_speculation(remote: RemotePipeline, plain: list[list[int]]) -> None:
+    drafts = Drafts(LookupDrafter, None, 8)
+    assert engine_tokens(remote, PROMPTS[1], SamplingConfig(max_tokens=N), drafts=drafts, groups=0,
+                         compact_at=8) == plain[1]
