@@ -66,4 +66,4 @@ def test_every_family_module_is_found() -> None:
     modules = {m.name for m in pkgutil.iter_modules(families.__path__)} - {"base"}
     declared = {f.name for m in modules for f in __import__(f"shardline.model.families.{m}",
                                                             fromlist=["FAMILIES"]).FAMILIES}
-    assert declared == set(FAMILIES) == {"llama", "mistral", "qwen2"}
+    assert declared == set(FAMILIES) == {"llama", "mistral", "qwen2", "qwen3"}
