@@ -192,8 +192,8 @@ def frame(draw: Any, worker: StageWorker, session: Session) -> list[Message]:
     if kind == "copy":
         src = draw(keys)
         index = sorted(draw(st.sets(st.integers(0, max(slots, 1)), min_size=1, max_size=CONTEXT + 8)))
-        return [KvCopy(draw(st.integers(0, 99)), src, draw(st.integers(9, 14)), draw(st.integers(0, 2)),
-                       np.asarray(index, np.int64))]
+        dst = draw(st.integers(9, 14).filter(lambda d: d != src))  # into itself: the codec refuses it
+        return [KvCopy(draw(st.integers(0, 99)), src, dst, draw(st.integers(0, 2)), np.asarray(index, np.int64))]
     return [draw(st.sampled_from(_others()))]
 
 
