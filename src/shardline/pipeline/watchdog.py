@@ -57,7 +57,8 @@ def silent(links: list[Link], since: float, quiet_s: float) -> list[tuple[int, f
     """(worker, seconds) of every link nothing came from for more than `quiet_s` (counted from
     `since` at the earliest: when the links were adopted)."""
     now = time.monotonic()
-    return [(i, now - max(link.heard, since)) for i, link in enumerate(links) if now - max(link.heard, since) > quiet_s]
+    quiet = [(i, now - max(link.heard, since)) for i, link in enumerate(links)]
+    return [(i, s) for i, s in quiet if s > quiet_s]
 
 
 def watch(stopping: threading.Event, clock: StepClock, check: Callable[[], Late | None],
