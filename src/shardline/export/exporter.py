@@ -51,6 +51,11 @@ def export(cfg: ExportConfig) -> Path:
     # and head: planning, graphs and the manifest all see an N-layer arch, so no stage reads
     # (and no run time sizes KV for) a layer >= N.
     arch = source.arch if cfg.truncate is None else _truncated(source.arch, cfg.truncate)
+    if cfg.sinks is not None and any(arch.window(i) for i in range(arch.n_layers)):
+        # Past the ring a sliding cache forgets slots, and positions are no longer the count of
+        # attended slots that windowed layers' masks rely on (export/graph.py).
+        raise ShardlineError(f"--sinks with a model whose layers have sliding windows "
+                             f"({arch.sliding_window} tokens) is not supported: export without --sinks")
     if cfg.static and cfg.sinks is None:  # no more than the ring: a static stage holds no more
         arch = arch.with_context(cfg.ring)
     elif cfg.context is not None and not cfg.static:

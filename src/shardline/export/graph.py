@@ -13,6 +13,12 @@ Inputs (B = batch, T = new tokens, S = physical cache length after this step):
   rewind while the physical cache only grows);
 - logits_index [B, N] i64 (last stage): the positions, among the T new ones, that get logits;
 - past.{l}.key / past.{l}.value [B, kv_heads, S - T, head_dim] f32.
+
+A local (sliding-window) layer masks, on top, every key more than its window behind the query.
+A key's logical position is not an input: it is the count of attended slots before it (the
+mask's running sum less one), an invariant every KV book keeps (stage/cache.py), so every path
+that builds a mask (groups, speculation's masked slots, compaction, copies, imports) gets
+windows right with nothing more on the wire.
 """
 
 from __future__ import annotations
@@ -32,17 +38,21 @@ def _i64(*values: int) -> ov.Node:
     return ops.constant(np.array(values, dtype=np.int64))
 
 
-def inv_freq(arch: Arch) -> np.ndarray:
-    """RoPE inverse frequencies, with the model's scaling: Llama 3's (from its config, or as a
-    GGUF's rope_freqs factors, which llama.cpp divides the frequencies by) or linear."""
+def inv_freq(arch: Arch, layer: int = 0) -> np.ndarray:
+    """Layer `layer`'s RoPE inverse frequencies, with the model's scaling: Llama 3's (from its
+    config, or as a GGUF's rope_freqs factors, which llama.cpp divides the frequencies by) or
+    linear; a local layer's may be its own (Arch.rotary)."""
     d = arch.head_dim
-    freq = 1.0 / (arch.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    if arch.rope_factors is not None:
+    theta, linear, scaled = arch.rotary(layer)
+    freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if arch.rope_factors is not None and scaled:
         freq = freq / np.asarray(arch.rope_factors, dtype=np.float64)
-    if arch.rope_linear is not None:
-        freq = freq / arch.rope_linear
+    if linear is not None:
+        freq = freq / linear
+    if arch.rope_yarn and scaled:
+        freq = freq * _yarn_mix(arch.rope_yarn, d, theta)
     s = arch.rope_llama3
-    if s:
+    if s and scaled:
         low_wl = s["original_max_position_embeddings"] / s["low_freq_factor"]
         high_wl = s["original_max_position_embeddings"] / s["high_freq_factor"]
         wl = 2 * np.pi / freq
@@ -54,6 +64,20 @@ def inv_freq(arch: Arch) -> np.ndarray:
     return freq.astype(np.float32)
 
 
+def _yarn_mix(y: dict[str, float], d: int, theta: float) -> np.ndarray:
+    """YaRN's per-frequency factor, as ggml's rope_yarn mixes it (ext_factor 1): the frequencies
+    below the correction range are interpolated (1 / factor), those above kept, a linear ramp
+    between (ggml_rope_yarn_corr_dims)."""
+    def corr_dim(rotations: float) -> float:
+        return d * np.log(y["original_context"] / (rotations * 2 * np.pi)) / (2 * np.log(theta))
+
+    low = max(0.0, float(np.floor(corr_dim(y["beta_fast"]))))
+    high = min(d - 1.0, float(np.ceil(corr_dim(y["beta_slow"]))))
+    i = np.arange(d // 2, dtype=np.float64)
+    ramp = 1 - np.clip((i - low) / max(0.001, high - low), 0, 1)
+    return (1 / y["factor"]) * (1 - ramp) + ramp
+
+
 class _Builder:
     """Builds a stage; implements the LayerOps an architecture's layer is written in."""
 
@@ -62,10 +86,11 @@ class _Builder:
         self.new_kv_only = new_kv_only
         self.params: list[ov.Node] = []
         self.results: list[ov.Node] = []
-        # Shared by every layer of the stage (set by build before the layers).
-        self.attn_mask: ov.Output | None = None
-        self.cos: ov.Output | None = None
-        self.sin: ov.Output | None = None
+        # Shared by the layers of the stage that attend alike (made by build before the layers):
+        # the masks by window (None: global), the rotary tables by inverse frequencies.
+        self.masks: dict[int | None, ov.Output] = {}
+        self.rotary: dict[bytes, tuple[ov.Output, ov.Output]] = {}
+        self.position_ids: ov.Output | None = None
 
     def param(self, name: str, dtype: ov.Type, shape: list[int]) -> ov.Node:
         p = ops.parameter(ov.PartialShape(shape), dtype, name=name)
@@ -108,11 +133,32 @@ class _Builder:
         heads = ops.reshape(x, _i64(0, 0, -1, self.a.head_dim), True)
         return ops.reshape(self.rms(heads.output(0), name), _i64(0, 0, -1), True).output(0)
 
-    def rope_tables(self, position_ids: ov.Output) -> tuple[ov.Output, ov.Output]:
+    def rope_tables(self, position_ids: ov.Output, freq: np.ndarray) -> tuple[ov.Output, ov.Output]:
         pos = ops.unsqueeze(ops.convert(position_ids, ov.Type.f32), _i64(-1))
-        freqs = ops.multiply(pos, ops.constant(inv_freq(self.a)))  # [B, T, D/2]
+        freqs = ops.multiply(pos, ops.constant(freq))  # [B, T, D/2]
         emb = ops.concat([freqs, freqs], -1)
-        return (ops.unsqueeze(ops.cos(emb), _i64(1)).output(0), ops.unsqueeze(ops.sin(emb), _i64(1)).output(0))
+        cos, sin = ops.unsqueeze(ops.cos(emb), _i64(1)), ops.unsqueeze(ops.sin(emb), _i64(1))
+        if self.a.rope_yarn and self.a.rope_yarn["mscale"] != 1.0:  # YaRN's magnitude, on q and k alike
+            m = np.float32(self.a.rope_yarn["mscale"])
+            cos, sin = ops.multiply(cos, m), ops.multiply(sin, m)
+        return cos.output(0), sin.output(0)
+
+    def temperature(self) -> ov.Output:
+        """[B, 1, T, 1]: Llama 4's query temperature by position (llama_graph's attn_temp input)."""
+        assert self.position_ids is not None and self.a.query_temperature is not None
+        scale, floor = self.a.query_temperature
+        steps = ops.floor(ops.divide(ops.convert(self.position_ids, ov.Type.f32), np.float32(floor)))
+        t = ops.add(ops.multiply(ops.log(ops.add(steps, np.float32(1.0))), np.float32(scale)), np.float32(1.0))
+        return ops.unsqueeze(t, _i64(1, 3)).output(0)
+
+    def layer_rotary(self, layer: int) -> tuple[ov.Output, ov.Output]:
+        """The cos/sin tables of the layer's rotary, made once per stage for each kind."""
+        assert self.position_ids is not None
+        freq = inv_freq(self.a, layer)
+        key = freq.tobytes()
+        if key not in self.rotary:
+            self.rotary[key] = self.rope_tables(self.position_ids, freq)
+        return self.rotary[key]
 
     def rope(self, x: ov.Output, cos: ov.Output, sin: ov.Output) -> ov.Output:
         """x * cos + rotate_half(x) * sin, written as OpenVINO's RoPE fusion matches it (two
@@ -138,8 +184,8 @@ class _Builder:
         x = ops.broadcast(x, _i64(1, 1, g, 1, 1), broadcast_spec="BIDIRECTIONAL")
         return ops.reshape(x, _i64(0, self.a.n_heads, -1, self.a.head_dim), True).output(0)
 
-    def mask(self, attention_mask: ov.Output, position_ids: ov.Output) -> ov.Output:
-        """Additive [B, 1, T, S] mask: causal in *physical* slots, and never a slot masked to 0."""
+    def allowed(self, attention_mask: ov.Output, position_ids: ov.Output) -> ov.Output:
+        """[B, 1, T, S] bool: causal in *physical* slots, and never a slot masked to 0."""
         one = ops.constant(np.int64(1))
         s = ops.gather(ops.shape_of(attention_mask), one, np.int64(0))  # scalar
         t = ops.gather(ops.shape_of(position_ids), one, np.int64(0))
@@ -147,8 +193,22 @@ class _Builder:
         queries = ops.range(ops.subtract(s, t), s, one, ov.Type.i64)  # [T]: physical slots of new tokens
         causal = ops.less_equal(ops.unsqueeze(keys, _i64(0)), ops.unsqueeze(queries, _i64(1)))  # [T, S]
         keep = ops.not_equal(attention_mask, _i64(0))  # [B, S]
-        allowed = ops.logical_and(ops.unsqueeze(causal, _i64(0, 1)), ops.unsqueeze(keep, _i64(1, 2)))
-        return ops.select(allowed, np.float32(0.0), np.float32(_NEG)).output(0)
+        return ops.logical_and(ops.unsqueeze(causal, _i64(0, 1)), ops.unsqueeze(keep, _i64(1, 2))).output(0)
+
+    def within(self, attention_mask: ov.Output, position_ids: ov.Output, window: int) -> ov.Output:
+        """[B, 1, T, S] bool: each key less than `window` positions behind each query (llama.cpp's
+        standard sliding window: masked where query - key >= window). A key's position is the
+        count of attended slots before it (the KV books' invariant)."""
+        key_pos = ops.subtract(ops.cumsum(attention_mask, np.int64(1)), _i64(1))  # [B, S]
+        behind = ops.subtract(ops.unsqueeze(position_ids, _i64(2)), ops.unsqueeze(key_pos, _i64(1)))  # [B, T, S]
+        return ops.unsqueeze(ops.less(behind, _i64(window)), _i64(1)).output(0)
+
+    def build_masks(self, attention_mask: ov.Output, position_ids: ov.Output) -> None:
+        """Additive masks for the stage's layers: one per distinct window (None: global)."""
+        allowed = self.allowed(attention_mask, position_ids)
+        for w in sorted({self.a.window(i) for i in self.plan.layers}, key=lambda w: -1 if w is None else w):
+            rule = allowed if w is None else ops.logical_and(allowed, self.within(attention_mask, position_ids, w))
+            self.masks[w] = ops.select(rule, np.float32(0.0), np.float32(_NEG)).output(0)
 
     def add(self, a: ov.Output, b: ov.Output) -> ov.Output:
         return ops.add(a, b).output(0)
@@ -159,32 +219,44 @@ class _Builder:
     def silu(self, x: ov.Output) -> ov.Output:
         return ops.swish(x).output(0)
 
+    def gelu(self, x: ov.Output) -> ov.Output:
+        return ops.gelu(x, approximation_mode="tanh").output(0)
+
+    @property
+    def query_scale(self) -> float:
+        return self.a.query_scale if self.a.query_scale is not None else float(1.0 / np.sqrt(self.a.head_dim))
+
     def attention(self, q: ov.Output, k: ov.Output, v: ov.Output, i: int) -> ov.Output:
         """Rotary positions, layer i's past/present KV, SDPA: [B, T, heads * D]."""
         a = self.a
-        assert self.attn_mask is not None and self.cos is not None and self.sin is not None
+        mask = self.masks[a.window(i)]
         kv_shape = [-1, a.n_kv_heads, -1, a.head_dim]
         past_k = self.param(f"past.{i}.key", ov.Type.f32, kv_shape)
         past_v = self.param(f"past.{i}.value", ov.Type.f32, kv_shape)
-        q = self.rope(self.heads(q, a.n_heads), self.cos, self.sin)
-        k = self.rope(self.heads(k, a.n_kv_heads), self.cos, self.sin)
-        v = self.heads(v, a.n_kv_heads)
+        q, k, v = self.heads(q, a.n_heads), self.heads(k, a.n_kv_heads), self.heads(v, a.n_kv_heads)
+        if i not in a.unrotated_layers:
+            cos, sin = self.layer_rotary(i)
+            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        if a.query_temperature is not None:
+            q = ops.multiply(q, self.temperature()).output(0)
         if self.new_kv_only:
             # A host-kept cache takes only the new tokens' KV out (past + new would copy the
             # whole context out of the graph every token), and attends without concatenating.
             self.result(k, f"present.{i}.key")
             self.result(v, f"present.{i}.value")
-            attn = self.split_attention(q, past_k, past_v, k, v)
+            attn = self.split_attention(q, past_k, past_v, k, v, mask)
         else:
             k_all = ops.concat([past_k, k], 2).output(0)
             v_all = ops.concat([past_v, v], 2).output(0)
             self.result(k_all, f"present.{i}.key")
             self.result(v_all, f"present.{i}.value")
-            attn = ops.scaled_dot_product_attention(q, self.expand_kv(k_all), self.expand_kv(v_all), self.attn_mask)
+            # The default scale (1 / sqrt(head_dim)) is left to the op, as the fusions expect it.
+            scale = None if a.query_scale is None else ops.constant(np.float32(a.query_scale))
+            attn = ops.scaled_dot_product_attention(q, self.expand_kv(k_all), self.expand_kv(v_all), mask, scale)
         return ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, a.n_heads * a.head_dim), True).output(0)
 
     def split_attention(self, q: ov.Output, past_k: ov.Output, past_v: ov.Output, k: ov.Output,
-                        v: ov.Output) -> ov.Output:
+                        v: ov.Output, mask: ov.Output) -> ov.Output:
         """Attention over the past (the host's ring, read in place) and the new tokens as two
         products under one softmax: concatenating the past and new KV first would copy the whole
         ring once more per layer and token (BENCHMARKS.md, issue 25). Each KV head's query heads
@@ -192,11 +264,10 @@ class _Builder:
         query head, which would copy the ring `group` times over; the mask rows are tiled to
         match. Only the scores ([.., group * T, ring + T]) are concatenated. [B, heads, T, D] out."""
         a = self.a
-        assert self.attn_mask is not None
         rows = ops.reshape(q, _i64(0, a.n_kv_heads, -1, a.head_dim), True)  # heads are kv-major: h = kv * group + j
-        rows = ops.multiply(rows, np.float32(1.0 / np.sqrt(a.head_dim)))
+        rows = ops.multiply(rows, np.float32(self.query_scale))
         scores = ops.concat([ops.matmul(rows, past_k, False, True), ops.matmul(rows, k, False, True)], 3)
-        weights = ops.softmax(ops.add(scores, ops.tile(self.attn_mask, _i64(1, 1, a.group, 1))), 3)
+        weights = ops.softmax(ops.add(scores, ops.tile(mask, _i64(1, 1, a.group, 1))), 3)
         lengths = ops.concat([ops.gather(ops.shape_of(past_k), _i64(2), np.int64(0)),
                               ops.gather(ops.shape_of(k), _i64(2), np.int64(0))], 0)
         on_past, on_new = ops.variadic_split(weights, np.int64(3), lengths).outputs()
@@ -208,12 +279,14 @@ class _Builder:
         if plan.has_embedding:
             ids = self.param("input_ids", ov.Type.i64, [-1, -1])
             x = ops.gather(self.w.embedding(EMBEDDING), ids, _i64(0)).output(0)
+            if a.spec.scaled_embedding:
+                x = ops.multiply(x, np.float32(np.sqrt(a.hidden))).output(0)
         else:
             x = self.param("hidden_states", ov.Type.f32, [-1, -1, a.hidden]).output(0)
         attention_mask = self.param("attention_mask", ov.Type.i64, [-1, -1]).output(0)
         position_ids = self.param("position_ids", ov.Type.i64, [-1, -1]).output(0)
-        self.attn_mask = self.mask(attention_mask, position_ids)
-        self.cos, self.sin = self.rope_tables(position_ids)
+        self.build_masks(attention_mask, position_ids)
+        self.position_ids = position_ids
         layer = a.spec.layer
         for i in plan.layers:
             x = layer(self, x, i)
@@ -226,6 +299,9 @@ class _Builder:
             x = ops.gather(x, index, np.int64(1), batch_dims=1).output(0)
             head = EMBEDDING if a.tied_embeddings else "lm_head.weight"
             x = self.project(self.rms(x, "model.norm.weight"), self.w.one(head))
+            if a.logit_softcap is not None:
+                cap = np.float32(a.logit_softcap)
+                x = ops.multiply(ops.tanh(ops.divide(x, cap)), cap).output(0)
             self.result(x, "logits")
         else:
             self.result(x, "out_hidden")

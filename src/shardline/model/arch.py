@@ -31,9 +31,25 @@ class Arch:
     # llama.cpp files carry Llama 3.1/3.2's scaling); None: all 1.
     rope_factors: tuple[float, ...] | None = None
     rope_linear: float | None = None  # linear ("position interpolation") scaling: positions / factor
-    # A sliding attention window (Mistral 7B v0.1): the context is capped at it, where sliding
-    # and full attention are the same thing; None: full attention.
+    # YaRN as llama.cpp computes it (ggml's rope_yarn): {"factor", "original_context", "beta_fast",
+    # "beta_slow", "mscale"}: frequencies ramped between interpolated and kept, cos/sin times mscale.
+    rope_yarn: dict[str, float] | None = None
+    # Llama 4's attention temperature (Mistral 3): queries times 1 + scale * ln(floor(pos / floor) + 1);
+    # (scale, floor) or None.
+    query_temperature: tuple[float, int] | None = None
+    # Local layers attend to their last `sliding_window` positions alone (Gemma 3: five of every
+    # six layers); the others attend to the whole context. Where every layer is local and the
+    # family runs them as full attention (Mistral 7B v0.1 under llama.cpp), the source caps the
+    # context at the window instead, where the two agree.
     sliding_window: int | None = None
+    local_layers: tuple[int, ...] = ()
+    # Local layers' own rotary base and linear scaling (Gemma 3: 10000 and none, while global
+    # layers take the file's base and scaling); None: the local layers rotate as the global ones.
+    local_rope_theta: float | None = None
+    local_rope_linear: float | None = None
+    query_scale: float | None = None  # the scores' scale; None: 1 / sqrt(head_dim)
+    unrotated_layers: tuple[int, ...] = ()  # layers without rotary positions (SmolLM3's NoPE layers)
+    logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma's final softcapping)
 
     def __post_init__(self) -> None:
         family(self.family)  # a registered architecture
@@ -46,11 +62,43 @@ class Arch:
             raise ShardlineError(f"head size {self.head_dim} is odd: rotary positions need pairs")
         if unknown := set(self.biases) - set(LINEARS):
             raise ShardlineError(f"unknown biased linears {sorted(unknown)}")
+        if self.rope_yarn is not None and (set(self.rope_yarn) != {"factor", "original_context", "beta_fast",
+                                                                    "beta_slow", "mscale"}
+                                           or not self.rope_yarn["factor"] > 0
+                                           or not self.rope_yarn["original_context"] >= 1):
+            raise ShardlineError(f"invalid YaRN rotary scaling {self.rope_yarn}")
+        if self.query_temperature is not None and not self.query_temperature[1] >= 1:
+            raise ShardlineError(f"attention temperature floor {self.query_temperature[1]} must be at least 1")
         if self.rope_factors is not None and len(self.rope_factors) != self.head_dim // 2:
             raise ShardlineError(f"rope_freqs has {len(self.rope_factors)} factors; the head size "
                                  f"{self.head_dim} needs {self.head_dim // 2}")
-        if self.sliding_window is not None and self.sliding_window < self.max_context:
-            raise ShardlineError(f"the context {self.max_context} exceeds the sliding window {self.sliding_window}")
+        self._check_windows()
+
+    def _check_windows(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ShardlineError(f"sliding window {self.sliding_window}: it must be at least 1 token")
+        if self.local_layers and self.sliding_window is None:
+            raise ShardlineError("local (sliding-window) layers need a sliding window")
+        for name, layers in (("local layers", self.local_layers), ("unrotated layers", self.unrotated_layers)):
+            if any(not 0 <= i < self.n_layers for i in layers) or list(layers) != sorted(set(layers)):
+                raise ShardlineError(f"{name} {list(layers)[:8]}... are not distinct layers of {self.n_layers}")
+        for name, value in (("query scale", self.query_scale), ("logit softcap", self.logit_softcap),
+                            ("local rotary base", self.local_rope_theta)):
+            if value is not None and not value > 0:
+                raise ShardlineError(f"{name} {value} must be a positive number")
+
+    def window(self, layer: int) -> int | None:
+        """The positions layer `layer` attends back to, where that is less than the context (a
+        window at least as long as the context is full attention); None: the whole context."""
+        w = self.sliding_window
+        return w if layer in self.local_layers and w is not None and w < self.max_context else None
+
+    def rotary(self, layer: int) -> tuple[float, float | None, bool]:
+        """Layer `layer`'s rotary base, linear scaling, and whether the model's per-frequency
+        scalings (Llama 3's, rope_freqs) apply to it."""
+        if layer in self.local_layers and self.local_rope_theta is not None:
+            return self.local_rope_theta, self.local_rope_linear, False
+        return self.rope_theta, self.rope_linear, True
 
     def dims(self) -> str:
         return (f"{self.n_layers} layers, hidden {self.hidden}, {self.n_heads}/{self.n_kv_heads} heads of "
@@ -83,7 +131,8 @@ class Arch:
         self-speculation draft): the same architecture with `n` layers."""
         if not 1 <= n <= self.n_layers:
             raise ShardlineError(f"cannot keep {n} of {self.n_layers} layers")
-        return replace(self, n_layers=n)
+        return replace(self, n_layers=n, local_layers=tuple(i for i in self.local_layers if i < n),
+                       unrotated_layers=tuple(i for i in self.unrotated_layers if i < n))
 
     def with_context(self, n: int) -> Arch:
         """The same model limited to a context of n tokens (at most its own)."""
@@ -98,6 +147,12 @@ class Arch:
     def from_dict(cls, d: dict[str, Any]) -> Arch:
         d = dict(d)
         d["biases"] = tuple(d.get("biases", ()))
+        if "local_layers" not in d and d.get("sliding_window") is not None:  # manifests before per-layer windows
+            d["local_layers"] = range(d["n_layers"])
+        d["local_layers"] = tuple(d.get("local_layers", ()))
+        d["unrotated_layers"] = tuple(d.get("unrotated_layers", ()))
+        if d.get("query_temperature") is not None:
+            d["query_temperature"] = (float(d["query_temperature"][0]), int(d["query_temperature"][1]))
         if d.get("rope_factors") is not None:
             d["rope_factors"] = tuple(float(x) for x in d["rope_factors"])
         return cls(**d)

@@ -6,6 +6,7 @@ than linear and rope_freqs, a vocabulary that does not match the embedding.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -51,16 +52,22 @@ def gguf_arch(meta: Meta, family: Family, shape_of: ShapeOf, rope_factors: tuple
     hidden = _int(meta, f"{a}.embedding_length", where)
     vocab = _vocab(meta, a, len(tokens), shape_of, where)
     context = _int(meta, f"{a}.context_length", where, 2048)
-    window = meta(f"{a}.attention.sliding_window", None)
-    if window is not None and int(window) < context:
-        context = int(window)  # sliding attention equals full attention within its window
+    n_layers = _int(meta, f"{a}.block_count", where)
+    windows = _windows(meta, a, family, n_layers, where)
+    if family.windows is None and windows:  # every layer windowed, run as full attention within it
+        context = min(context, windows["sliding_window"])
+    if windows and rope_factors is not None:
+        raise ShardlineError(f"{where}: rope_freqs factors with local (sliding-window) layers: which rotary "
+                             "the local layers take is not defined; not supported")
+    n_kv_heads = _int(meta, f"{a}.attention.head_count_kv", where, n_heads)
+    head_dim = _head_dim(meta, a, hidden, n_heads, where)
     return Arch(
         family=family.name,
-        n_layers=_int(meta, f"{a}.block_count", where),
+        n_layers=n_layers,
         hidden=hidden,
         n_heads=n_heads,
-        n_kv_heads=_int(meta, f"{a}.attention.head_count_kv", where, n_heads),
-        head_dim=_head_dim(meta, a, hidden, n_heads, where),
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
         intermediate=_int(meta, f"{a}.feed_forward_length", where),
         vocab=vocab,
         rope_theta=_float(meta, f"{a}.rope.freq_base", where, 10000.0),
@@ -69,9 +76,56 @@ def gguf_arch(meta: Meta, family: Family, shape_of: ShapeOf, rope_factors: tuple
         max_context=context,
         biases=_biases(family, shape_of, where),
         rope_factors=rope_factors,
-        rope_linear=_rope_linear(meta, a, where),
-        sliding_window=None if window is None else int(window),
+        rope_linear=_rope_linear(meta, a, where, family),
+        rope_yarn=_rope_yarn(meta, a, context, where) if family.yarn else None,
+        query_temperature=_query_temperature(meta, a, context, where) if family.yarn else None,
+        query_scale=family.query_scale(n_layers, hidden, n_heads, head_dim),
+        unrotated_layers=_unrotated(family, n_layers),
+        logit_softcap=_softcap(meta, a, where),
+        **windows,
     )
+
+
+def _windows(meta: Meta, a: str, family: Family, n_layers: int, where: str) -> dict[str, Any]:
+    """The Arch fields of the file's sliding window: which layers are local, and their rotary."""
+    window = meta(f"{a}.attention.sliding_window", None)
+    if window is None or (family.windows is not None and window == 0):  # llama.cpp: 0 is no window
+        return {}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ShardlineError(f"{where}: {a}.attention.sliding_window {window!r} is not a window of tokens")
+    if family.windows is None:
+        return {"sliding_window": window, "local_layers": tuple(range(n_layers))}
+    theta = _float(meta, f"{a}.rope.freq_base_swa", where, family.windows.local_rope_theta)
+    if not theta > 0:
+        raise ShardlineError(f"{where}: {a}.rope.freq_base_swa {theta} is not a rotary base")
+    local = _local_layers(meta(f"{a}.attention.sliding_window_pattern", None), family.windows.pattern, n_layers,
+                          f"{where}: {a}.attention.sliding_window_pattern")
+    return {"sliding_window": window, "local_layers": local, "local_rope_theta": theta, "local_rope_linear": None}
+
+
+def _local_layers(pattern: Any, default: int, n_layers: int, where: str) -> tuple[int, ...]:
+    """llama.cpp's layout: one bool per layer, or every n-th layer global (0: none)."""
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers or not all(isinstance(x, bool) for x in pattern):
+            raise ShardlineError(f"{where} must be one true/false per layer ({n_layers}), got {pattern[:8]}")
+        return tuple(i for i, local in enumerate(pattern) if local)
+    n = default if pattern is None else pattern
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ShardlineError(f"{where} {pattern!r} is not a layer pattern (a count, or one bool per layer)")
+    return tuple(i for i in range(n_layers) if n == 0 or i % n < n - 1)
+
+
+def _unrotated(family: Family, n_layers: int) -> tuple[int, ...]:
+    """llama.cpp's n_no_rope_layer_step: layer i has no rotary positions where (i + 1) % n == 0."""
+    n = family.unrotated_every
+    return () if n is None else tuple(i for i in range(n_layers) if (i + 1) % n == 0)
+
+
+def _softcap(meta: Meta, a: str, where: str) -> float | None:
+    cap = _float(meta, f"{a}.final_logit_softcapping", where, 0.0)
+    if cap < 0:
+        raise ShardlineError(f"{where}: {a}.final_logit_softcapping {cap} is negative")
+    return cap or None
 
 
 def _head_dim(meta: Meta, a: str, hidden: int, n_heads: int, where: str) -> int:
@@ -106,11 +160,41 @@ def _biases(family: Family, shape_of: ShapeOf, where: str) -> tuple[str, ...]:
     return found
 
 
-def _rope_linear(meta: Meta, a: str, where: str) -> float | None:
+def _rope_linear(meta: Meta, a: str, where: str, family: Family) -> float | None:
     kind = meta(f"{a}.rope.scaling.type", None)
-    if kind in (None, "none"):
+    if kind in (None, "none") or (kind == "yarn" and family.yarn):
         return None
     if kind == "linear":
         factor = _float(meta, f"{a}.rope.scaling.factor", where, 1.0)
         return None if factor == 1.0 else factor
-    raise ShardlineError(f"{where}: rope scaling {kind!r} is not supported (supported: none, linear, rope_freqs)")
+    raise ShardlineError(f"{where}: rope scaling {kind!r} is not supported (supported: none, linear, rope_freqs"
+                         f"{', yarn' if family.yarn else ''})")
+
+
+def _orig_context(meta: Meta, a: str, context: int, where: str) -> int:
+    return _int(meta, f"{a}.rope.scaling.original_context_length", where, context)
+
+
+def _rope_yarn(meta: Meta, a: str, context: int, where: str) -> dict[str, float] | None:
+    """llama.cpp's YaRN parameters (llama_context's cparams, ggml's rope_yarn): the magnitude
+    its kernel multiplies cos and sin by, once llama_context's attn_factor is folded in."""
+    if meta(f"{a}.rope.scaling.type", None) != "yarn":
+        return None
+    factor = _float(meta, f"{a}.rope.scaling.factor", where, 0.0)
+    if not factor > 0:
+        raise ShardlineError(f"{where}: YaRN needs {a}.rope.scaling.factor > 0, got {factor}")
+    log_mul = _float(meta, f"{a}.rope.scaling.yarn_log_multiplier", where, 0.0)
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1.0 else 0.1 * m * math.log(factor) + 1.0
+
+    magnitude = mscale(1.0) / mscale(log_mul) if log_mul != 0.0 else mscale(1.0)
+    return {"factor": factor, "original_context": float(_orig_context(meta, a, context, where)),
+            "beta_fast": _float(meta, f"{a}.rope.scaling.yarn_beta_fast", where, 32.0),
+            "beta_slow": _float(meta, f"{a}.rope.scaling.yarn_beta_slow", where, 1.0),
+            "mscale": magnitude * _float(meta, f"{a}.rope.scaling.attn_factor", where, 1.0)}
+
+
+def _query_temperature(meta: Meta, a: str, context: int, where: str) -> tuple[float, int] | None:
+    scale = _float(meta, f"{a}.attention.temperature_scale", where, 0.0)
+    return None if scale == 0.0 else (scale, _orig_context(meta, a, context, where))

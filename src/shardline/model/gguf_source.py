@@ -35,6 +35,8 @@ _LAYER = {
     "attn_output": "self_attn.o_proj",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "self_attn.post_norm.weight",
+    "post_ffw_norm.weight": "mlp.post_norm.weight",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",

@@ -11,6 +11,7 @@ import pkgutil
 
 from shardline.errors import ShardlineError
 from shardline.model.families.base import LINEARS, Family, LayerOps
+from shardline.model.families.refused import REFUSED
 
 
 def _discovered() -> dict[str, Family]:
@@ -46,6 +47,8 @@ def for_gguf(arch: str, where: str) -> Family:
     for f in FAMILIES.values():
         if arch in f.gguf_archs:
             return f
+    if arch in REFUSED:
+        raise ShardlineError(f"{where}: architecture {arch!r} is not supported: {REFUSED[arch]}")
     raise ShardlineError(f"unsupported architecture {arch!r} in {where}; supported: {_supported()}")
 
 

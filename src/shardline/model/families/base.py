@@ -45,8 +45,28 @@ class LayerOps(Protocol):
 
     def silu(self, x: Any) -> Any: ...
 
+    def gelu(self, x: Any) -> Any:
+        """GELU, tanh approximation (Gemma's gate; PyTorch's gelu(approximate="tanh"))."""
+        ...
+
 
 Layer = Callable[[LayerOps, Any, int], Any]
+
+
+@dataclass(frozen=True)
+class Windows:
+    """How a family's files lay out local (sliding-window) and global layers, as llama.cpp reads
+    them (llama_hparams::set_swa_pattern): with a pattern n, layer i is local unless
+    i % n == n - 1 (n = 0: every layer local). A file may give its own pattern
+    ({arch}.attention.sliding_window_pattern: n, or one bool per layer) and local rotary base
+    ({arch}.rope.freq_base_swa); local layers never take the linear rotary scaling."""
+
+    pattern: int
+    local_rope_theta: float = 10000.0
+
+
+def default_query_scale(n_layers: int, hidden: int, n_heads: int, head_dim: int) -> float | None:
+    return None  # 1 / sqrt(head_dim)
 
 
 @dataclass(frozen=True)
@@ -61,6 +81,17 @@ class Family:
     required_biases: tuple[str, ...] = ()  # linears that always have a bias
     hf_biases: Callable[[Mapping[str, Any]], tuple[str, ...]] = lambda cfg: ()
     head_norms: bool = False  # its layers have HEAD_NORMS
+    extra_norms: tuple[str, ...] = ()  # more per-layer norms of `hidden` weights (Gemma's post-norms)
+    scaled_embedding: bool = False  # the embeddings are multiplied by sqrt(hidden) (Gemma)
+    # Local and global layers (None: every layer global; a window in a file then caps the context).
+    windows: Windows | None = None
+    # Its files may scale rotary positions by YaRN and queries by Llama 4's attention temperature,
+    # with llama.cpp's keys for both (Mistral 3); elsewhere YaRN is refused.
+    yarn: bool = False
+    # Every n-th layer (n, 2n, ... counted from 1) has no rotary positions (SmolLM3: 4); None: all have.
+    unrotated_every: int | None = None
+    # The scores' scale from the file's shape (llama.cpp derives Gemma 3's from its size).
+    query_scale: Callable[[int, int, int, int], float | None] = default_query_scale
 
     def layer_tensors(self, layer: int, biases: tuple[str, ...]) -> list[str]:
         p = f"model.layers.{layer}."
@@ -69,4 +100,5 @@ class Family:
         names += [f"{p}{LINEARS[x]}.{x}.bias" for x in biases]
         if self.head_norms:
             names += [p + n for n in HEAD_NORMS]
+        names += [p + n for n in self.extra_norms]
         return names

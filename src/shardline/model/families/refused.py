@@ -1,0 +1,20 @@
+"""Architectures llama.cpp runs that shardline refuses by name, each with what its layers need
+that no family here builds (checked against the vendored llama.cpp's src/models/). A file of one
+of them gets this reason, not a bare "unsupported"."""
+
+from __future__ import annotations
+
+_MOE = "mixture-of-experts layers (routed experts) are not built yet"
+_LINEAR = "its linear-attention layers (Gated DeltaNet, a recurrent state instead of a KV cache) are not built"
+
+REFUSED: dict[str, str] = {
+    "gemma4": ("per-layer token embeddings (a second embedding table projected into every layer), KV shared "
+               "across its last layers, and head sizes that differ between local and global layers are not built"),
+    "gemma3n": "per-layer embeddings, AltUp and LAuReL blocks and KV shared across layers are not built",
+    "qwen3next": _LINEAR,
+    "qwen35": _LINEAR,
+    "qwen35moe": f"{_LINEAR}; {_MOE}",
+    "qwen3moe": _MOE,
+    "qwen2moe": _MOE,
+    "gpt-oss": f"{_MOE}; nor are its attention sinks",
+}
