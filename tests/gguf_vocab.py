@@ -221,3 +221,24 @@ def write_vocab_only(vocab: Vocab, path: Path, name: str) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# Gemma's chat format, written here: no system role (a system message opens the first user
+# turn), the assistant's turns are the "model" role's.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% set first = 0 %}{% set system = '' %}"
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] + '\n\n' %}{% set first = 1 %}"
+    "{% endif %}{% for message in messages[first:] %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (system if loop.first else '') + message['content'] | trim + "
+    "'<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+
+
+def gemma_vocab() -> Vocab:
+    """Gemma's kind of vocabulary: SentencePiece without a space prefix, BOS added, its turn
+    markers as control tokens, its chat template."""
+    v = spm_vocab(add_space_prefix=False)
+    turns = ["<start_of_turn>", "<end_of_turn>"]
+    return Vocab(model=v.model, pre=None, tokens=v.tokens + turns, types=v.types + [CONTROL, CONTROL],
+                 scores=(v.scores or []) + [0.0, 0.0], bos=v.bos, eos=v.eos, add_bos=True, add_space_prefix=False,
+                 chat_template=GEMMA_TEMPLATE)

@@ -139,6 +139,7 @@ class FileSpec:
     biases: bool = False  # q/k/v biases (qwen2 has them)
     head_size: int | None = None  # a head size of its own (qwen3), written as key/value_length
     qk_norms: bool = False  # per-head q/k RMSNorm weights (qwen3's attn_q_norm / attn_k_norm)
+    post_norms: bool = False  # norms after attention and the FFN (gemma3's post_attention_norm / post_ffw_norm)
     vocab: Vocab = field(default_factory=byte_level_vocab)
     extra_keys: dict[str, object] = field(default_factory=dict)  # more or other metadata ({arch} in keys)
     vocab_rows: int | None = None  # rows of the embedding and head, if not the vocabulary's size
@@ -198,6 +199,9 @@ def _vectors(spec: FileSpec) -> list[tuple[str, np.ndarray]]:
         if spec.qk_norms:
             out += [(p + f"attn_{x}_norm.weight", 1.0 + det_normal(spec.seed + p + x + "norm", (hd,), 0.2))
                     for x in ("q", "k")]
+        if spec.post_norms:
+            out += [(p + f"{x}.weight", 1.0 + det_normal(spec.seed + p + x, (h,), 0.1))
+                    for x in ("post_attention_norm", "post_ffw_norm")]
         if spec.biases:
             for x, n in (("q", spec.heads), ("k", spec.kv_heads), ("v", spec.kv_heads)):
                 out.append((p + f"attn_{x}.bias", det_normal(spec.seed + p + x + "bias", (n * hd,), 0.3)))

@@ -17,15 +17,16 @@ def _config(arch: Arch):  # type: ignore[no-untyped-def]
     import transformers
 
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch.family]
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "smollm3": transformers.SmolLM3Config}[arch.family]
     kw = dict(
         vocab_size=arch.vocab, hidden_size=arch.hidden, intermediate_size=arch.intermediate,
         num_hidden_layers=arch.n_layers, num_attention_heads=arch.n_heads,
         num_key_value_heads=arch.n_kv_heads, head_dim=arch.head_dim, rms_norm_eps=arch.rms_eps,
         rope_theta=arch.rope_theta, tie_word_embeddings=arch.tied_embeddings,
-        max_position_embeddings=arch.max_context,
+        max_position_embeddings=arch.max_context, pad_token_id=None,
     )
-    if arch.family in ("llama", "qwen3"):
+    if arch.family in ("llama", "qwen3", "smollm3"):
         kw["attention_bias"] = arch.qkv_bias
     cfg = cls(**kw)
     cfg._attn_implementation = "eager"
@@ -37,7 +38,8 @@ def reference_model(source: ModelSource):  # type: ignore[no-untyped-def]
 
     arch = source.arch
     cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[arch.family]
+           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+           "smollm3": transformers.SmolLM3ForCausalLM}[arch.family]
     if source.format == "hf":  # transformers reads the folder itself: an independent check of ours
         return cls.from_pretrained(source.path, attn_implementation="eager", dtype=torch.float32).eval()
     model = cls(_config(arch)).eval()
