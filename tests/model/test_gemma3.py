@@ -268,3 +268,17 @@ def test_a_file_without_its_norms_or_with_rope_freqs_is_refused(bad: Callable[..
     bad("attn_q_norm", qk_norms=False)
     bad("post_attention_norm", post_norms=False)
     bad("rope_freqs factors with local", rope_freqs=True)
+
+
+def test_gemmas_chat_renders_with_its_turn_markers_and_one_bos(folders: dict[str, Path]) -> None:
+    """Gemma's template (a system message folded into the first user turn, the assistant as
+    "model") through the exported SentencePiece tokenizer: its BOS once though both the template
+    and add_bos ask for it, the turn markers as their control tokens, no space prefix."""
+    from shardline.model.tokenizer import ChatTokenizer
+
+    ids = ChatTokenizer(folders["1"]).encode_chat([{"role": "system", "content": "Be brief."},
+                                                   {"role": "user", "content": "Hello world"}])
+    pieces = [CASE.spec.vocab.tokens[i] for i in ids]
+    assert pieces[:6] == ["<s>", "<start_of_turn>", "u", "s", "er", "<0x0A>"]
+    assert pieces.count("<s>") == 1 and pieces.count("<start_of_turn>") == 2 and pieces.count("<end_of_turn>") == 1
+    assert pieces[-6:] == ["<start_of_turn>", "m", "o", "de", "l", "<0x0A>"]
