@@ -31,7 +31,7 @@ from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.plan import decode, export_kv, import_kv, prefill, run
 from shardline.serving.admission import Limits
 from shardline.serving.drafters import LookupDrafter
-from shardline.serving.engine import Engine, Request
+from shardline.serving.engine import Engine, Request, Serving
 from shardline.serving.prefix import PrefixCache
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import Drafts
@@ -144,7 +144,7 @@ def test_decode_groups_and_speculation_give_the_plain_tokens(folders: dict[str, 
                                  compact_at=8) == tokens
 
 
-def _ask(engine: Engine, prompt: list[int]) -> list[int]:
+def _ask(engine: Engine | Serving, prompt: list[int]) -> list[int]:
     events: queue.Queue = queue.Queue()
     engine.submit(Request(prompt, SamplingConfig(max_tokens=STEPS), frozenset()), events.put)
     out = []
@@ -184,6 +184,27 @@ def test_a_stream_moved_to_another_pipeline_decodes_the_same_tokens(folders: dic
         a.release(1)
         b.release(2)
     assert tokens == plain[0]
+
+
+def test_disaggregated_serving_gives_the_plain_tokens(folders: dict[str, Path], plain: list[list[int]]) -> None:
+    """TetriInfer's split: each prompt prefilled on one instance, its KV moved to a decode
+    instance that decodes past the window."""
+    from shardline.disagg.decode import decode_instance
+    from shardline.disagg.front import Disaggregated, FrontConfig
+    from shardline.disagg.instance import Admission
+    from shardline.disagg.prefill import oracle_predict, prefill_instance
+
+    with LocalPipeline(folders["3"], EXACT) as p, LocalPipeline(folders["3"], EXACT) as d:
+        front = Disaggregated(FrontConfig(heavy_from=64, period_s=0.02))
+        prefill = prefill_instance(p, Limits(4, 8), 4096, 16, front.dispatch, oracle_predict(64, 8))
+        decode_ = decode_instance(d, Limits(4, 8), 4096, SchedulerConfig(chunk=16, groups=1),
+                                  Admission.RESERVE_DYNAMIC, 4 * 4096, 64)
+        front.start({"prefill-0": prefill}, {"decode-0": decode_})
+        try:
+            got = [_ask(front, prompt) for prompt in (CASE.prompt(), OTHER)]
+        finally:
+            front.stop()
+    assert got == plain
 
 
 def _log_softmax(row: np.ndarray) -> np.ndarray:
