@@ -303,3 +303,13 @@ def test_gemmas_chat_renders_with_its_turn_markers_and_one_bos(folders: dict[str
     assert pieces[:6] == ["<s>", "<start_of_turn>", "u", "s", "er", "<0x0A>"]
     assert pieces.count("<s>") == 1 and pieces.count("<start_of_turn>") == 2 and pieces.count("<end_of_turn>") == 1
     assert pieces[-6:] == ["<start_of_turn>", "m", "o", "de", "l", "<0x0A>"]
+
+
+def test_attention_sinks_with_windowed_layers_are_refused(gemma3: Path, tmp_path: Path) -> None:
+    """A sliding static cache forgets slots, so positions stop being the count of attended slots
+    that windowed layers' masks rely on: refused before anything is written."""
+    out = tmp_path / "sinks"
+    with pytest.raises(ShardlineError, match="--sinks with a model whose layers have sliding windows \\(16 tokens\\)"):
+        export(ExportConfig(out=out, model=gemma3, stages=1, static=frozenset({0}), context=64, sinks=4,
+                            isolate=False, progress=False))
+    assert not out.exists()
