@@ -140,6 +140,9 @@ class FileSpec:
     head_size: int | None = None  # a head size of its own (qwen3), written as key/value_length
     qk_norms: bool = False  # per-head q/k RMSNorm weights (qwen3's attn_q_norm / attn_k_norm)
     post_norms: bool = False  # norms after attention and the FFN (gemma3's post_attention_norm / post_ffw_norm)
+    experts: int = 0  # a mixture of experts in place of the FFN (qwen3moe): this many, each of expert_ffn rows
+    experts_used: int = 0
+    expert_ffn: int = 0
     vocab: Vocab = field(default_factory=byte_level_vocab)
     extra_keys: dict[str, object] = field(default_factory=dict)  # more or other metadata ({arch} in keys)
     vocab_rows: int | None = None  # rows of the embedding and head, if not the vocabulary's size
@@ -179,10 +182,21 @@ def tensors(spec: FileSpec) -> list[tuple[str, str, int, int, float]]:
             (p + "attn_k.weight", spec.type_of("attn_k", i), spec.kv_heads * hd, h, 0.6 / np.sqrt(h)),
             (p + "attn_v.weight", spec.type_of("attn_v", i), spec.kv_heads * hd, h, 1.0 / np.sqrt(h)),
             (p + "attn_output.weight", spec.type_of("attn_output", i), h, spec.heads * hd, 1.0 / np.sqrt(h)),
-            (p + "ffn_gate.weight", spec.type_of("ffn_gate", i), spec.ffn, h, 1.0 / np.sqrt(h)),
-            (p + "ffn_up.weight", spec.type_of("ffn_up", i), spec.ffn, h, 1.0 / np.sqrt(h)),
-            (p + "ffn_down.weight", spec.type_of("ffn_down", i), h, spec.ffn, 1.0 / np.sqrt(spec.ffn)),
         ]
+        if spec.experts:  # the experts' matrices stacked by rows: written as [experts, rows, cols]
+            e, f = spec.experts, spec.expert_ffn
+            out += [
+                (p + "ffn_gate_inp.weight", "F32", e, h, 1.0 / np.sqrt(h)),
+                (p + "ffn_gate_exps.weight", spec.type_of("ffn_gate_exps", i), e * f, h, 1.0 / np.sqrt(h)),
+                (p + "ffn_up_exps.weight", spec.type_of("ffn_up_exps", i), e * f, h, 1.0 / np.sqrt(h)),
+                (p + "ffn_down_exps.weight", spec.type_of("ffn_down_exps", i), e * h, f, 1.0 / np.sqrt(f)),
+            ]
+        else:
+            out += [
+                (p + "ffn_gate.weight", spec.type_of("ffn_gate", i), spec.ffn, h, 1.0 / np.sqrt(h)),
+                (p + "ffn_up.weight", spec.type_of("ffn_up", i), spec.ffn, h, 1.0 / np.sqrt(h)),
+                (p + "ffn_down.weight", spec.type_of("ffn_down", i), h, spec.ffn, 1.0 / np.sqrt(spec.ffn)),
+            ]
     if not spec.tied:
         out.append(("output.weight", spec.type_of("output"), rows, h, 2.0 / np.sqrt(h)))
     return out
@@ -224,8 +238,13 @@ def _metadata(w: GGUFWriter, spec: FileSpec) -> None:
         "{arch}.rope.freq_base": float(spec.rope_theta),
         "{arch}.attention.layer_norm_rms_epsilon": float(spec.rms_eps),
         "{arch}.vocab_size": spec.vocab.size,
-    } | ({"{arch}.attention.key_length": spec.head_dim, "{arch}.attention.value_length": spec.head_dim}
-         if spec.head_size else {}) | spec.extra_keys
+    }
+    if spec.head_size:
+        keys |= {"{arch}.attention.key_length": spec.head_dim, "{arch}.attention.value_length": spec.head_dim}
+    if spec.experts:
+        keys |= {"{arch}.expert_count": spec.experts, "{arch}.expert_used_count": spec.experts_used,
+                 "{arch}.expert_feed_forward_length": spec.expert_ffn}
+    keys |= spec.extra_keys
     for key, value in keys.items():
         key = key.format(arch=spec.arch)
         if isinstance(value, bool):
@@ -253,8 +272,10 @@ def write(spec: FileSpec, path: Path, *, dequantized: bool = False, split_tensor
         else:
             data = _fast(kind, rows, cols, float(std), rng)
         if dequantized:
-            w.add_tensor(name, decode(kind, data, rows, cols))
-        elif kind in ("F32", "F16"):
+            data, kind = decode(kind, data, rows, cols), "F32"
+        if name.endswith("_exps.weight"):  # [experts, rows, cols]
+            data = data.reshape(spec.experts, rows // spec.experts, -1)
+        if kind in ("F32", "F16"):
             w.add_tensor(name, data)
         else:
             w.add_tensor(name, data, raw_dtype=_ggml(kind))

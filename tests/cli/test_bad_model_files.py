@@ -73,14 +73,14 @@ def test_vocabulary_that_does_not_match_the_embedding(tmp_path: Path, capsys: py
 def test_unsupported_architecture_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _export(capsys, write(SMALL.with_(arch="gemma2"), tmp_path / "m.gguf"),
             "unsupported architecture 'gemma2' in m.gguf; supported: GGUF architectures gemma3, llama, mistral3, "
-            "qwen2, qwen3, smollm3")
+            "qwen2, qwen3, qwen3moe, smollm3")
 
 
 @pytest.mark.parametrize("arch, missing", [
     ("gemma4", "per-layer token embeddings"),
     ("gemma3n", "AltUp and LAuReL blocks"),
     ("qwen35", "linear-attention layers (Gated DeltaNet"),
-    ("qwen3moe", "mixture-of-experts layers"),
+    ("qwen2moe", "mixture-of-experts layers"),
     ("gpt-oss", "attention sinks"),
 ])
 def test_an_architecture_refused_by_name_says_what_it_lacks(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -66,4 +66,5 @@ def test_every_family_module_is_found() -> None:
     modules = {m.name for m in pkgutil.iter_modules(families.__path__)} - {"base", "refused"}
     declared = {f.name for m in modules for f in __import__(f"shardline.model.families.{m}",
                                                             fromlist=["FAMILIES"]).FAMILIES}
-    assert declared == set(FAMILIES) == {"gemma3", "llama", "mistral", "mistral3", "qwen2", "qwen3", "smollm3"}
+    assert declared == set(FAMILIES) == {"gemma3", "llama", "mistral", "mistral3", "qwen2", "qwen3",
+                                                    "qwen3moe", "smollm3"}

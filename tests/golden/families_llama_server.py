@@ -90,13 +90,14 @@ def golden(case: Case, folder: Path, binary: Path = LLAMA_SERVER) -> dict[str, A
 
 
 def main() -> int:
-    from tests.model import test_gemma3, test_mistral3, test_qwen3, test_smollm3
+    from tests.model import test_gemma3, test_mistral3, test_qwen3, test_qwen3moe, test_smollm3
 
     version = subprocess.run([str(LLAMA_SERVER), "--version"], capture_output=True, text=True, timeout=60)
     out: dict[str, Any] = {"llama_server": (version.stdout + version.stderr).strip().splitlines()[0], "files": {}}
     with tempfile.TemporaryDirectory() as tmp:
         runs = [(test_qwen3.CASE, LLAMA_SERVER, ""), (test_smollm3.CASE, LLAMA_SERVER, ""),
-                (test_mistral3.CASE, LLAMA_SERVER, ""), (test_gemma3.CASE, LLAMA_SERVER, ""),
+                (test_mistral3.CASE, LLAMA_SERVER, ""), (test_qwen3moe.CASE, LLAMA_SERVER, ""),
+                (test_gemma3.CASE, LLAMA_SERVER, ""),
                 (test_gemma3.CASE, EXACT_GELU_SERVER, EXACT_GELU)]
         for case, binary, suffix in runs:
             folder = Path(tmp) / (case.name + suffix)

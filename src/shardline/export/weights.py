@@ -77,6 +77,16 @@ class Weights:
             self._made[name] = self._matrix(name, gather=True)
         return self._made[name]
 
+    def experts(self, name: str) -> ov.Output:
+        """A mixture's stacked expert matrices [experts, rows, cols], as f32 values: under fp16 as
+        16-bit constants; otherwise f32, a GGUF's blocks widened (counted as F32: the plugin's
+        fused expert matmul also takes compressed weights, not yet built here)."""
+        if name not in self._made:
+            w = np.asarray(self.source.tensor(name), dtype=np.float32)
+            self._count("F32", w.nbytes, 1)
+            self._made[name] = self._constant(w, name)
+        return self._made[name]
+
     def one(self, name: str) -> Linear:
         """One matmul's weight: the very constant matrix() gives (a tied embedding is stored once)."""
         matrix = self.matrix(name)

@@ -50,6 +50,11 @@ class Arch:
     query_scale: float | None = None  # the scores' scale; None: 1 / sqrt(head_dim)
     unrotated_layers: tuple[int, ...] = ()  # layers without rotary positions (SmolLM3's NoPE layers)
     logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma's final softcapping)
+    # A mixture of experts in place of the MLP (Qwen3-MoE): `experts` FFNs of `expert_ffn` rows,
+    # `experts_used` of them per token, chosen by a softmax router; 0: a dense MLP.
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
 
     def __post_init__(self) -> None:
         family(self.family)  # a registered architecture
@@ -73,6 +78,9 @@ class Arch:
             raise ShardlineError(f"rope_freqs has {len(self.rope_factors)} factors; the head size "
                                  f"{self.head_dim} needs {self.head_dim // 2}")
         self._check_windows()
+        if self.experts and not (1 <= self.experts_used <= self.experts and self.expert_ffn >= 1):
+            raise ShardlineError(f"{self.experts_used} experts used of {self.experts} (each of {self.expert_ffn} "
+                                 "rows): a token needs 1 to all of them, each at least a row")
 
     def _check_windows(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:

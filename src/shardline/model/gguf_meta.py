@@ -1,7 +1,8 @@
 """A GGUF file's metadata -> Arch: llama.cpp's keys ({arch}.block_count, ...), checked.
 
-What the file cannot be run as is refused here by name: mixture-of-experts, rope scalings other
-than linear and rope_freqs, a vocabulary that does not match the embedding.
+What the file cannot be run as is refused here by name: mixture-of-experts outside the families
+that build them, rope scalings other than linear and rope_freqs (and YaRN where the family reads
+it), a vocabulary that does not match the embedding, expert counts that do not add up.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _float(meta: Meta, key: str, where: str, default: float) -> float:
 def gguf_arch(meta: Meta, family: Family, shape_of: ShapeOf, rope_factors: tuple[float, ...] | None,
               where: str) -> Arch:
     a = str(meta("general.architecture", "?"))
-    if (experts := meta(f"{a}.expert_count", 0)) and int(experts) > 0:
+    if not family.moe and (experts := meta(f"{a}.expert_count", 0)) and int(experts) > 0:
         raise ShardlineError(f"{where}: mixture-of-experts models ({int(experts)} experts) are not supported")
     tokens = meta("tokenizer.ggml.tokens", None)
     if not tokens:
@@ -81,6 +82,7 @@ def gguf_arch(meta: Meta, family: Family, shape_of: ShapeOf, rope_factors: tuple
         query_temperature=_query_temperature(meta, a, context, where) if family.yarn else None,
         query_scale=family.query_scale(n_layers, hidden, n_heads, head_dim),
         unrotated_layers=_unrotated(family, n_layers),
+        **(_experts(meta, a, where) if family.moe else {}),
         logit_softcap=_softcap(meta, a, where),
         **windows,
     )
@@ -113,6 +115,17 @@ def _local_layers(pattern: Any, default: int, n_layers: int, where: str) -> tupl
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ShardlineError(f"{where} {pattern!r} is not a layer pattern (a count, or one bool per layer)")
     return tuple(i for i in range(n_layers) if n == 0 or i % n < n - 1)
+
+
+def _experts(meta: Meta, a: str, where: str) -> dict[str, Any]:
+    """A mixture of experts' counts; llama.cpp's default expert FFN is the FFN over the used."""
+    experts = _int(meta, f"{a}.expert_count", where)
+    used = _int(meta, f"{a}.expert_used_count", where)
+    if not 1 <= used <= experts:
+        raise ShardlineError(f"{where}: {a}.expert_used_count {used} must be in 1-{a}.expert_count ({experts})")
+    ffn = _int(meta, f"{a}.expert_feed_forward_length", where, 0) or _int(meta, f"{a}.feed_forward_length",
+                                                                           where) // used
+    return {"experts": experts, "experts_used": used, "expert_ffn": ffn}
 
 
 def _unrotated(family: Family, n_layers: int) -> tuple[int, ...]:

@@ -40,6 +40,10 @@ _LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -179,7 +183,7 @@ class GGUFSource:
             w = raw.view(np.float32)
         else:
             w = np.asarray(dequantize(raw.reshape(t.shape[0], -1), GGMLQuantizationType[t.kind]), dtype=np.float32)
-        w = w.reshape(t.shape[0], -1) if len(t.shape) == 2 else w.reshape(-1)
+        w = w.reshape(t.shape) if len(t.shape) in (2, 3) else w.reshape(-1)
         heads = self._heads_for(name)
         return _unpermute_rows(w, heads) if heads else w
 
@@ -246,8 +250,15 @@ def layer_shapes(a: Arch, i: int) -> dict[str, tuple[int, ...]]:
             "gate_proj": (a.intermediate, a.hidden), "up_proj": (a.intermediate, a.hidden),
             "down_proj": (a.hidden, a.intermediate)}
     out: dict[str, tuple[int, ...]] = {}
+    experts = {"mlp.gate.weight": (a.experts, a.hidden),
+               "mlp.experts.gate_proj.weight": (a.experts, a.expert_ffn, a.hidden),
+               "mlp.experts.up_proj.weight": (a.experts, a.expert_ffn, a.hidden),
+               "mlp.experts.down_proj.weight": (a.experts, a.hidden, a.expert_ffn)}
     for name in a.layer_tensors(i):
         short = name[len(p):]
+        if short in experts:
+            out[name] = experts[short]
+            continue
         module, _, kind = short.rpartition(".")
         linear = module.rpartition(".")[2]
         if linear in rows:

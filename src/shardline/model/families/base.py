@@ -17,6 +17,10 @@ LINEARS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 NORMS = ("input_layernorm", "post_attention_layernorm")
 # Per-head RMSNorm of queries and keys before rotary positions (Qwen3): one weight of head_dim each.
 HEAD_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+# A mixture of experts' router ([experts, hidden]) and its experts' stacked matrices
+# ([experts, expert_ffn, hidden] for gate and up, [experts, hidden, expert_ffn] for down).
+MOE_TENSORS = ("mlp.gate.weight", "mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight",
+               "mlp.experts.down_proj.weight")
 
 
 class LayerOps(Protocol):
@@ -44,6 +48,11 @@ class LayerOps(Protocol):
     def mul(self, a: Any, b: Any) -> Any: ...
 
     def silu(self, x: Any) -> Any: ...
+
+    def moe(self, x: Any, prefix: str) -> Any:
+        """A mixture of experts at `prefix` (its router `gate` and `experts.{gate,up,down}_proj`):
+        softmax router, the top experts_used, their weights renormalised, SwiGLU experts."""
+        ...
 
     def gelu(self, x: Any) -> Any:
         """GELU, tanh approximation (Gemma's gate; PyTorch's gelu(approximate="tanh"))."""
@@ -88,6 +97,7 @@ class Family:
     # Its files may scale rotary positions by YaRN and queries by Llama 4's attention temperature,
     # with llama.cpp's keys for both (Mistral 3); elsewhere YaRN is refused.
     yarn: bool = False
+    moe: bool = False  # its MLP is a mixture of experts (MOE_TENSORS)
     # Every n-th layer (n, 2n, ... counted from 1) has no rotary positions (SmolLM3: 4); None: all have.
     unrotated_every: int | None = None
     # The scores' scale from the file's shape (llama.cpp derives Gemma 3's from its size).
@@ -96,7 +106,10 @@ class Family:
     def layer_tensors(self, layer: int, biases: tuple[str, ...]) -> list[str]:
         p = f"model.layers.{layer}."
         names = [p + n + ".weight" for n in NORMS]
-        names += [f"{p}{LINEARS[x]}.{x}.weight" for x in LINEARS]
+        dense = [x for x in LINEARS if not (self.moe and LINEARS[x] == "mlp")]
+        names += [f"{p}{LINEARS[x]}.{x}.weight" for x in dense]
+        if self.moe:
+            names += [p + n for n in MOE_TENSORS]
         names += [f"{p}{LINEARS[x]}.{x}.bias" for x in biases]
         if self.head_norms:
             names += [p + n for n in HEAD_NORMS]

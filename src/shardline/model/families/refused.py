@@ -4,7 +4,7 @@ of them gets this reason, not a bare "unsupported"."""
 
 from __future__ import annotations
 
-_MOE = "mixture-of-experts layers (routed experts) are not built yet"
+_MOE = "its mixture-of-experts layers (shared experts, its own routing) are not built: qwen3moe's are"
 _LINEAR = "its linear-attention layers (Gated DeltaNet, a recurrent state instead of a KV cache) are not built"
 
 REFUSED: dict[str, str] = {
@@ -14,7 +14,6 @@ REFUSED: dict[str, str] = {
     "qwen3next": _LINEAR,
     "qwen35": _LINEAR,
     "qwen35moe": f"{_LINEAR}; {_MOE}",
-    "qwen3moe": _MOE,
     "qwen2moe": _MOE,
     "gpt-oss": f"{_MOE}; nor are its attention sinks",
 }

@@ -1,0 +1,112 @@
+"""Qwen3-MoE from a hand-built GGUF file (issue 38, point 1, first part): Qwen3's attention, then
+8 experts of 128 rows, 2 chosen per token by a softmax router whose chosen probabilities are
+renormalised. Exported (experts dequantized to f32 for now; the router and attention kept as
+stored), its greedy tokens and every log-probability at LOGIT_STEPS equal llama.cpp's
+(tests/golden/families.json, llama-server on the f32 copy) at 1 and 3 stages, and the CPU plugin
+runs the experts as its GatherMatmul nodes (only the chosen experts computed). Decode groups and
+speculation (rows and positions choosing different experts) give the plain tokens; so do two
+workers (tests/multiproc/test_family_workers.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import pytest
+
+from shardline.config import ExportConfig, RunConfig, SamplingConfig
+from shardline.errors import ShardlineError
+from shardline.export.exporter import export
+from shardline.model.gguf_source import GGUFSource
+from shardline.model.manifest import load_manifest
+from shardline.pipeline.local import LocalPipeline
+from shardline.serving.admission import Limits
+from shardline.serving.drafters import LookupDrafter
+from shardline.serving.engine import Engine
+from shardline.serving.scheduler import SchedulerConfig
+from shardline.serving.speculation import Drafts
+from tests.gguf_cases import LOGIT_STEPS, STEPS, Case
+from tests.ggufs import FileSpec, file_sha256
+from tests.golden.families_llama_server import GOLDEN
+from tests.helpers import engine_tokens, greedy_ours, staggered
+
+EXACT = RunConfig(precision="exact", threads=2)
+CASE = Case(FileSpec(name="qwen3moe-Q8_0", arch="qwen3moe", weights="Q8_0", layers=3, head_size=64, qk_norms=True,
+                     rope_theta=1e6, ffn=256, experts=8, experts_used=2, expert_ffn=128), prompt_len=40)
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def qwen3moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return CASE.write(tmp_path_factory.mktemp("qwen3moe"))
+
+
+@pytest.fixture(scope="module")
+def folders(qwen3moe: Path) -> dict[int, Path]:
+    return {n: export(ExportConfig(out=qwen3moe.parent / f"shards-{n}", model=qwen3moe, stages=n, isolate=False,
+                                   progress=False)) for n in (1, 3)}
+
+
+def test_the_file_reads_as_a_mixture_of_experts(qwen3moe: Path) -> None:
+    arch = GGUFSource(qwen3moe).arch
+    assert (arch.family, arch.experts, arch.experts_used, arch.expert_ffn) == ("qwen3moe", 8, 2, 128)
+    assert "model.layers.1.mlp.experts.down_proj.weight" in arch.layer_tensors(1)
+    assert "model.layers.1.mlp.down_proj.weight" not in arch.layer_tensors(1)
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_greedy_tokens_and_log_probabilities_equal_llama_cpps(stages: int, qwen3moe: Path,
+                                                              folders: dict[int, Path]) -> None:
+    golden = json.loads(GOLDEN.read_text())["files"][CASE.name]
+    assert file_sha256(qwen3moe) == golden["sha256"], "the file changed: regenerate tests/golden/families.json"
+    with LocalPipeline(folders[stages], EXACT) as pipe:
+        tokens, logits = greedy_ours(pipe, CASE.prompt(), STEPS)
+    assert tokens == golden["tokens"]
+    kept = [s for s in LOGIT_STEPS if str(s) in golden["logprobs"]]  # none for a token ending mid-character
+    assert len(kept) >= 3
+    for step in kept:
+        ours = logits[step] - logits[step].max()
+        ours = ours - np.log(np.exp(ours).sum())
+        np.testing.assert_allclose(ours, golden["logprobs"][str(step)], rtol=0, atol=TOLERANCE)
+
+
+def test_decode_groups_and_speculation_give_the_plain_tokens(folders: dict[int, Path]) -> None:
+    """Rows of a group and a verify step's positions choose different experts in one call."""
+    other = [(7 + 13 * i) % 500 + 3 for i in range(29)]
+    with LocalPipeline(folders[3], EXACT) as pipe:
+        plain = [greedy_ours(pipe, p, STEPS)[0] for p in (CASE.prompt(), other)]
+        engine = Engine(pipe, Limits(4, 4), 4096, SchedulerConfig(chunk=9, groups=1))
+        try:
+            assert staggered(engine, [CASE.prompt(), other], [STEPS, STEPS]) == plain
+        finally:
+            engine.stop()
+        drafts = Drafts(LookupDrafter, None, 8)
+        for prompt, tokens in zip((CASE.prompt(), other), plain, strict=True):
+            assert engine_tokens(pipe, prompt, SamplingConfig(max_tokens=STEPS), drafts=drafts, groups=0,
+                                 compact_at=8) == tokens
+
+
+def test_the_plugin_runs_the_experts_as_gather_matmuls(folders: dict[int, Path]) -> None:
+    """Three GatherMatmul nodes per layer and no Tile left: only the chosen experts are computed."""
+    folder = folders[1]
+    (stage,) = load_manifest(folder).stages
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(folder / stage.xml, folder / stage.bin), "CPU")
+    kinds = [op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()]
+    assert kinds.count("GatherMatmul") == 3 * CASE.spec.layers
+    assert "Tile" not in kinds
+
+
+def test_more_experts_used_than_there_are_is_refused(tmp_path: Path) -> None:
+    spec = CASE.spec.with_(name="qwen3moe-bad", layers=1, extra_keys={"{arch}.expert_used_count": 9})
+    with pytest.raises(ShardlineError, match="expert_used_count 9 must be in 1-qwen3moe.expert_count \\(8\\)"):
+        GGUFSource(Case(spec).write(tmp_path))
+
+
+def test_expert_tensors_of_the_wrong_shape_are_refused(tmp_path: Path) -> None:
+    spec = CASE.spec.with_(name="qwen3moe-shape", layers=1, extra_keys={"{arch}.expert_feed_forward_length": 64})
+    with pytest.raises(ShardlineError, match="tensor blk.0.ffn_gate_exps.weight has shape \\[8, 128, 256\\], "
+                                             "expected \\[8, 64, 256\\]"):
+        GGUFSource(Case(spec).write(tmp_path))
