@@ -1,7 +1,7 @@
 """Qwen3-MoE from a hand-built GGUF file (issue 38, point 1, first part): Qwen3's attention, then
 8 experts of 128 rows, 2 chosen per token by a softmax router whose chosen probabilities are
-renormalised. Exported (experts dequantized to f32 for now; the router and attention kept as
-stored), its greedy tokens and every log-probability at LOGIT_STEPS equal llama.cpp's
+renormalised. Exported as stored (the experts' blocks kept inside the plugin's fused expert
+matmuls), its greedy tokens and every log-probability at LOGIT_STEPS equal llama.cpp's
 (tests/golden/families.json, llama-server on the f32 copy) at 1 and 3 stages, and the CPU plugin
 runs the experts as its GatherMatmul nodes (only the chosen experts computed). Decode groups and
 speculation (rows and positions choosing different experts) give the plain tokens; so do two
@@ -97,6 +97,28 @@ def test_the_plugin_runs_the_experts_as_gather_matmuls(folders: dict[int, Path])
     kinds = [op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()]
     assert kinds.count("GatherMatmul") == 3 * CASE.spec.layers
     assert "Tile" not in kinds
+
+
+def test_experts_stay_in_the_files_blocks_and_equal_their_f32_values(tmp_path: Path) -> None:
+    """Experts of three block kinds (Q4_1: 4-bit codes with a min, Q4_K: super-blocks, Q5_0: 5-bit
+    codes kept as 8-bit) stay compressed inside the plugin's GatherMatmul nodes, and give the
+    tokens and logits (1e-4) of the same file exported as f32."""
+    mix = {"*": "Q8_0", "ffn_gate_exps": "Q4_1", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q5_0"}
+    path = Case(CASE.spec.with_(name="qwen3moe-mix", weights="F32", mix=mix, layers=2)).write(tmp_path)
+    kept = export(ExportConfig(out=tmp_path / "gguf", model=path, stages=1, isolate=False, progress=False))
+    wide = export(ExportConfig(out=tmp_path / "fp32", model=path, stages=1, weights="fp32", isolate=False,
+                               progress=False))
+    (stage,) = load_manifest(kept).stages
+    assert {k: n for k, n in stage.weights_kept.items() if k in ("Q4_1", "Q4_K", "Q5_0")} == {
+        "Q4_1": 2, "Q4_K": 2, "Q5_0": 2}
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(kept / stage.xml, kept / stage.bin), "CPU")
+    kinds = [op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()]
+    assert kinds.count("GatherMatmul") == 3 * 2 and "Tile" not in kinds
+    with LocalPipeline(kept, EXACT) as a, LocalPipeline(wide, EXACT) as b:
+        ours, theirs = greedy_ours(a, CASE.prompt(), 16), greedy_ours(b, CASE.prompt(), 16)
+    assert ours[0] == theirs[0]
+    np.testing.assert_allclose(ours[1], theirs[1], rtol=0, atol=TOLERANCE)
 
 
 def test_more_experts_used_than_there_are_is_refused(tmp_path: Path) -> None:

@@ -66,6 +66,25 @@ def group_constant(q: GroupQuant, name: str, keep: list[np.ndarray], gather: boo
     return ops.reshape(deq, _i64(q.rows, q.cols), False).output(0)
 
 
+def experts_constant(q: GroupQuant, experts: int, name: str, keep: list[np.ndarray]) -> ov.Output:
+    """A mixture's stacked experts [experts, rows, cols] from their group-quantized matrix (every
+    expert's rows in turn): codes [experts, rows, groups, G] (u2 widened to u4), s and z plain
+    f32 constants [experts, rows, groups, 1], Reshape to [experts, rows, cols]: the form the CPU
+    plugin folds into its compressed GatherMatmul (docs/research/moe-openvino.md)."""
+    flat = _flat_groups(q)
+    packed, bits = _codes(q, flat, widen=True)
+    kind = _OV_CODES["i8" if q.signed else f"u{bits}"]
+    rows = q.rows // experts
+    codes = _shared(packed, [experts, rows, q.groups, q.group], kind, keep, name + ".codes")
+    scale, zero = _folded_arrays(q, flat)
+    x = ops.convert(codes, ov.Type.f32).output(0)
+    if zero is not None:
+        z = zero.reshape(experts, rows, q.groups, 1) if isinstance(zero, np.ndarray) else np.float32(zero)
+        x = ops.subtract(x, ops.constant(z, name=name + ".zp")).output(0)
+    deq = ops.multiply(x, ops.constant(scale.reshape(experts, rows, q.groups, 1), name=name + ".scale"))
+    return ops.reshape(deq, _i64(experts, rows, q.cols), False).output(0)
+
+
 def reblocked_constant(r: Reblocked, name: str, keep: list[np.ndarray]) -> ov.Output:
     """A re-blocked matrix (export/reblock.py) as Reshape(Multiply(Subtract(Convert(codes),
     Convert(zero)), Convert(scale))): integer zero points of the codes' type and f16 scales, the
@@ -103,16 +122,22 @@ def _codes(q: GroupQuant, flat: np.ndarray | None, widen: bool) -> tuple[np.ndar
 
 def _folded(q: GroupQuant, flat: np.ndarray | None, name: str) -> tuple[ov.Output, ov.Output | None]:
     """s and z as f32 constants [rows, groups, 1]."""
+    scale, zero = _folded_arrays(q, flat)
+    z = None if zero is None else ops.constant(zero[..., None] if isinstance(zero, np.ndarray) else np.float32(zero),
+                                               name=name + ".zp").output(0)
+    return ops.constant(scale[..., None], name=name + ".scale").output(0), z
+
+
+def _folded_arrays(q: GroupQuant, flat: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | int | None]:
+    """s [rows, groups] f32, and z: [rows, groups] f32 for the types with an offset, else the
+    types' fixed zero code (or None)."""
     scale, offset = q.scale(), q.offset()
     if offset is None:
-        zero = ops.constant(np.float32(q.zero)).output(0) if q.zero else None
-        return ops.constant(scale[..., None], name=name + ".scale").output(0), zero
+        return scale, q.zero or None
     if flat is not None:
         scale = np.where(flat, np.abs(offset) / np.float32(8), scale).astype(np.float32)
     scale = np.where(scale == 0, np.float32(1), scale).astype(np.float32)
-    z = (np.float32(q.zero) - offset / scale).astype(np.float32)
-    return (ops.constant(scale[..., None], name=name + ".scale").output(0),
-            ops.constant(z[..., None], name=name + ".zp").output(0))
+    return scale, (np.float32(q.zero) - offset / scale).astype(np.float32)
 
 
 def _factored(q: GroupQuant, name: str, keep: list[np.ndarray]) -> tuple[ov.Output, ov.Output | None]:

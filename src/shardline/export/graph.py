@@ -235,10 +235,10 @@ class _Builder:
         # The matcher wants these Reshapes (and each node here used once): no-ops otherwise.
         routed = ops.reshape(ops.transpose(weights, _i64(1, 0)), _i64(a.experts, -1, 1), False)  # [E, T, 1]
         tiled = ops.reshape(ops.tile(tokens, _i64(a.experts, 1)), _i64(a.experts, -1, a.hidden), False)
-        gate = ops.matmul(tiled, self.w.experts(prefix + "experts.gate_proj.weight"), False, True)
-        up = ops.matmul(tiled, self.w.experts(prefix + "experts.up_proj.weight"), False, True)
+        gate = ops.matmul(tiled, self.w.experts(prefix + "experts.gate_proj.weight", a.experts), False, True)
+        up = ops.matmul(tiled, self.w.experts(prefix + "experts.up_proj.weight", a.experts), False, True)
         act = ops.multiply(ops.multiply(gate, ops.sigmoid(gate)), up)  # x * sigmoid(x): the one-input Swish fused
-        down = ops.matmul(act, self.w.experts(prefix + "experts.down_proj.weight"), False, True)
+        down = ops.matmul(act, self.w.experts(prefix + "experts.down_proj.weight", a.experts), False, True)
         down = ops.reshape(down, _i64(a.experts, -1, a.hidden), False)  # [E, T, H]
         out = ops.reduce_sum(ops.multiply(down, routed), _i64(0), False)  # [T, H]
         return ops.reshape(out, ops.shape_of(x), False).output(0)

@@ -18,7 +18,7 @@ import openvino as ov
 import openvino.opset15 as ops
 
 from shardline.errors import ShardlineError
-from shardline.export.decompress import group_constant, half_constant, reblocked_constant
+from shardline.export.decompress import experts_constant, group_constant, half_constant, reblocked_constant
 from shardline.export.reblock import fits, reblock
 from shardline.model.quant import GroupQuant, HalfFloat, Stored, stack
 from shardline.model.source import ModelSource
@@ -77,14 +77,21 @@ class Weights:
             self._made[name] = self._matrix(name, gather=True)
         return self._made[name]
 
-    def experts(self, name: str) -> ov.Output:
-        """A mixture's stacked expert matrices [experts, rows, cols], as f32 values: under fp16 as
-        16-bit constants; otherwise f32, a GGUF's blocks widened (counted as F32: the plugin's
-        fused expert matmul also takes compressed weights, not yet built here)."""
+    def experts(self, name: str, experts: int) -> ov.Output:
+        """A mixture's stacked expert matrices [experts, rows, cols]: under gguf the file's blocks
+        kept (export/decompress.py experts_constant; F16/BF16 as 16-bit), else in the precision."""
         if name not in self._made:
-            w = np.asarray(self.source.tensor(name), dtype=np.float32)
-            self._count("F32", w.nbytes, 1)
-            self._made[name] = self._constant(w, name)
+            stored = self.source.stored(name) if self.precision == "gguf" else None
+            if isinstance(stored, GroupQuant):
+                self._count(stored.kind, stored.nbytes, 1)
+                self._made[name] = experts_constant(stored, experts, name, self.keep)
+            elif isinstance(stored, HalfFloat):
+                self._count(stored.kind, stored.nbytes, 1)
+                self._made[name] = half_constant(stored, name, self.keep)
+            else:
+                w = np.asarray(self.source.tensor(name), dtype=np.float32)
+                self._count("F32", w.nbytes, 1)
+                self._made[name] = self._constant(w, name)
         return self._made[name]
 
     def one(self, name: str) -> Linear:

@@ -92,9 +92,14 @@ class _Tensor:
     def raw(self) -> np.ndarray:
         return self._read(self.offset, self.nbytes)
 
+    @property
+    def matrix_rows(self) -> int:
+        """Rows as a matrix: a 3-D tensor's (experts) stacked, [experts * rows, cols]."""
+        return int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
+
     def rows(self, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of a 2-D tensor's bytes, [stop - start, row bytes]."""
-        row = self.nbytes // self.shape[0]
+        """Rows [start, stop) of the tensor's bytes as a matrix, [stop - start, row bytes]."""
+        row = self.nbytes // self.matrix_rows
         return self._read(self.offset + start * row, (stop - start) * row).reshape(stop - start, row)
 
     def _read(self, offset: int, count: int) -> np.ndarray:
@@ -194,7 +199,7 @@ class GGUFSource:
         if t.kind in ("F16", "BF16"):
             s: Stored = HalfFloat(t.kind, t.raw().view(np.uint16).reshape(t.shape))
         elif t.kind in BLOCK_TYPES:
-            s = unpack(t.kind, (t.rows, t.shape[0], t.nbytes // t.shape[0]), gguf_name(name))
+            s = unpack(t.kind, (t.rows, t.matrix_rows, t.nbytes // t.matrix_rows), gguf_name(name))
         else:
             raise ShardlineError(cannot_keep(self.path.name, gguf_name(name), t.kind))
         heads = self._heads_for(name)
