@@ -11,13 +11,19 @@ from shardline.model.families.base import Family, LayerOps
 from shardline.model.families.llama import _hf_biases
 
 
-def qwen3_layer(ops: LayerOps, x: Any, i: int) -> Any:
+def qwen3_attention(ops: LayerOps, x: Any, i: int) -> Any:
+    """Layer i's attention with q/k norms, and its residual (Qwen3-MoE's too)."""
     p = f"model.layers.{i}."
     h = ops.rms(x, p + "input_layernorm.weight")
     q, k, v = ops.linears(h, p + "self_attn.", ("q_proj", "k_proj", "v_proj"))
     q = ops.head_rms(q, p + "self_attn.q_norm.weight")
     k = ops.head_rms(k, p + "self_attn.k_norm.weight")
-    x = ops.add(x, ops.linear(ops.attention(q, k, v, i), p + "self_attn.o_proj"))
+    return ops.add(x, ops.linear(ops.attention(q, k, v, i), p + "self_attn.o_proj"))
+
+
+def qwen3_layer(ops: LayerOps, x: Any, i: int) -> Any:
+    p = f"model.layers.{i}."
+    x = qwen3_attention(ops, x, i)
     h = ops.rms(x, p + "post_attention_layernorm.weight")
     gate, up = ops.linears(h, p + "mlp.", ("gate_proj", "up_proj"))
     return ops.add(x, ops.linear(ops.mul(ops.silu(gate), up), p + "mlp.down_proj"))

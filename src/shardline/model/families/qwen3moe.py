@@ -9,15 +9,12 @@ from typing import Any
 
 from shardline.model.families.base import Family, LayerOps
 from shardline.model.families.llama import _hf_biases
+from shardline.model.families.qwen3 import qwen3_attention
 
 
 def qwen3moe_layer(ops: LayerOps, x: Any, i: int) -> Any:
     p = f"model.layers.{i}."
-    h = ops.rms(x, p + "input_layernorm.weight")
-    q, k, v = ops.linears(h, p + "self_attn.", ("q_proj", "k_proj", "v_proj"))
-    q = ops.head_rms(q, p + "self_attn.q_norm.weight")
-    k = ops.head_rms(k, p + "self_attn.k_norm.weight")
-    x = ops.add(x, ops.linear(ops.attention(q, k, v, i), p + "self_attn.o_proj"))
+    x = qwen3_attention(ops, x, i)
     h = ops.rms(x, p + "post_attention_layernorm.weight")
     return ops.add(x, ops.moe(h, p + "mlp."))
 
