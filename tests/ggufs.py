@@ -143,6 +143,8 @@ class FileSpec:
     experts: int = 0  # a mixture of experts in place of the FFN (qwen3moe): this many, each of expert_ffn rows
     experts_used: int = 0
     expert_ffn: int = 0
+    # Experts whose router rows are all the first one's: every token's probabilities tie them.
+    router_ties: tuple[int, ...] = ()
     vocab: Vocab = field(default_factory=byte_level_vocab)
     extra_keys: dict[str, object] = field(default_factory=dict)  # more or other metadata ({arch} in keys)
     vocab_rows: int | None = None  # rows of the embedding and head, if not the vocabulary's size
@@ -242,8 +244,9 @@ def _metadata(w: GGUFWriter, spec: FileSpec) -> None:
     if spec.head_size:
         keys |= {"{arch}.attention.key_length": spec.head_dim, "{arch}.attention.value_length": spec.head_dim}
     if spec.experts:
-        keys |= {"{arch}.expert_count": spec.experts, "{arch}.expert_used_count": spec.experts_used,
-                 "{arch}.expert_feed_forward_length": spec.expert_ffn}
+        keys |= {"{arch}.expert_count": spec.experts, "{arch}.expert_used_count": spec.experts_used}
+        if spec.arch != "llama":  # llama's experts are feed_forward_length wide (Mixtral's files)
+            keys["{arch}.expert_feed_forward_length"] = spec.expert_ffn
     keys |= spec.extra_keys
     for key, value in keys.items():
         key = key.format(arch=spec.arch)
@@ -273,6 +276,8 @@ def write(spec: FileSpec, path: Path, *, dequantized: bool = False, split_tensor
             data = _fast(kind, rows, cols, float(std), rng)
         if dequantized:
             data, kind = decode(kind, data, rows, cols), "F32"
+        if name.endswith("ffn_gate_inp.weight") and spec.router_ties:
+            data[list(spec.router_ties)] = data[spec.router_ties[0]]
         if name.endswith("_exps.weight"):  # [experts, rows, cols]
             data = data.reshape(spec.experts, rows // spec.experts, -1)
         if kind in ("F32", "F16"):

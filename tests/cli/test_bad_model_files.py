@@ -47,7 +47,7 @@ def test_truncated_tensor_data(tmp_path: Path, capsys: pytest.CaptureFixture[str
     ({"{arch}.block_count": 2}, "tensor blk.1.attn_norm.weight is missing"),
     ({"{arch}.block_count": "two"}, "metadata llama.block_count is not a number: 'two'"),
     ({"{arch}.vocab_size": 1000}, "llama.vocab_size says 1000 but the vocabulary has 559 tokens"),
-    ({"{arch}.expert_count": 8}, "mixture-of-experts models (8 experts) are not supported"),
+    ({"{arch}.expert_count": 8}, "m.gguf: metadata llama.expert_used_count is missing"),  # Mixtral-style
     ({"{arch}.rope.scaling.type": "yarn"}, "rope scaling 'yarn' is not supported"),
 ])
 def test_inconsistent_or_unsupported_metadata(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -82,6 +82,9 @@ def test_unsupported_architecture_is_named(tmp_path: Path, capsys: pytest.Captur
     ("qwen35", "linear-attention layers (Gated DeltaNet"),
     ("qwen2moe", "mixture-of-experts layers"),
     ("gpt-oss", "attention sinks"),
+    ("deepseek2", "multi-head latent attention (MLA"),
+    ("glm4moe", "sigmoid routing"),
+    ("llama4", "shared experts"),
 ])
 def test_an_architecture_refused_by_name_says_what_it_lacks(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                            arch: str, missing: str) -> None:

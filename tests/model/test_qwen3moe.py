@@ -35,6 +35,8 @@ from tests.helpers import engine_tokens, greedy_ours, staggered
 EXACT = RunConfig(precision="exact", threads=2)
 CASE = Case(FileSpec(name="qwen3moe-Q8_0", arch="qwen3moe", weights="Q8_0", layers=3, head_size=64, qk_norms=True,
                      rope_theta=1e6, ffn=256, experts=8, experts_used=2, expert_ffn=128), prompt_len=40)
+# Experts 0-6 share one router row: where expert 7 leads, the second is a seven-way tie.
+TIES = Case(CASE.spec.with_(name="qwen3moe-ties", layers=2, router_ties=(0, 1, 2, 3, 4, 5, 6)), prompt_len=40)
 TOLERANCE = 1e-4
 
 
@@ -70,6 +72,17 @@ def test_greedy_tokens_and_log_probabilities_equal_llama_cpps(stages: int, qwen3
         ours = logits[step] - logits[step].max()
         ours = ours - np.log(np.exp(ours).sum())
         np.testing.assert_allclose(ours, golden["logprobs"][str(step)], rtol=0, atol=TOLERANCE)
+
+
+def test_a_router_tie_breaks_as_llama_cpps(tmp_path: Path) -> None:
+    """Tied experts go lower index first, as llama.cpp's argsort orders them. The plugin's TopK
+    without `stable` picks expert 1 over 0 in a seven-way tie: its first token already differs."""
+    path = TIES.write(tmp_path)
+    golden = json.loads(GOLDEN.read_text())["files"][TIES.name]
+    assert file_sha256(path) == golden["sha256"], "the file changed: regenerate tests/golden/families.json"
+    folder = export(ExportConfig(out=tmp_path / "shards", model=path, stages=1, isolate=False, progress=False))
+    with LocalPipeline(folder, EXACT) as pipe:
+        assert greedy_ours(pipe, TIES.prompt(), STEPS)[0] == golden["tokens"]
 
 
 def test_decode_groups_and_speculation_give_the_plain_tokens(folders: dict[int, Path]) -> None:

@@ -228,7 +228,9 @@ class _Builder:
         a = self.a
         tokens = ops.reshape(x, _i64(-1, a.hidden), False)  # [T, H]
         probs = ops.softmax(self.project(tokens, self.w.one(prefix + "gate.weight")), 1)  # [T, E]
-        top = ops.topk(probs, np.int64(a.experts_used), 1, "max", "value", ov.Type.i64)
+        # Ties go to the lower expert, as llama.cpp's argsort (std::sort, an insertion sort, so
+        # stable, over at most 16 experts) breaks them; beyond 16 its introsort has no fixed order.
+        top = ops.topk(probs, np.int64(a.experts_used), 1, "max", "value", ov.Type.i64, stable=True)
         chosen = ops.divide(top.output(0), ops.reduce_sum(top.output(0), _i64(1), True))
         zeros = ops.broadcast(np.float32(0.0), ops.shape_of(probs))
         weights = ops.scatter_elements_update(zeros, top.output(1), chosen, np.int64(1))  # [T, E]

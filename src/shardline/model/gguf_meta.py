@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shardline.errors import ShardlineError
+from shardline.model import families
 from shardline.model.arch import Arch
 from shardline.model.families import LINEARS, Family
 
@@ -39,6 +40,13 @@ def _float(meta: Meta, key: str, where: str, default: float) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise ShardlineError(f"{where}: metadata {key} is not a number: {value!r}") from None
+
+
+def gguf_family(meta: Meta, where: str) -> Family:
+    """The family that builds the file: by its architecture, and its experts where a family
+    reads files with and without them (a `llama` file with experts is Mixtral's layer)."""
+    a = str(meta("general.architecture", "?"))
+    return families.for_gguf(a, where, _int(meta, f"{a}.expert_count", where, 0))
 
 
 def gguf_arch(meta: Meta, family: Family, shape_of: ShapeOf, rope_factors: tuple[float, ...] | None,
@@ -82,7 +90,7 @@ def gguf_arch(meta: Meta, family: Family, shape_of: ShapeOf, rope_factors: tuple
         query_temperature=_query_temperature(meta, a, context, where) if family.yarn else None,
         query_scale=family.query_scale(n_layers, hidden, n_heads, head_dim),
         unrotated_layers=_unrotated(family, n_layers),
-        **(_experts(meta, a, where) if family.moe else {}),
+        **(_experts(meta, a, family, where) if family.moe else {}),
         logit_softcap=_softcap(meta, a, where),
         **windows,
     )
@@ -117,14 +125,15 @@ def _local_layers(pattern: Any, default: int, n_layers: int, where: str) -> tupl
     return tuple(i for i in range(n_layers) if n == 0 or i % n < n - 1)
 
 
-def _experts(meta: Meta, a: str, where: str) -> dict[str, Any]:
-    """A mixture of experts' counts; llama.cpp's default expert FFN is the FFN over the used."""
+def _experts(meta: Meta, a: str, family: Family, where: str) -> dict[str, Any]:
+    """A mixture of experts' counts and width, by llama.cpp's rule for the family."""
     experts = _int(meta, f"{a}.expert_count", where)
     used = _int(meta, f"{a}.expert_used_count", where)
     if not 1 <= used <= experts:
         raise ShardlineError(f"{where}: {a}.expert_used_count {used} must be in 1-{a}.expert_count ({experts})")
-    ffn = _int(meta, f"{a}.expert_feed_forward_length", where, 0) or _int(meta, f"{a}.feed_forward_length",
-                                                                           where) // used
+    ffn = _int(meta, f"{a}.feed_forward_length", where)
+    if not family.expert_ffn_is_ffn:
+        ffn = _int(meta, f"{a}.expert_feed_forward_length", where, 0) or ffn // used
     return {"experts": experts, "experts_used": used, "expert_ffn": ffn}
 
 

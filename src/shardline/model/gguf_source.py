@@ -16,12 +16,11 @@ from typing import Any
 import numpy as np
 
 from shardline.errors import ShardlineError
-from shardline.model import families
 from shardline.model.arch import Arch
 from shardline.model.families.base import HEAD_NORMS
 from shardline.model.gguf_blocks import BLOCK_TYPES, KEPT_TYPES, unpack
 from shardline.model.gguf_file import GGUFFile, TensorInfo
-from shardline.model.gguf_meta import gguf_arch
+from shardline.model.gguf_meta import gguf_arch, gguf_family
 from shardline.model.quant import GroupQuant, HalfFloat, Stored
 from shardline.model.source import file_sha256
 
@@ -124,7 +123,7 @@ class GGUFSource:
                 name = hf_name(t.name)
                 if name is not None:
                     self._tensors[name] = _Tensor(part, t)
-        self.family = families.for_gguf(str(self._meta("general.architecture", "?")), path.name)
+        self.family = gguf_family(self._meta, path.name)
         self.arch = gguf_arch(self._meta, self.family, self._tensors_shape, self._rope_factors(), path.name)
         self._check_tensors()
 

@@ -43,10 +43,11 @@ def family(name: str) -> Family:
     return FAMILIES[name]
 
 
-def for_gguf(arch: str, where: str) -> Family:
+def for_gguf(arch: str, where: str, experts: int = 0) -> Family:
+    """The family of a file of `arch` with `experts` experts per layer (0: a dense MLP)."""
     for f in FAMILIES.values():
         if arch in f.gguf_archs:
-            return f
+            return family(f.with_experts) if experts > 0 and f.with_experts else f
     if arch in REFUSED:
         raise ShardlineError(f"{where}: architecture {arch!r} is not supported: {REFUSED[arch]}")
     raise ShardlineError(f"unsupported architecture {arch!r} in {where}; supported: {_supported()}")

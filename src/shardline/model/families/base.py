@@ -98,6 +98,11 @@ class Family:
     # with llama.cpp's keys for both (Mistral 3); elsewhere YaRN is refused.
     yarn: bool = False
     moe: bool = False  # its MLP is a mixture of experts (MOE_TENSORS)
+    # Its files with {arch}.expert_count > 0 are read as this family (Mixtral in a `llama` file).
+    with_experts: str | None = None
+    # Each expert's FFN is {arch}.feed_forward_length (llama.cpp's llama), not the file's
+    # expert_feed_forward_length or, failing that, feed_forward_length / experts used (qwen3moe).
+    expert_ffn_is_ffn: bool = False
     # Every n-th layer (n, 2n, ... counted from 1) has no rotary positions (SmolLM3: 4); None: all have.
     unrotated_every: int | None = None
     # The scores' scale from the file's shape (llama.cpp derives Gemma 3's from its size).

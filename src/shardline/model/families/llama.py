@@ -16,11 +16,17 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-def llama_layer(ops: LayerOps, x: Any, i: int) -> Any:
+def llama_attention(ops: LayerOps, x: Any, i: int) -> Any:
+    """Layer i's attention and its residual (Mixtral's too)."""
     p = f"model.layers.{i}."
     h = ops.rms(x, p + "input_layernorm.weight")
     q, k, v = ops.linears(h, p + "self_attn.", ("q_proj", "k_proj", "v_proj"))
-    x = ops.add(x, ops.linear(ops.attention(q, k, v, i), p + "self_attn.o_proj"))
+    return ops.add(x, ops.linear(ops.attention(q, k, v, i), p + "self_attn.o_proj"))
+
+
+def llama_layer(ops: LayerOps, x: Any, i: int) -> Any:
+    p = f"model.layers.{i}."
+    x = llama_attention(ops, x, i)
     h = ops.rms(x, p + "post_attention_layernorm.weight")
     gate, up = ops.linears(h, p + "mlp.", ("gate_proj", "up_proj"))
     return ops.add(x, ops.linear(ops.mul(ops.silu(gate), up), p + "mlp.down_proj"))
@@ -31,7 +37,7 @@ def _hf_biases(cfg: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 LLAMA = Family(name="llama", gguf_archs=("llama",), hf_model_types=("llama",), layer=llama_layer,
-               hf_biases=_hf_biases)
+               hf_biases=_hf_biases, with_experts="mixtral")
 # GGUF files of Mistral 7B and its kin say "llama": they are read as LLAMA.
 MISTRAL = Family(name="mistral", gguf_archs=(), hf_model_types=("mistral",), layer=llama_layer,
                  hf_biases=_hf_biases)
