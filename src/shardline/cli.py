@@ -47,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     split.add_argument("--layers", help="explicit layer ranges, e.g. 0-9,10-19,20-29")
     e.add_argument("--balance", action="store_true",
                    help="with --stages: equal work per token on every stage (the lm_head counted), not equal layers")
+    e.add_argument("--memory", type=memory_sizes, default=(), metavar="GIB[,GIB...]",
+                   help="with --balance: each stage's node memory in GiB (one for all, or one per stage); each stage "
+                        "must fit its node first (a mixture's experts weigh more in memory than in time), then the "
+                        "work per token is evened")
     e.add_argument("--weights", choices=WEIGHTS,
                    help="gguf: the GGUF file's own weights (its default); int8/int4 (NNCF), fp16, fp32: "
                         "re-quantized or widened (a Hugging Face folder's default: int8)")
@@ -369,12 +373,19 @@ def static_stages(given: str | None, stages: int | None, layers: str | None) -> 
         raise ShardlineError(f"--static takes stage numbers separated by commas (e.g. 1,2), got {given!r}") from None
 
 
+def memory_sizes(given: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in given.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"GiB separated by commas (e.g. 8,8,16), got {given!r}") from None
+
+
 def _export(args: argparse.Namespace) -> int:
     from shardline.export.exporter import export
 
     cfg = ExportConfig(
         out=args.out, model=args.model, stages=args.stages, layers=args.layers, balance=args.balance,
-        weights=args.weights,
+        memory=args.memory, weights=args.weights,
         group_size=args.group_size, isolate=not args.no_isolate, truncate=args.truncate, context=args.context,
         reblock=args.reblock, static=static_stages(args.static, args.stages, args.layers),
         prefill_chunk=args.prefill_chunk, sinks=args.sinks,

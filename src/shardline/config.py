@@ -29,6 +29,9 @@ class ExportConfig:
     stages: int | None = None
     layers: str | None = None  # explicit split "0-9,10-19,20-29"
     balance: bool = False  # with `stages`: equal work per stage (the head counted), not equal layers
+    # With `balance`: each stage's node memory in GiB (one for all, or one per stage). Each stage
+    # then fits its node first, and the work per token is evened within that (export/plan.py).
+    memory: tuple[float, ...] = ()
     # None: the model's own weights (`gguf`) for a GGUF file, `int8` for a Hugging Face folder.
     weights: str | None = None
     group_size: int = 64  # int4 only; must divide the hidden size
@@ -63,6 +66,8 @@ class ExportConfig:
             raise ShardlineError("give exactly one of --stages N or --layers A-B,C-D,...")
         if self.balance and self.layers is not None:
             raise ShardlineError("--balance splits --stages N; --layers gives the split itself")
+        if self.memory:
+            self._check_memory()
         if self.weights not in WEIGHTS:
             raise ShardlineError(f"--weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.group_size < 1:
@@ -89,6 +94,15 @@ class ExportConfig:
             if not 16 <= self.reblock <= 1 << 16 or self.reblock % 16:
                 raise ShardlineError(f"--reblock takes a group size that is a multiple of 16 (e.g. 128), "
                                      f"got {self.reblock}")
+
+    def _check_memory(self) -> None:
+        if not self.balance:
+            raise ShardlineError("--memory sizes the split --balance makes: give --balance too")
+        if len(self.memory) not in (1, self.stages):
+            raise ShardlineError(f"--memory takes one size for every stage or one per stage ({self.stages}), "
+                                 f"got {len(self.memory)}")
+        if not all(0 < gib < 1 << 20 for gib in self.memory):  # NaN fails too
+            raise ShardlineError(f"--memory sizes must be positive GiB, got {list(self.memory)}")
 
     @property
     def precision(self) -> str:

@@ -145,3 +145,29 @@ def test_expert_tensors_of_the_wrong_shape_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ShardlineError, match="tensor blk.0.ffn_gate_exps.weight has shape \\[8, 128, 256\\], "
                                              "expected \\[8, 64, 256\\]"):
         GGUFSource(Case(spec).write(tmp_path))
+
+
+def test_balance_with_memory_fits_each_stage_then_evens_the_work(qwen3moe: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Through the command line: a node with room for one layer gets one; the others share the
+    rest; and memory that cannot hold the model is refused before anything is written."""
+    from shardline.cli import main
+    from shardline.export.exporter import stage_costs
+    from shardline.export.plan import balanced_split
+
+    source = GGUFSource(qwen3moe)
+    costs = stage_costs(source.arch, qwen3moe.stat().st_size / source.arch.weights * 1.34)
+    one = (costs.first_size + 1.5 * costs.layer_size) / (1 << 30)  # the embedding and one layer, not two
+    roomy = 1.0
+    out = tmp_path / "fitted"
+    assert main(["export", "--model", str(qwen3moe), "--stages", "2", "--balance", "--memory", f"{one},{roomy}",
+                 "--out", str(out), "--no-isolate"]) == 0
+    assert [(s.first_layer, s.last_layer) for s in load_manifest(out).stages] == [(0, 0), (1, 2)]
+    assert [(p.first, p.last) for p in balanced_split(3, 2, source.arch.head_layers)] == [(0, 1), (2, 2)]  # by work
+    with LocalPipeline(out, EXACT) as pipe:
+        assert greedy_ours(pipe, CASE.prompt(), 8)[0] == json.loads(GOLDEN.read_text())["files"][CASE.name][
+            "tokens"][:8]
+    assert main(["export", "--model", str(qwen3moe), "--stages", "2", "--balance", "--memory", "0.0001",
+                 "--out", str(tmp_path / "none")]) == 1
+    assert "stage 0's memory (0.0 GiB) cannot hold even one layer" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()

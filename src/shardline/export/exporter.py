@@ -24,7 +24,7 @@ from shardline.config import ExportConfig
 from shardline.errors import ShardlineError
 from shardline.export.compress import check_group_size, compress
 from shardline.export.graph import build_stage, stage_tensor_names
-from shardline.export.plan import StagePlan, balanced_split, even_split, parse_layers
+from shardline.export.plan import StageCosts, StagePlan, balanced_split, even_split, fitted_split, parse_layers
 from shardline.export.stateful import make_stateful
 from shardline.export.static import make_static
 from shardline.export.weights import Weights
@@ -35,14 +35,40 @@ from shardline.model.manifest import MANIFEST, Manifest, PortSpec, StageEntry, h
 from shardline.model.shapes import dynamic
 from shardline.model.source import ModelSource, open_source
 
+# A serving stage's peak RSS per byte of its weights as exported (BENCHMARKS.md, issue 38: 1.70-1.82x
+# the shard on a Qwen3-30B-A3B-shaped Q4_K_M, the plugin's run-time copy included), and a kept GGUF
+# shard's bytes per byte of the file (1.33-1.34x there: Q5/Q6 codes are stored as 8-bit).
+PEAK_PER_SHARD_BYTE = 1.8
+GGUF_SHARD_PER_FILE_BYTE = 1.34
+BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
 
-def plan_for(cfg: ExportConfig, arch: Arch) -> list[StagePlan]:
+
+def plan_for(cfg: ExportConfig, arch: Arch, file_bytes: int = 0) -> list[StagePlan]:
     if cfg.layers is not None:
         return parse_layers(cfg.layers, arch.n_layers)
     assert cfg.stages is not None
+    if cfg.memory:
+        budgets = cfg.memory * cfg.stages if len(cfg.memory) == 1 else cfg.memory
+        return fitted_split(arch.n_layers, [gib * (1 << 30) for gib in budgets],
+                            stage_costs(arch, _bytes_per_weight(cfg, arch, file_bytes)))
     if cfg.balance:
         return balanced_split(arch.n_layers, cfg.stages, arch.head_layers)
     return even_split(arch.n_layers, cfg.stages)
+
+
+def stage_costs(arch: Arch, per_weight: float) -> StageCosts:
+    """Work in bytes read per token; sizes in the bytes a serving process holds (its peak)."""
+    table = arch.vocab * arch.hidden * per_weight * PEAK_PER_SHARD_BYTE
+    return StageCosts(layer_work=arch.layer_weights(active=True) * per_weight,
+                      layer_size=arch.layer_weights() * per_weight * PEAK_PER_SHARD_BYTE,
+                      head_work=arch.vocab * arch.hidden * per_weight, first_size=table, last_size=table)
+
+
+def _bytes_per_weight(cfg: ExportConfig, arch: Arch, file_bytes: int) -> float:
+    """A shard's bytes per weight: the file's own average for kept GGUF blocks, else nominal."""
+    if cfg.precision == "gguf":
+        return file_bytes / arch.weights * GGUF_SHARD_PER_FILE_BYTE
+    return BYTES_PER_WEIGHT[cfg.precision]
 
 
 def export(cfg: ExportConfig) -> Path:
@@ -60,7 +86,7 @@ def export(cfg: ExportConfig) -> Path:
         arch = arch.with_context(cfg.ring)
     elif cfg.context is not None and not cfg.static:
         arch = arch.with_context(cfg.context)
-    plans = plan_for(cfg, arch)
+    plans = plan_for(cfg, arch, sum(p.stat().st_size for p in getattr(source, "parts", [])))
     if cfg.precision == "int4":
         check_group_size(arch.hidden, arch.intermediate, cfg.group_size)
     _say_what_happens_to_weights(source, cfg)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardline.errors import ShardlineError
@@ -68,6 +70,70 @@ def balanced_split(n_layers: int, n_stages: int, head_layers: float) -> list[Sta
         start = end
     ranges.append((start, n_layers - 1))
     return _plans(ranges)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """What a split weighs, in bytes: a decoder layer's work per token (the weights it reads:
+    a mixture's active experts only) and size (the memory it holds: every expert), the head's
+    work, and the size the first stage (embedding) and the last (final norm, head) add."""
+
+    layer_work: float
+    layer_size: float
+    head_work: float
+    first_size: float
+    last_size: float
+
+    def __post_init__(self) -> None:
+        if not (self.layer_work > 0 and self.layer_size > 0 and min(self.head_work, self.first_size,
+                                                                     self.last_size) >= 0):
+            raise ShardlineError(f"stage costs must be positive: {self}")
+
+    def extra(self, stage: int, n_stages: int) -> float:
+        return (self.first_size if stage == 0 else 0.0) + (self.last_size if stage == n_stages - 1 else 0.0)
+
+
+def fitted_split(n_layers: int, budgets: Sequence[float], c: StageCosts) -> list[StagePlan]:
+    """Split into len(budgets) stages so that stage s's size fits budgets[s] (bytes) first, then
+    the slowest stage's work per token is as small as it can be. Mixture-of-experts layers weigh
+    far more in memory than in time, so a memory-poor node takes fewer layers than its share
+    of the work; a dense model with room everywhere splits as balanced_split does."""
+    n = len(budgets)
+    if n < 1 or n > n_layers:
+        return even_split(n_layers, n)  # its errors
+    caps = [n_layers if b == math.inf else min(n_layers, math.floor((b - c.extra(s, n)) / c.layer_size))
+            for s, b in enumerate(budgets)]
+    _check_room(n_layers, budgets, caps, c)
+    head = [c.head_work if s == n - 1 else 0.0 for s in range(n)]
+
+    def counts(limit: float) -> list[int]:  # the most layers each stage takes within `limit`
+        return [max(0, min(cap, math.floor((limit - h) / c.layer_work + 1e-9)))
+                for cap, h in zip(caps, head, strict=True)]
+
+    limits = sorted({k * c.layer_work + h for k in range(1, n_layers + 1) for h in (0.0, c.head_work)})
+    best = next(t for t in limits if all(counts(t)) and sum(counts(t)) >= n_layers)
+    sizes = counts(best)
+    while sum(sizes) > n_layers:  # drop a layer from the busiest stage that has one to spare
+        s = max((s for s in range(n) if sizes[s] > 1), key=lambda s: (sizes[s] * c.layer_work + head[s], s))
+        sizes[s] -= 1
+    ranges, start = [], 0
+    for size in sizes:
+        ranges.append((start, start + size - 1))
+        start += size
+    return _plans(ranges)
+
+
+def _check_room(n_layers: int, budgets: Sequence[float], caps: list[int], c: StageCosts) -> None:
+    gib = 1 << 30
+    for s, cap in enumerate(caps):
+        if cap < 1:
+            need = (c.extra(s, len(caps)) + c.layer_size) / gib
+            raise ShardlineError(f"stage {s}'s memory ({budgets[s] / gib:.1f} GiB) cannot hold even one layer: "
+                                 f"it needs about {need:.1f} GiB")
+    if sum(caps) < n_layers:
+        total = (n_layers * c.layer_size + c.first_size + c.last_size) / gib
+        raise ShardlineError(f"the {n_layers} layers need about {total:.1f} GiB across the stages, more than "
+                             f"their memory holds ({sum(budgets) / gib:.1f} GiB): add memory or stages")
 
 
 def parse_layers(spec: str, n_layers: int, flag: str = "--layers") -> list[StagePlan]:

@@ -125,11 +125,25 @@ class Arch:
     def qkv_bias(self) -> bool:
         return "q_proj" in self.biases
 
+    def layer_weights(self, active: bool = False) -> int:
+        """A decoder layer's matrix weights; with `active`, only those a token reads (of a
+        mixture, its router and experts_used of the experts)."""
+        attn = 2 * self.hidden * self.n_heads * self.head_dim + 2 * self.hidden * self.n_kv_heads * self.head_dim
+        if not self.experts:
+            return attn + 3 * self.hidden * self.intermediate
+        used = self.experts_used if active else self.experts
+        return attn + self.hidden * self.experts + 3 * self.hidden * self.expert_ffn * used
+
+    @property
+    def weights(self) -> int:
+        """Every matrix weight of the model: its layers, the embedding and (untied) the head."""
+        return self.n_layers * self.layer_weights() + self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
     @property
     def head_layers(self) -> float:
-        """The lm_head's weight in decoder layers (for balancing stages by work per token)."""
-        attn = 2 * self.hidden * self.n_heads * self.head_dim + 2 * self.hidden * self.n_kv_heads * self.head_dim
-        return self.vocab * self.hidden / (attn + 3 * self.hidden * self.intermediate)
+        """The lm_head's work per token in decoder layers' (for balancing stages by work per
+        token): a mixture's layer counts only what a token reads."""
+        return self.vocab * self.hidden / self.layer_weights(active=True)
 
     def layer_tensors(self, layer: int) -> list[str]:
         return self.spec.layer_tensors(layer, self.biases)
