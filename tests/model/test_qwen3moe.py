@@ -112,22 +112,32 @@ def test_the_plugin_runs_the_experts_as_gather_matmuls(folders: dict[int, Path])
     assert "Tile" not in kinds
 
 
-def test_experts_stay_in_the_files_blocks_and_equal_their_f32_values(tmp_path: Path) -> None:
-    """Experts of three block kinds (Q4_1: 4-bit codes with a min, Q4_K: super-blocks, Q5_0: 5-bit
-    codes kept as 8-bit) stay compressed inside the plugin's GatherMatmul nodes, and give the
-    tokens and logits (1e-4) of the same file exported as f32."""
-    mix = {"*": "Q8_0", "ffn_gate_exps": "Q4_1", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q5_0"}
-    path = Case(CASE.spec.with_(name="qwen3moe-mix", weights="F32", mix=mix, layers=2)).write(tmp_path)
+MIXES = {
+    # Q4_1: 4-bit codes with a min, Q4_K: super-blocks, Q5_0: 5-bit codes kept as 8-bit.
+    "legacy-and-k": {"*": "Q8_0", "ffn_gate_exps": "Q4_1", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q5_0"},
+    # llama.cpp's MXFP4_MOE: the experts MXFP4 (kept as int8 codes times the e8m0 scale), the rest Q8_0.
+    "mxfp4-moe": {"*": "Q8_0", "ffn_gate_exps": "MXFP4", "ffn_up_exps": "MXFP4", "ffn_down_exps": "MXFP4"},
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_experts_stay_in_the_files_blocks_and_equal_their_f32_values(mix: str, tmp_path: Path) -> None:
+    """Experts of each block kind stay compressed inside the plugin's GatherMatmul nodes, and give
+    the tokens and logits (1e-4) of the same file exported as f32."""
+    path = Case(CASE.spec.with_(name=f"qwen3moe-{mix}", weights="F32", mix=MIXES[mix], layers=2)).write(tmp_path)
     kept = export(ExportConfig(out=tmp_path / "gguf", model=path, stages=1, isolate=False, progress=False))
     wide = export(ExportConfig(out=tmp_path / "fp32", model=path, stages=1, weights="fp32", isolate=False,
                                progress=False))
     (stage,) = load_manifest(kept).stages
-    assert {k: n for k, n in stage.weights_kept.items() if k in ("Q4_1", "Q4_K", "Q5_0")} == {
-        "Q4_1": 2, "Q4_K": 2, "Q5_0": 2}
+    experts = {MIXES[mix][k] for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+    assert {k: n for k, n in stage.weights_kept.items() if k in experts} == {k: 6 // len(experts) for k in experts}
     core = ov.Core()
     compiled = core.compile_model(core.read_model(kept / stage.xml, kept / stage.bin), "CPU")
     kinds = [op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()]
     assert kinds.count("GatherMatmul") == 3 * 2 and "Tile" not in kinds
+    weights = {op.input(1).get_element_type() for op in compiled.get_runtime_model().get_ops()
+               if op.get_rt_info()["layerType"].astype(str) == "GatherMatmul"}
+    assert ov.Type.f32 not in weights and weights <= {ov.Type.u4, ov.Type.u8, ov.Type.i8}  # still compressed
     with LocalPipeline(kept, EXACT) as a, LocalPipeline(wide, EXACT) as b:
         ours, theirs = greedy_ours(a, CASE.prompt(), 16), greedy_ours(b, CASE.prompt(), 16)
     assert ours[0] == theirs[0]

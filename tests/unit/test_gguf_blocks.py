@@ -21,7 +21,7 @@ ROWS, COLS = 48, 512
 EXACT = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
 # What the CPU plugin runs each type's codes as: 3-, 5- and 6-bit codes widen to u4 / u8.
 CODE_TYPES = {"Q4_0": "u4", "Q4_1": "u4", "Q5_0": "u8", "Q5_1": "u8", "Q8_0": "i8", "Q2_K": "u2", "Q3_K": "u4",
-              "Q4_K": "u4", "Q5_K": "u8", "Q6_K": "u8"}
+              "Q4_K": "u4", "Q5_K": "u8", "Q6_K": "u8", "MXFP4": "i8"}
 
 
 def _reference(kind: str, raw: np.ndarray) -> np.ndarray:

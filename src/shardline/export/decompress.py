@@ -165,7 +165,8 @@ def _product(q: GroupQuant, coarse: np.ndarray | None, fine: np.ndarray, name: s
     return ops.reshape(ops.multiply(c, fine3), _i64(q.rows, q.groups, 1), False).output(0)
 
 
-_NUMPY_TYPES = {np.dtype(np.float16): ov.Type.f16, np.dtype(np.uint8): ov.Type.u8, np.dtype(np.int8): ov.Type.i8}
+_NUMPY_TYPES = {np.dtype(np.float16): ov.Type.f16, np.dtype(np.uint8): ov.Type.u8, np.dtype(np.int8): ov.Type.i8,
+                np.dtype(np.float32): ov.Type.f32}  # f32: MXFP4's e8m0 scales (2^-127..2^127, past f16)
 
 
 def _small_constant(a: np.ndarray, name: str, keep: list[np.ndarray]) -> ov.Node:

@@ -123,6 +123,22 @@ def _q6_k(b: np.ndarray) -> tuple[np.ndarray, ...]:
     return low | (_crumbs(b[:, 128:192], 2) << 4), _f16(b, 208), b[:, 192:208].view(np.int8)
 
 
+# MXFP4's e2m1 values, doubled to whole numbers (ggml's kvalues_mxfp4): code i stands for MXFP4_VALUES[i]
+# times half the block's e8m0 scale, so as int8 codes with an f32 scale per 32 a block is exact.
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+
+
+def _e8m0_half(e: np.ndarray) -> np.ndarray:
+    """Half of 2^(e - 127) as f32, exactly (ggml's GGML_E8M0_TO_FP32_HALF; e < 2: subnormal)."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _mxfp4(b: np.ndarray) -> tuple[np.ndarray, ...]:
+    return MXFP4_VALUES[_nibbles(b[:, 1:])], _e8m0_half(b[:, 0])
+
+
 # type -> (layout, unpack). An unpacker returns (codes [nb, block], then the per-block fields:
 # legacy: d [, m]; K-quants: d, sub-scales [, dmin, sub-mins]).
 _TYPES: dict[str, tuple[_Layout, Callable[[np.ndarray], tuple[np.ndarray, ...]]]] = {
@@ -136,6 +152,7 @@ _TYPES: dict[str, tuple[_Layout, Callable[[np.ndarray], tuple[np.ndarray, ...]]]
     "Q4_K": (_Layout(256, 144, 32, 4, has_super=True, has_min=True, min_sign=-1), _q4_k),
     "Q5_K": (_Layout(256, 176, 32, 8, has_super=True, has_min=True, min_sign=-1), _q5_k),
     "Q6_K": (_Layout(256, 210, 16, 8, zero=32, has_super=True), _q6_k),
+    "MXFP4": (_Layout(32, 17, 32, 8, signed=True), _mxfp4),
 }
 BLOCK_TYPES = tuple(_TYPES)
 KEPT_TYPES = ("F32", "F16", "BF16", *BLOCK_TYPES)  # what --weights gguf keeps as the file has it

@@ -228,7 +228,7 @@ def cannot_keep(file: str, tensor: str, kind: str) -> str:
 
 
 _DEQUANTIZABLE = {"F32", "F16", "BF16", *BLOCK_TYPES, "Q8_1", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
-                  "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4"}
+                  "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0"}
 
 
 def gguf_name(hf: str) -> str:
