@@ -192,7 +192,7 @@ def one_stage_run(folder: str, precision: str, args: dict[str, Any], out: Any) -
     out.put({"ttft_s": ttft, "tok_s": tok_s, "verify": verify, "peak_rss_mb": peak_rss_mb()})
 
 
-def four_stage_run(folder: str, precision: str, addrs: list[str], creds: str, args: dict[str, Any], out: Any) -> None:
+def chain_run(folder: str, precision: str, addrs: list[str], creds: str, args: dict[str, Any], out: Any) -> None:
     from shardline.config import default_activations
     from shardline.pipeline.remote import RemotePipeline
     from shardline.wire.tls import Credentials
@@ -249,19 +249,24 @@ class RpcServer:
 
 
 def shardline_four(folder: Path, precision: str, args: argparse.Namespace) -> dict[str, Any]:
+    return shardline_chain(folder, precision, args, 4)
+
+
+def shardline_chain(folder: Path, precision: str, args: argparse.Namespace, stages: int) -> dict[str, Any]:
+    """Stage 0 in a coordinator process, stages 1.. on `shardline worker`s (mutual TLS, loopback)."""
     from shardline.cluster.keygen import keygen
 
-    creds = args.work / "credentials"
+    creds = args.work / f"credentials-{stages}"
     if not (creds / "ca.pem").exists():
         shutil.rmtree(creds, ignore_errors=True)
-        keygen(creds, 4)
+        keygen(creds, stages)
     workers = [Proc(["worker", "--shards", str(folder), "--stage", str(i), "--listen", "127.0.0.1:0",
                      "--credentials", str(creds / f"node-{i}"), "--threads", str(args.threads),
                      "--context", str(args.context), "--precision", precision], "listening on ", timeout_s=1800)
-               for i in (1, 2, 3)]
+               for i in range(1, stages)]
     try:
         addrs = [w.addr for w in workers]
-        row = in_child(four_stage_run, str(folder), precision, addrs, str(creds / "node-0"), child_args(args))
+        row = in_child(chain_run, str(folder), precision, addrs, str(creds / "node-0"), child_args(args))
         row["worker_peak_rss_mb"] = [peak_rss_mb(w.proc.pid) for w in workers]
     finally:
         for w in workers:
@@ -287,9 +292,9 @@ def llama_bench(bin_dir: Path, model: Path, args: argparse.Namespace, extra: lis
             "peak_rss_mb": usage.ru_maxrss / 1024}
 
 
-def llama_rpc(bin_dir: Path, model: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """llama.cpp over its RPC: four ggml-rpc-servers on loopback hold every layer, split by layer."""
-    servers, ports = [], [50152 + i for i in range(4)]
+def llama_rpc(bin_dir: Path, model: Path, args: argparse.Namespace, count: int = 4) -> dict[str, Any]:
+    """llama.cpp over its RPC: `count` ggml-rpc-servers on loopback hold every layer, split by layer."""
+    servers, ports = [], [50152 + i for i in range(count)]
     try:
         for port in ports:
             servers.append(RpcServer(bin_dir / "ggml-rpc-server", port, args.threads))

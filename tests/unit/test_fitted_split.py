@@ -52,12 +52,12 @@ def test_too_little_memory_is_a_clear_error() -> None:
 
 def test_a_mixtures_stages_are_sized_by_every_expert_and_timed_by_the_active_ones() -> None:
     c = stage_costs(QWEN3_30B, 0.6)
-    assert c.layer_size / c.layer_work == pytest.approx(1.8 * 623.1 / 56.9, rel=1e-2)
+    assert c.layer_size / c.layer_work == pytest.approx((1.1 * 604.0 + 1.8 * 19.1) / 56.9, rel=1e-2)
     assert QWEN3_30B.head_layers == pytest.approx(151936 * 2048 / 56.9e6, rel=1e-2)  # ~5.5 active layers
     plans = fitted_split(48, [20 * GIB] * 4, c)
     assert [len(p.layers) for p in plans] == [14, 13, 13, 8]  # the last also runs the head: ~5.5 layers' work
-    # A 6 GiB node holds 9 layers (0.63 GiB each, the embedding 0.31): the others take the rest.
-    assert [len(p.layers) for p in fitted_split(48, [6 * GIB, 20 * GIB, 20 * GIB, 20 * GIB], c)] == [9, 15, 15, 9]
+    # A 4 GiB node holds 9 layers (0.39 GiB each, the embedding 0.19): the 8 GiB ones take the rest.
+    assert [len(p.layers) for p in fitted_split(48, [4 * GIB, 8 * GIB, 8 * GIB, 8 * GIB], c)] == [9, 15, 15, 9]
     for p in plans:
         assert len(p.layers) * c.layer_size + c.extra(p.index, 4) <= 20 * GIB
 

@@ -35,10 +35,15 @@ from shardline.model.manifest import MANIFEST, Manifest, PortSpec, StageEntry, h
 from shardline.model.shapes import dynamic
 from shardline.model.source import ModelSource, open_source
 
-# A serving stage's peak RSS per byte of its weights as exported (BENCHMARKS.md, issue 38: 1.70-1.82x
-# the shard on a Qwen3-30B-A3B-shaped Q4_K_M, the plugin's run-time copy included), and a kept GGUF
-# shard's bytes per byte of the file (1.33-1.34x there: Q5/Q6 codes are stored as 8-bit).
-PEAK_PER_SHARD_BYTE = 1.8
+# The memory a serving stage needs per byte of its shard, after the CPU plugin has made its run-time
+# copy and handed the IR's mapped pages back (which the kernel reclaims when memory is short):
+# - a matmul's weights: 1.5-1.8x (BENCHMARKS.md, issue 22: the plugin folds the file's small
+#   scale factors into an f32 scale and zero point per 32 weights);
+# - a mixture's experts and the embedding, whose scales the shard already holds as f32: 1.1x
+#   (issue 38: a 4184 MB stage held 4211 MB after load and served under a cgroup cap of 1.064x).
+MATMUL_MEMORY_PER_SHARD_BYTE = 1.8
+KEPT_MEMORY_PER_SHARD_BYTE = 1.1
+# A kept GGUF shard's bytes per byte of its file (issue 38: 1.33-1.34x, Q5/Q6 codes stored as 8-bit).
 GGUF_SHARD_PER_FILE_BYTE = 1.34
 BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5}
 
@@ -57,11 +62,15 @@ def plan_for(cfg: ExportConfig, arch: Arch, file_bytes: int = 0) -> list[StagePl
 
 
 def stage_costs(arch: Arch, per_weight: float) -> StageCosts:
-    """Work in bytes read per token; sizes in the bytes a serving process holds (its peak)."""
-    table = arch.vocab * arch.hidden * per_weight * PEAK_PER_SHARD_BYTE
+    """Work in bytes read per token; sizes in the bytes a serving process needs."""
+    table = arch.vocab * arch.hidden * per_weight
+    experts = 3 * arch.hidden * arch.expert_ffn * arch.experts  # 0 for a dense model
+    matmuls = arch.layer_weights() - experts
     return StageCosts(layer_work=arch.layer_weights(active=True) * per_weight,
-                      layer_size=arch.layer_weights() * per_weight * PEAK_PER_SHARD_BYTE,
-                      head_work=arch.vocab * arch.hidden * per_weight, first_size=table, last_size=table)
+                      layer_size=(matmuls * MATMUL_MEMORY_PER_SHARD_BYTE + experts * KEPT_MEMORY_PER_SHARD_BYTE)
+                      * per_weight,
+                      head_work=table, first_size=table * KEPT_MEMORY_PER_SHARD_BYTE,
+                      last_size=table * MATMUL_MEMORY_PER_SHARD_BYTE)
 
 
 def _bytes_per_weight(cfg: ExportConfig, arch: Arch, file_bytes: int) -> float:
