@@ -27,6 +27,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset15 as ops
 
+from shardline.export.experts import oai_experts, routed_experts
 from shardline.export.plan import StagePlan
 from shardline.export.weights import EMBEDDING, Linear, Weights
 from shardline.model.arch import Arch
@@ -220,30 +221,10 @@ class _Builder:
         return ops.swish(x).output(0)
 
     def moe(self, x: ov.Output, prefix: str) -> ov.Output:
-        """Experts in the "tiled" form OpenVINO's CPU plugin turns into GatherMatmul nodes that
-        run only the chosen experts (docs/research/moe-openvino.md): every expert's matmul over
-        every token, weighted by a [experts, tokens] matrix that is zero but for each token's
-        chosen experts. The router: softmax over the experts, the top experts_used (llama.cpp's
-        build_moe_ffn with norm_w), their probabilities renormalised to sum to 1."""
-        a = self.a
-        tokens = ops.reshape(x, _i64(-1, a.hidden), False)  # [T, H]
-        probs = ops.softmax(self.project(tokens, self.w.one(prefix + "gate.weight")), 1)  # [T, E]
-        # Ties go to the lower expert, as llama.cpp's argsort (std::sort, an insertion sort, so
-        # stable, over at most 16 experts) breaks them; beyond 16 its introsort has no fixed order.
-        top = ops.topk(probs, np.int64(a.experts_used), 1, "max", "value", ov.Type.i64, stable=True)
-        chosen = ops.divide(top.output(0), ops.reduce_sum(top.output(0), _i64(1), True))
-        zeros = ops.broadcast(np.float32(0.0), ops.shape_of(probs))
-        weights = ops.scatter_elements_update(zeros, top.output(1), chosen, np.int64(1))  # [T, E]
-        # The matcher wants these Reshapes (and each node here used once): no-ops otherwise.
-        routed = ops.reshape(ops.transpose(weights, _i64(1, 0)), _i64(a.experts, -1, 1), False)  # [E, T, 1]
-        tiled = ops.reshape(ops.tile(tokens, _i64(a.experts, 1)), _i64(a.experts, -1, a.hidden), False)
-        gate = ops.matmul(tiled, self.w.experts(prefix + "experts.gate_proj.weight", a.experts), False, True)
-        up = ops.matmul(tiled, self.w.experts(prefix + "experts.up_proj.weight", a.experts), False, True)
-        act = ops.multiply(ops.multiply(gate, ops.sigmoid(gate)), up)  # x * sigmoid(x): the one-input Swish fused
-        down = ops.matmul(act, self.w.experts(prefix + "experts.down_proj.weight", a.experts), False, True)
-        down = ops.reshape(down, _i64(a.experts, -1, a.hidden), False)  # [E, T, H]
-        out = ops.reduce_sum(ops.multiply(down, routed), _i64(0), False)  # [T, H]
-        return ops.reshape(out, ops.shape_of(x), False).output(0)
+        return routed_experts(self, x, prefix)
+
+    def moe_oai(self, x: ov.Output, prefix: str) -> ov.Output:
+        return oai_experts(self, x, prefix)
 
     def gelu(self, x: ov.Output) -> ov.Output:
         return ops.gelu(x, approximation_mode="tanh").output(0)
