@@ -145,6 +145,9 @@ class FileSpec:
     expert_ffn: int = 0
     # Experts whose router rows are all the first one's: every token's probabilities tie them.
     router_ties: tuple[int, ...] = ()
+    # gpt-oss's own tensors: o bias, attention sinks, router and expert biases; its pre-experts
+    # norm is post_attention_norm (not ffn_norm)
+    oai: bool = False
     vocab: Vocab = field(default_factory=byte_level_vocab)
     extra_keys: dict[str, object] = field(default_factory=dict)  # more or other metadata ({arch} in keys)
     vocab_rows: int | None = None  # rows of the embedding and head, if not the vocabulary's size
@@ -210,8 +213,17 @@ def _vectors(spec: FileSpec) -> list[tuple[str, np.ndarray]]:
     out = [("output_norm.weight", 1.0 + det_normal(spec.seed + "output_norm", (h,), 0.1))]
     for i in range(spec.layers):
         p = f"blk.{i}."
+        ffn_norm = "post_attention_norm" if spec.oai else "ffn_norm"
         out += [(p + "attn_norm.weight", 1.0 + det_normal(spec.seed + p + "attn_norm", (h,), 0.1)),
-                (p + "ffn_norm.weight", 1.0 + det_normal(spec.seed + p + "ffn_norm", (h,), 0.1))]
+                (p + f"{ffn_norm}.weight", 1.0 + det_normal(spec.seed + p + "ffn_norm", (h,), 0.1))]
+        if spec.oai:
+            e, f = spec.experts, spec.expert_ffn
+            out += [(p + "attn_output.bias", det_normal(spec.seed + p + "obias", (h,), 0.05)),
+                    (p + "attn_sinks.weight", det_normal(spec.seed + p + "sinks", (spec.heads,), 1.0)),
+                    (p + "ffn_gate_inp.bias", det_normal(spec.seed + p + "rbias", (e,), 0.5)),
+                    (p + "ffn_gate_exps.bias", det_normal(spec.seed + p + "gbias", (e, f), 0.05)),
+                    (p + "ffn_up_exps.bias", det_normal(spec.seed + p + "ubias", (e, f), 0.05)),
+                    (p + "ffn_down_exps.bias", det_normal(spec.seed + p + "dbias", (e, h), 0.05))]
         if spec.qk_norms:
             out += [(p + f"attn_{x}_norm.weight", 1.0 + det_normal(spec.seed + p + x + "norm", (hd,), 0.2))
                     for x in ("q", "k")]

@@ -1,6 +1,6 @@
 """Regenerate tests/golden/families.json: llama.cpp's answer for the hand-built files of the
 families llama-cpp-python's goldens do not cover yet (Qwen3, SmolLM3, Mistral 3, Gemma 3, Qwen3-MoE
-with and without router ties, Mixtral):
+with and without router ties, Mixtral, gpt-oss):
 greedy tokens and, at the steps LOGIT_STEPS names, the log-probabilities of every token of the
 vocabulary, on the dequantized f32 copy of each file (the model's own answer;
 tests/model/test_{qwen3,smollm3,mistral3,gemma3}.py compare).
@@ -91,7 +91,15 @@ def golden(case: Case, folder: Path, binary: Path = LLAMA_SERVER) -> dict[str, A
 
 
 def main() -> int:
-    from tests.model import test_gemma3, test_mistral3, test_mixtral, test_qwen3, test_qwen3moe, test_smollm3
+    from tests.model import (
+        test_gemma3,
+        test_gptoss,
+        test_mistral3,
+        test_mixtral,
+        test_qwen3,
+        test_qwen3moe,
+        test_smollm3,
+    )
 
     version = subprocess.run([str(LLAMA_SERVER), "--version"], capture_output=True, text=True, timeout=60)
     out: dict[str, Any] = {"llama_server": (version.stdout + version.stderr).strip().splitlines()[0], "files": {}}
@@ -99,6 +107,7 @@ def main() -> int:
         runs = [(test_qwen3.CASE, LLAMA_SERVER, ""), (test_smollm3.CASE, LLAMA_SERVER, ""),
                 (test_mistral3.CASE, LLAMA_SERVER, ""), (test_qwen3moe.CASE, LLAMA_SERVER, ""),
                 (test_qwen3moe.TIES, LLAMA_SERVER, ""), (test_mixtral.CASE, LLAMA_SERVER, ""),
+                (test_gptoss.CASE, LLAMA_SERVER, ""),
                 (test_gemma3.CASE, LLAMA_SERVER, ""),
                 (test_gemma3.CASE, EXACT_GELU_SERVER, EXACT_GELU)]
         for case, binary, suffix in runs:

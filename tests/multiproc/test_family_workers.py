@@ -1,5 +1,5 @@
 """The 2026 families through worker processes (issues 37 and 38): the hand-built Qwen3, Gemma 3,
-Qwen3-MoE and Mixtral files of tests/model/test_{qwen3,gemma3,qwen3moe,mixtral}.py (prompts past
+Qwen3-MoE, Mixtral and gpt-oss files of tests/model/test_{qwen3,gemma3,qwen3moe,mixtral,gptoss}.py (prompts past
 Gemma's window) exported in 3 stages, stage 0 here and two `shardline worker`s on loopback. Greedy
 tokens equal one stage in process: alone, as rows of a decode group joined while another stream
 decodes, and under prompt-lookup speculation (its masked slots and compaction)."""
@@ -22,13 +22,13 @@ from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import Drafts
 from tests.gguf_cases import Case
 from tests.helpers import engine_tokens, staggered
-from tests.model import test_gemma3, test_mixtral, test_qwen3, test_qwen3moe
+from tests.model import test_gemma3, test_gptoss, test_mixtral, test_qwen3, test_qwen3moe
 from tests.multiproc.procs import worker
 
 EXACT = RunConfig(precision="exact")
 N = 40
 CASES = {"qwen3": test_qwen3.CASE, "gemma3": test_gemma3.CASE, "qwen3moe": test_qwen3moe.CASE,
-         "mixtral": test_mixtral.CASE}
+         "mixtral": test_mixtral.CASE, "gpt-oss": test_gptoss.CASE}
 PROMPTS = [[(5 + 11 * i) % 250 + 3 for i in range(23)]]
 
 

@@ -91,6 +91,9 @@ def export(cfg: ExportConfig) -> Path:
         # attended slots that windowed layers' masks rely on (export/graph.py).
         raise ShardlineError(f"--sinks with a model whose layers have sliding windows "
                              f"({arch.sliding_window} tokens) is not supported: export without --sinks")
+    if cfg.static and arch.spec.sinks:
+        raise ShardlineError(f"--static: a {arch.family} model's attention sinks are not built for static stages "
+                             "(its host-kept cache attends in two parts); export it stateful")
     if cfg.static and cfg.sinks is None:  # no more than the ring: a static stage holds no more
         arch = arch.with_context(cfg.ring)
     elif cfg.context is not None and not cfg.static:

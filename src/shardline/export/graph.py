@@ -257,10 +257,25 @@ class _Builder:
             v_all = ops.concat([past_v, v], 2).output(0)
             self.result(k_all, f"present.{i}.key")
             self.result(v_all, f"present.{i}.value")
-            # The default scale (1 / sqrt(head_dim)) is left to the op, as the fusions expect it.
-            scale = None if a.query_scale is None else ops.constant(np.float32(a.query_scale))
-            attn = ops.scaled_dot_product_attention(q, self.expand_kv(k_all), self.expand_kv(v_all), mask, scale)
+            if a.spec.sinks:
+                attn = self.sink_attention(q, k_all, v_all, mask, i)
+            else:
+                # The default scale (1 / sqrt(head_dim)) is left to the op, as the fusions expect it.
+                scale = None if a.query_scale is None else ops.constant(np.float32(a.query_scale))
+                attn = ops.scaled_dot_product_attention(q, self.expand_kv(k_all), self.expand_kv(v_all), mask, scale)
         return ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, a.n_heads * a.head_dim), True).output(0)
+
+    def sink_attention(self, q: ov.Output, k: ov.Output, v: ov.Output, mask: ov.Output, i: int) -> ov.Output:
+        """Attention whose softmax has one more logit per head, the layer's learned sink, which
+        takes probability but gives no value (gpt-oss; llama.cpp's soft_max with sinks)."""
+        k, v = self.expand_kv(k), self.expand_kv(v)  # [B, heads, S, D]
+        scores = ops.add(ops.multiply(ops.matmul(q, k, False, True), np.float32(self.query_scale)), mask)
+        sinks = ops.reshape(self.w.vector(f"model.layers.{i}.self_attn.sinks.weight"), _i64(1, -1, 1, 1), False)
+        column = ops.broadcast(sinks, ops.concat([ops.slice(ops.shape_of(scores), _i64(0), _i64(3), _i64(1)),
+                                                  _i64(1)], 0))
+        weights = ops.softmax(ops.concat([column, scores], 3), 3)
+        weights = ops.slice(weights, _i64(1), _i64(np.iinfo(np.int64).max), _i64(1), _i64(3))
+        return ops.matmul(weights, v, False, False).output(0)
 
     def split_attention(self, q: ov.Output, past_k: ov.Output, past_v: ov.Output, k: ov.Output,
                         v: ov.Output, mask: ov.Output) -> ov.Output:

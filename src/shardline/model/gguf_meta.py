@@ -105,9 +105,11 @@ def _windows(meta: Meta, a: str, family: Family, n_layers: int, where: str) -> d
         raise ShardlineError(f"{where}: {a}.attention.sliding_window {window!r} is not a window of tokens")
     if family.windows is None:
         return {"sliding_window": window, "local_layers": tuple(range(n_layers))}
-    theta = _float(meta, f"{a}.rope.freq_base_swa", where, family.windows.local_rope_theta)
-    if not theta > 0:
-        raise ShardlineError(f"{where}: {a}.rope.freq_base_swa {theta} is not a rotary base")
+    theta: float | None = None
+    if meta(f"{a}.rope.freq_base_swa", None) is not None or family.windows.local_rope_theta is not None:
+        theta = _float(meta, f"{a}.rope.freq_base_swa", where, family.windows.local_rope_theta or 0.0)
+        if not theta > 0:
+            raise ShardlineError(f"{where}: {a}.rope.freq_base_swa {theta} is not a rotary base")
     local = _local_layers(meta(f"{a}.attention.sliding_window_pattern", None), family.windows.pattern, n_layers,
                           f"{where}: {a}.attention.sliding_window_pattern")
     return {"sliding_window": window, "local_layers": local, "local_rope_theta": theta, "local_rope_linear": None}

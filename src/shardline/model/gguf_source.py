@@ -28,6 +28,7 @@ from shardline.model.source import file_sha256
 _LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_sinks.weight": "self_attn.sinks.weight",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -257,7 +258,10 @@ def layer_shapes(a: Arch, i: int) -> dict[str, tuple[int, ...]]:
     experts = {"mlp.gate.weight": (a.experts, a.hidden),
                "mlp.experts.gate_proj.weight": (a.experts, a.expert_ffn, a.hidden),
                "mlp.experts.up_proj.weight": (a.experts, a.expert_ffn, a.hidden),
-               "mlp.experts.down_proj.weight": (a.experts, a.hidden, a.expert_ffn)}
+               "mlp.experts.down_proj.weight": (a.experts, a.hidden, a.expert_ffn),
+               "mlp.gate.bias": (a.experts,), "mlp.experts.gate_proj.bias": (a.experts, a.expert_ffn),
+               "mlp.experts.up_proj.bias": (a.experts, a.expert_ffn),
+               "mlp.experts.down_proj.bias": (a.experts, a.hidden), "self_attn.sinks.weight": (a.n_heads,)}
     for name in a.layer_tensors(i):
         short = name[len(p):]
         if short in experts:

@@ -21,6 +21,10 @@ HEAD_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 # ([experts, expert_ffn, hidden] for gate and up, [experts, hidden, expert_ffn] for down).
 MOE_TENSORS = ("mlp.gate.weight", "mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight",
                "mlp.experts.down_proj.weight")
+# gpt-oss's biases on them: [experts], [experts, expert_ffn] twice, [experts, hidden].
+MOE_BIASES = ("mlp.gate.bias", "mlp.experts.gate_proj.bias", "mlp.experts.up_proj.bias",
+              "mlp.experts.down_proj.bias")
+SINKS = "self_attn.sinks.weight"  # one learned logit per query head (gpt-oss)
 
 
 class LayerOps(Protocol):
@@ -54,6 +58,11 @@ class LayerOps(Protocol):
         softmax router, the top experts_used, their weights renormalised, SwiGLU experts."""
         ...
 
+    def moe_oai(self, x: Any, prefix: str) -> Any:
+        """gpt-oss's mixture: biases on the router and experts, a softmax over the chosen
+        experts' logits, a clamped SwiGLU."""
+        ...
+
     def gelu(self, x: Any) -> Any:
         """GELU, tanh approximation (Gemma's gate; PyTorch's gelu(approximate="tanh"))."""
         ...
@@ -71,7 +80,7 @@ class Windows:
     ({arch}.rope.freq_base_swa); local layers never take the linear rotary scaling."""
 
     pattern: int
-    local_rope_theta: float = 10000.0
+    local_rope_theta: float | None = 10000.0  # None: the global layers' rotary (YaRN included)
 
 
 def default_query_scale(n_layers: int, hidden: int, n_heads: int, head_dim: int) -> float | None:
@@ -90,6 +99,7 @@ class Family:
     required_biases: tuple[str, ...] = ()  # linears that always have a bias
     hf_biases: Callable[[Mapping[str, Any]], tuple[str, ...]] = lambda cfg: ()
     head_norms: bool = False  # its layers have HEAD_NORMS
+    norms: tuple[str, ...] = NORMS  # its per-layer norms before attention and the MLP
     extra_norms: tuple[str, ...] = ()  # more per-layer norms of `hidden` weights (Gemma's post-norms)
     scaled_embedding: bool = False  # the embeddings are multiplied by sqrt(hidden) (Gemma)
     # Local and global layers (None: every layer global; a window in a file then caps the context).
@@ -98,6 +108,8 @@ class Family:
     # with llama.cpp's keys for both (Mistral 3); elsewhere YaRN is refused.
     yarn: bool = False
     moe: bool = False  # its MLP is a mixture of experts (MOE_TENSORS)
+    moe_biases: bool = False  # ... with MOE_BIASES (gpt-oss)
+    sinks: bool = False  # its attention has a learned logit per head in each softmax (SINKS)
     # Its files with {arch}.expert_count > 0 are read as this family (Mixtral in a `llama` file).
     with_experts: str | None = None
     # Each expert's FFN is {arch}.feed_forward_length (llama.cpp's llama), not the file's
@@ -110,11 +122,13 @@ class Family:
 
     def layer_tensors(self, layer: int, biases: tuple[str, ...]) -> list[str]:
         p = f"model.layers.{layer}."
-        names = [p + n + ".weight" for n in NORMS]
+        names = [p + n + ".weight" for n in self.norms]
         dense = [x for x in LINEARS if not (self.moe and LINEARS[x] == "mlp")]
         names += [f"{p}{LINEARS[x]}.{x}.weight" for x in dense]
         if self.moe:
-            names += [p + n for n in MOE_TENSORS]
+            names += [p + n for n in MOE_TENSORS + (MOE_BIASES if self.moe_biases else ())]
+        if self.sinks:
+            names.append(p + SINKS)
         names += [f"{p}{LINEARS[x]}.{x}.bias" for x in biases]
         if self.head_norms:
             names += [p + n for n in HEAD_NORMS]

@@ -20,7 +20,6 @@ REFUSED: dict[str, str] = {
     "qwen35": _LINEAR,
     "qwen35moe": f"{_LINEAR}; {_MOE}",
     "qwen2moe": _MOE,
-    "gpt-oss": f"{_MOE}; nor are its attention sinks",
     "deepseek": _SHARED,
     "deepseek2": _MLA,
     "deepseek32": _MLA,
