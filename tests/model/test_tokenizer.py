@@ -69,3 +69,41 @@ def test_stream_decoder_holds_back_partial_utf8(tok: ChatTokenizer) -> None:
     deltas = [out.push(i) for i in ids]
     assert "".join(deltas) == "café 🙂!"
     assert all("\ufffd" not in d for d in deltas)
+
+
+def test_a_template_may_ask_for_todays_date(shards: Callable[..., Path], tmp_path: Path) -> None:
+    """strftime_now, as transformers and llama.cpp give templates (gpt-oss's harmony template
+    and Llama 3.x's write the date into the system turn)."""
+    import datetime
+    import json
+    import shutil
+
+    folder = shards("fp32", stages=1)
+    shutil.copy(folder / "tokenizer.json", tmp_path / "tokenizer.json")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "Current date: {{ strftime_now('%Y-%m-%d') }}\n{{ messages[0]['content'] }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    before = datetime.date.today().isoformat()
+    prompt = ChatTokenizer(tmp_path).chat_prompt([{"role": "user", "content": "hi"}])
+    assert prompt in (f"Current date: {before}\nhi", f"Current date: {datetime.date.today().isoformat()}\nhi")
+
+
+@pytest.mark.parametrize("added, stops", [
+    (("<|end|>",), {"<|end|>"}),
+    (("<|end|>", "<|return|>"), {"<|end|>", "<|return|>"}),
+    (("<|end|>", "<|return|>", "<|call|>"), {"<|return|>", "<|call|>"}),  # harmony: <|end|> closes a message only
+])
+def test_a_harmony_vocabulary_stops_at_return_and_call_not_at_end(shards: Callable[..., Path], tmp_path: Path,
+                                                                  added: tuple[str, ...], stops: set[str]) -> None:
+    """llama.cpp's rule for o200k_harmony (gpt-oss): with <|return|> and <|call|> both in the
+    vocabulary, <|end|> ends a message (the analysis channel), not the generation."""
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer
+
+    folder = shards("fp32", stages=1)
+    raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    raw.add_special_tokens([AddedToken(t, special=True) for t in added])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    shutil.copy(folder / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+    assert ChatTokenizer(tmp_path).stop_ids - ChatTokenizer(folder).stop_ids == {raw.token_to_id(t) for t in stops}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,12 +17,21 @@ from shardline.errors import ShardlineError
 from shardline.model.chat_text import ControlTokens, reveal
 
 END_OF_GENERATION = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>", "<|end|>",
-                     "<end_of_turn>", "</s>", "<EOT>")
+                     "<end_of_turn>", "</s>", "<EOT>", "<|return|>", "<|call|>")
+# Harmony (gpt-oss): <|end|> closes a message (its analysis) but not the turn, which ends at
+# <|return|> or <|call|>; llama.cpp drops <|end|> from its stops where both are in the vocabulary.
+HARMONY_ENDS = ("<|return|>", "<|call|>")
 
 
 def _raise_exception(message: str) -> NoReturn:
     """What chat templates call to refuse a conversation (as transformers provides it)."""
     raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    """Today's date as templates ask for it (transformers and llama.cpp provide it; gpt-oss's
+    harmony template and Llama 3.x's write the current date into the system turn)."""
+    return datetime.datetime.now().strftime(str(fmt))
 
 
 class ChatTokenizer:
@@ -49,9 +59,11 @@ class ChatTokenizer:
             {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special})
         # Chat models stop at the end of their turn as well as at the declared eos: the
         # end-of-generation tokens llama.cpp knows by name, where the vocabulary has them.
-        self.stop_ids = {self.eos_id} | {
-            i for t in END_OF_GENERATION if (i := self._tok.token_to_id(t)) is not None and t in self._control.ids
-        }
+        ends = {t: i for t in END_OF_GENERATION
+                if (i := self._tok.token_to_id(t)) is not None and t in self._control.ids}
+        if set(HARMONY_ENDS) <= ends.keys():
+            ends.pop("<|end|>", None)
+        self.stop_ids = {self.eos_id, *ends.values()}
 
     @property
     def vocab_size(self) -> int:
@@ -83,7 +95,7 @@ class ChatTokenizer:
             raise ShardlineError("this model has no chat template")
         return str(self._template.render({**(extra or {}), "messages": messages, "add_generation_prompt": True,
                                           "bos_token": self.bos_token, "eos_token": self.eos_token,
-                                          "raise_exception": _raise_exception}))
+                                          "raise_exception": _raise_exception, "strftime_now": _strftime_now}))
 
     def encode_chat(self, messages: list[dict[str, Any]], extra: Mapping[str, Any] | None = None) -> list[int]:
         """The rendered template's ids: its own control tokens, and every piece of text between
