@@ -19,6 +19,7 @@ import pytest
 from shardline.config import ExportConfig, RunConfig, SamplingConfig
 from shardline.errors import ShardlineError
 from shardline.export.exporter import export
+from shardline.export.inspect import inspect
 from shardline.model.gguf_source import GGUFSource
 from shardline.model.manifest import load_manifest
 from shardline.pipeline.local import LocalPipeline
@@ -131,6 +132,8 @@ def test_experts_stay_in_the_files_blocks_and_equal_their_f32_values(mix: str, t
     (stage,) = load_manifest(kept).stages
     experts = {MIXES[mix][k] for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
     assert {k: n for k, n in stage.weights_kept.items() if k in experts} == {k: 6 // len(experts) for k in experts}
+    if "MXFP4" in experts:
+        assert "MXFP4 x6 (as int8 codes times its e8m0 scales: exact, twice its bytes" in inspect(kept)
     core = ov.Core()
     compiled = core.compile_model(core.read_model(kept / stage.xml, kept / stage.bin), "CPU")
     kinds = [op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()]

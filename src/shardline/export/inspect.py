@@ -39,4 +39,9 @@ def _kept(m: Manifest) -> str:
             total[kind] = total.get(kind, 0) + n
     if not total:
         return ""
-    return ": kept " + ", ".join(f"{k} x{n}" for k, n in sorted(total.items()))
+    return ": kept " + ", ".join(f"{k} x{n}{_HOW.get(k, '')}" for k, n in sorted(total.items()))
+
+
+# Types the plugin cannot take as the file stores them, and what they become (exactly).
+_HOW = {"MXFP4": " (as int8 codes times its e8m0 scales: exact, twice its bytes; the CPU plugin has no f4e2m1 "
+                 "expert kernel)"}
