@@ -38,6 +38,7 @@ KINDS: dict[str, Callable[[], Vocab]] = {
     "starcoder": lambda: bpe_vocab("starcoder"),
     "qwen2": lambda: bpe_vocab("qwen2", "qwen"),
     "tekken": lambda: bpe_vocab("tekken", "mistral"),
+    "gpt-4o": lambda: bpe_vocab("gpt-4o"),
     "deepseek-llm": lambda: bpe_vocab("deepseek-llm"),
     "deepseek-coder": lambda: bpe_vocab("deepseek-coder"),
     "spm": lambda: spm_vocab(),

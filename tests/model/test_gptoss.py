@@ -12,12 +12,14 @@ import json
 from pathlib import Path
 
 import numpy as np
+import openvino as ov
 import pytest
 
 from shardline.config import ExportConfig, RunConfig, SamplingConfig
 from shardline.errors import ShardlineError
 from shardline.export.exporter import export
 from shardline.model.gguf_source import GGUFSource
+from shardline.model.manifest import load_manifest
 from shardline.pipeline.local import LocalPipeline
 from shardline.serving.admission import Limits
 from shardline.serving.drafters import LookupDrafter
@@ -75,6 +77,20 @@ def test_greedy_tokens_and_log_probabilities_equal_llama_cpps(stages: int, gptos
         ours = logits[step] - logits[step].max()
         ours = ours - np.log(np.exp(ours).sum())
         np.testing.assert_allclose(ours, golden["logprobs"][str(step)], rtol=0, atol=TOLERANCE)
+
+
+def test_the_plugin_runs_the_experts_as_gather_matmuls_with_their_biases(folders: dict[int, Path]) -> None:
+    """Two GatherMatmul nodes per layer (gate-up, down), weights still compressed, no Tile left:
+    only the chosen experts are computed."""
+    folder = folders[1]
+    (stage,) = load_manifest(folder).stages
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(folder / stage.xml, folder / stage.bin), "CPU")
+    ops = compiled.get_runtime_model().get_ops()
+    kinds = [op.get_rt_info()["layerType"].astype(str) for op in ops]
+    assert kinds.count("GatherMatmul") == 2 * CASE.spec.layers and "Tile" not in kinds
+    weights = {op.input(1).get_element_type() for op, kind in zip(ops, kinds, strict=True) if kind == "GatherMatmul"}
+    assert weights == {ov.Type.i8}  # Q8_0 gate-up and MXFP4 down, kept as int8 codes
 
 
 def test_decode_groups_and_speculation_give_the_plain_tokens(folders: dict[int, Path]) -> None:

@@ -97,3 +97,17 @@ def test_a_type_that_cannot_be_kept_or_a_torn_row_is_refused() -> None:
         unpack("IQ2_XXS", np.zeros((2, 66), np.uint8), "w")
     with pytest.raises(ShardlineError, match="not a whole number of Q4_K blocks"):
         unpack("Q4_K", np.zeros((2, 150), np.uint8), "w")
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q4_1", "MXFP4"])
+def test_two_matrices_interleaved_decode_to_their_rows_alternated(kind: str) -> None:
+    """gpt-oss's gate and up experts as one fused weight (model/quant.py interleave)."""
+    from shardline.model.quant import interleave
+
+    a, b = (unpack(kind, raw_blocks(kind, ROWS, COLS, seed + kind), "w") for seed in ("gate", "up"))
+    joined = interleave(a, b)
+    assert joined is not None and joined.rows == 2 * ROWS
+    want = np.stack([a.dequantize(), b.dequantize()], axis=1).reshape(2 * ROWS, COLS)
+    np.testing.assert_array_equal(joined.dequantize().view(np.uint32), want.view(np.uint32))
+    other = unpack("Q8_0", raw_blocks("Q8_0", ROWS, COLS, "other"), "w")
+    assert interleave(a, other) is None  # types differ: no one layout

@@ -3,9 +3,9 @@
 Both are in the "tiled" form (every expert's matmul over every token, weighted by a [experts,
 tokens] matrix that is zero but for each token's chosen experts). For Qwen3-MoE and Mixtral it is
 exactly the pattern OpenVINO's CPU plugin turns into GatherMatmul nodes that compute only the
-chosen experts (docs/research/moe-openvino.md). gpt-oss's experts have biases and a clamped
-SwiGLU, which that pattern does not take: they run as the tiled form itself, every expert
-computed and the unchosen ones weighted by exactly 0 (exact, at experts/used times the work).
+chosen experts (docs/research/moe-openvino.md, its 3-GEMM pattern). gpt-oss's experts (biases, a
+clamped SwiGLU) take its 2-GEMM pattern: one matmul over the gate and up rows alternated, then
+down, each bias gathered with its expert.
 """
 
 from __future__ import annotations
@@ -74,21 +74,32 @@ def routed_experts(g: _Graph, x: ov.Output, prefix: str) -> ov.Output:
 def oai_experts(g: _Graph, x: ov.Output, prefix: str) -> ov.Output:
     """gpt-oss (llama.cpp's SOFTMAX_WEIGHT gating and SWIGLU_OAI_MOE): the router with its bias,
     the top experts_used by logit, a softmax over those; experts with biases, the gate clamped
-    above at 7 and the up at +-7, gate * sigmoid(1.702 gate) * (up + 1)."""
+    above at 7 and the up at +-7, gate * sigmoid(1.702 gate) * (up + 1). Written as the plugin's
+    2-GEMM pattern (optimum-intel's gpt-oss form): one gate-up matmul over the experts' rows
+    alternated, its bias a constant [E, 1, 2F], strided slices apart, Swish with its beta; the
+    plugin runs both matmuls as GatherMatmul over the chosen experts alone, biases gathered."""
     a, w = g.a, g.w
-    tokens = ops.reshape(x, _i64(-1, a.hidden), False).output(0)
+    tokens = ops.reshape(x, _i64(-1, a.hidden), False).output(0)  # a Reshape: the matcher wants one
     logits = ops.add(g.project(tokens, w.one(prefix + "gate.weight")), w.vector(prefix + "gate.bias")).output(0)
     top = _top(logits, a)
     routed = _routed(logits, top, ops.softmax(top.output(0), 1).output(0), a)
-    tiled = _tiled(tokens, a)
-
-    def expert_linear(h: ov.Output, name: str) -> ov.Output:  # [E, T, in] -> [E, T, out] + bias [E, 1, out]
-        y = ops.matmul(h, w.experts(f"{prefix}experts.{name}.weight", a.experts), False, True)
-        return ops.add(y, ops.unsqueeze(w.vector(f"{prefix}experts.{name}.bias"), _i64(1))).output(0)
-
-    gate = ops.minimum(expert_linear(tiled, "gate_proj"), OAI_LIMIT)
-    up = ops.clamp(expert_linear(tiled, "up_proj"), -float(OAI_LIMIT), float(OAI_LIMIT))
-    glu = ops.multiply(gate, ops.sigmoid(ops.multiply(gate, OAI_ALPHA)))
-    down = expert_linear(ops.multiply(glu, ops.add(up, np.float32(1.0))).output(0), "down_proj")
+    experts = f"{prefix}experts."
+    gate_up = ops.matmul(_tiled(tokens, a), w.experts_interleaved(experts + "gate_proj.weight",
+                                                                   experts + "up_proj.weight", a.experts), False, True)
+    gate_up = ops.add(gate_up, _bias(w, experts, ("gate_proj", "up_proj")))
+    gate = ops.slice(gate_up, _i64(0), _i64(2 * a.expert_ffn), _i64(2), _i64(2))
+    up = ops.slice(gate_up, _i64(1), _i64(2 * a.expert_ffn), _i64(2), _i64(2))
+    up = ops.add(ops.clamp(up, -float(OAI_LIMIT), float(OAI_LIMIT)), np.float32(1.0))
+    glu = ops.swish(ops.minimum(gate, OAI_LIMIT), OAI_ALPHA)  # x * sigmoid(1.702 x)
+    down = ops.matmul(ops.multiply(up, glu), w.experts(experts + "down_proj.weight", a.experts), False, True)
+    down = ops.reshape(ops.add(down, _bias(w, experts, ("down_proj",))), _i64(a.experts, -1, a.hidden), False)
     out = ops.reduce_sum(ops.multiply(down, routed), _i64(0), False)
     return ops.reshape(out, ops.shape_of(x), False).output(0)
+
+
+def _bias(w: Weights, prefix: str, names: tuple[str, ...]) -> ov.Node:
+    """The experts' biases [E, rows] (two: rows alternated, as the weights) as a constant
+    [E, 1, rows * len(names)]: the pattern gathers only a constant."""
+    parts = [np.asarray(w.source.tensor(f"{prefix}{n}.bias"), dtype=np.float32) for n in names]
+    joined = np.stack(parts, axis=2).reshape(parts[0].shape[0], 1, -1)
+    return ops.constant(np.ascontiguousarray(joined))

@@ -20,7 +20,7 @@ import openvino.opset15 as ops
 from shardline.errors import ShardlineError
 from shardline.export.decompress import experts_constant, group_constant, half_constant, reblocked_constant
 from shardline.export.reblock import fits, reblock
-from shardline.model.quant import GroupQuant, HalfFloat, Stored, stack
+from shardline.model.quant import GroupQuant, HalfFloat, Stored, interleave, stack
 from shardline.model.source import ModelSource
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "gguf")
@@ -93,6 +93,25 @@ class Weights:
                 self._count("F32", w.nbytes, 1)
                 self._made[name] = self._constant(w, name)
         return self._made[name]
+
+    def experts_interleaved(self, gate: str, up: str, experts: int) -> ov.Output:
+        """Two stacked expert matrices as one [experts, 2 * rows, cols], their rows alternated
+        (gate row i at 2i, up row i at 2i + 1): the fused gate-up weight the plugin's gpt-oss
+        pattern runs as one GatherMatmul. Under gguf the file's blocks are kept where both share
+        a layout; else both are widened to f32."""
+        key = f"{gate}|{up}"
+        if key not in self._made:
+            a, b = (self.source.stored(n) if self.precision == "gguf" else None for n in (gate, up))
+            joined = interleave(a, b) if isinstance(a, GroupQuant) and isinstance(b, GroupQuant) else None
+            if joined is not None:
+                self._count(joined.kind, joined.nbytes, 2)
+                self._made[key] = experts_constant(joined, experts, key, self.keep)
+            else:
+                g, u = (np.asarray(self.source.tensor(n), dtype=np.float32) for n in (gate, up))
+                w = np.stack([g, u], axis=2).reshape(g.shape[0], 2 * g.shape[1], g.shape[2])
+                self._count("F32", w.nbytes, 2)
+                self._made[key] = self._constant(w, key)
+        return self._made[key]
 
     def one(self, name: str) -> Linear:
         """One matmul's weight: the very constant matrix() gives (a tied embedding is stored once)."""

@@ -58,6 +58,12 @@ _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|" + _TAIL
 _TEKKEN = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
            r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
            r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k (GPT-4o, gpt-oss's o200k_harmony): tekken's cased words, each with an optional contraction,
+# and numbers of up to three digits.
+_CONTRACTION = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CONTRACTION
+          + r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CONTRACTION
+          + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # deepseek-llm's letters: the cased ones (Unicode Lu, Ll, Lt) as its tokenizer lists them.
 _CASED = ("A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
           "\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f"
@@ -80,6 +86,7 @@ _GROUPS: list[tuple[tuple[str, ...], Pre]] = [
     (("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva-7b"), Pre((r"\p{N}", _GPT2))),
     (("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), Pre((_QWEN2,))),
     (("tekken",), Pre((_TEKKEN,), ignore_merges=True, add_bos=True)),
+    (("gpt-4o",), Pre((_GPT4O,))),
     (("deepseek-llm",), Pre(("[\r\n]", r"\s?[" + _CASED + "]+", r"\s?[" + _PUNCT_WIDE + "]+",
                              r"\s+\z", _CJK, r"\p{N}+"))),  # \z: llama.cpp's $ ends the piece only
     (("deepseek-coder",), Pre(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"))),

@@ -105,6 +105,28 @@ def stack(parts: list[GroupQuant]) -> GroupQuant | None:
     )
 
 
+def interleave(a: GroupQuant, b: GroupQuant) -> GroupQuant | None:
+    """Two matrices' rows alternated (a's row i, then b's row i), if they share a layout: a
+    mixture's gate and up experts as the one [experts, 2 * rows, cols] the plugin's gpt-oss
+    pattern takes. None when their types or layouts differ."""
+    layout = (a.kind, a.rows, a.groups, a.group, a.sub)
+    if (b.kind, b.rows, b.groups, b.group, b.sub) != layout:
+        return None
+
+    def alternate(x: np.ndarray | None, y: np.ndarray | None) -> np.ndarray | None:
+        if x is None or y is None:
+            return None
+        return np.stack([x, y], axis=1).reshape(2 * x.shape[0], *x.shape[1:])
+
+    return GroupQuant(
+        kind=a.kind, packed=np.stack([a.packed, b.packed], axis=1).reshape(2 * a.rows, -1), rows=2 * a.rows,
+        groups=a.groups, group=a.group, bits=a.bits, signed=a.signed, zero=a.zero,
+        group_scale=np.stack([a.group_scale, b.group_scale], axis=1).reshape(2 * a.rows, -1),
+        super_scale=alternate(a.super_scale, b.super_scale), group_min=alternate(a.group_min, b.group_min),
+        super_min=alternate(a.super_min, b.super_min), min_sign=a.min_sign,
+    )
+
+
 def _product(coarse: np.ndarray | None, fine: np.ndarray, sub: int) -> np.ndarray:
     f = fine.astype(np.float32)
     if coarse is None:

@@ -9,8 +9,8 @@
   experts_used logits are softmaxed, experts with biases and a SwiGLU clamped at 7
   (LayerOps.moe_oai).
 
-Its MXFP4 experts are kept exactly (model/gguf_blocks.py). Not built: the experts in the plugin's
-fused GatherMatmul form (its 2-GEMM gpt-oss pattern), so every expert is computed."""
+Its MXFP4 experts are kept exactly (model/gguf_blocks.py) and run as the CPU plugin's 2-GEMM
+GatherMatmul pattern, only the chosen experts computed (export/experts.py)."""
 
 from __future__ import annotations
 
