@@ -32,7 +32,7 @@ tok = ChatTokenizer(folder)
 prompt = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
 engine, _ = open_engine(folder, RunConfig(), ServeConfig(max_streams=1))
 print(tok.decode(tokens(engine, prompt, SamplingConfig(max_tokens=8), tok.stop_ids)))
-engine.stop()
+engine.shutdown()
 """
 
 
