@@ -1,0 +1,116 @@
+"""A real model file (`shardline pull qwen2.5-coder-0.5b`: Qwen2.5-Coder-0.5B-Instruct, Q4_K_M
+with Q5_0 and Q8_0) against transformers' fp32 run on its dequantized weights
+(tests/golden/real_models.json): the tokenizer and chat template, then 8 prompts x 48 greedy
+tokens through 1 stage, 3 stages and two workers (their 8 streams in one decode group).
+
+Tolerance: at the reference's 32 highest logits of the first and the last step, within 2e-3
+(measured: at most ~1e-4 here, f32 on both sides; the rest is summation order over 24 layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shardline.config import ExportConfig, RunConfig
+from shardline.export.exporter import export
+from shardline.model.catalog import named
+from shardline.model.pull import pull
+from shardline.model.tokenizer import ChatTokenizer
+from shardline.pipeline.local import LocalPipeline
+from shardline.pipeline.remote import RemotePipeline
+from shardline.serving.admission import Limits
+from shardline.serving.engine import Engine
+from shardline.serving.scheduler import SchedulerConfig
+from tests.helpers import greedy_ours, staggered
+from tests.multiproc.procs import worker
+from tests.real_models import PROMPTS, STEPS, goldens
+
+NAME = "qwen2.5-coder-0.5b"
+EXACT = RunConfig(precision="exact", threads=2)
+TOLERANCE = 2e-3
+
+
+@pytest.fixture(scope="module")
+def golden() -> dict[str, Any]:
+    g: dict[str, Any] = goldens()[NAME]
+    assert g["sha256"] == named(NAME).sha256, "the goldens were made on another file: regenerate them"
+    return g
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
+    """The file pulled (once per cache: CI's is the clone's .cache) and exported per stage count."""
+    path, root = pull(named(NAME)), tmp_path_factory.mktemp("real")
+    made: dict[int, Path] = {}
+
+    def exported(stages: int) -> Path:
+        if stages not in made:
+            made[stages] = export(ExportConfig(out=root / f"{stages}", model=path, stages=stages, isolate=False,
+                                               progress=False))
+        return made[stages]
+
+    return exported
+
+
+def _check(case: dict[str, Any], tokens: list[int], logits: np.ndarray | None = None) -> None:
+    assert tokens == case["tokens"]
+    if logits is not None:
+        for row, ref in ((logits[0], case["first"]), (logits[-1], case["last"])):
+            np.testing.assert_allclose(row[ref["ids"]], ref["values"], rtol=0, atol=TOLERANCE)
+
+
+def test_the_chat_prompt_is_transformers(real: Callable[[int], Path], golden: dict[str, Any]) -> None:
+    """The exported tokenizer and the file's chat template give transformers' ids, CJK and emoji too."""
+    tok = ChatTokenizer(real(1))
+    assert [tok.encode_chat(m) for m in PROMPTS] == [c["ids"] for c in golden["cases"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [1, 3])
+def test_greedy_tokens_equal_transformers(stages: int, real: Callable[[int], Path], golden: dict[str, Any]) -> None:
+    with LocalPipeline(real(stages), EXACT) as pipe:
+        for case in golden["cases"]:
+            _check(case, *greedy_ours(pipe, case["ids"], STEPS, chunk=64))
+
+
+@pytest.fixture(scope="module")
+def remote(real: Callable[[int], Path]) -> Iterator[RemotePipeline]:
+    ws = [worker(real(3), "1"), worker(real(3), "2")]
+    try:
+        pipe = RemotePipeline(real(3), [w.addr for w in ws], EXACT, activations="f32")
+        yield pipe
+        pipe.shutdown()
+    finally:
+        for w in ws:
+            w.stop()
+
+
+@pytest.mark.slow
+def test_two_workers_in_one_decode_group_equal_transformers(remote: RemotePipeline, golden: dict[str, Any]) -> None:
+    """All 8 streams through stage 0 here and two worker processes, joining one decode group."""
+    engine = Engine(remote, Limits(8, 8), 8192, SchedulerConfig(groups=1))
+    try:
+        got = staggered(engine, [c["ids"] for c in golden["cases"]], [STEPS] * len(PROMPTS))
+    finally:
+        engine.stop()
+    for case, tokens in zip(golden["cases"], got, strict=True):
+        _check(case, tokens)
+
+
+@pytest.mark.slow
+def test_the_golden_is_transformers(golden: dict[str, Any]) -> None:
+    """The first prompt's golden re-derived with transformers' GGUF loader (fp32) on the pulled file."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.model.reference import greedy_reference
+
+    path = pull(named(NAME))
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    case = golden["cases"][0]
+    assert greedy_reference(model, case["ids"], STEPS)[0] == case["tokens"]
