@@ -16,6 +16,12 @@ logit flips on any perturbation); teacher-forced agreement is the steadier figur
     python bench/quality.py --quick    # 2 prompts, 32 tokens, fp32 and gguf
     python bench/quality.py --weights gguf --modes exact --kv f32,f16,u8   # the KV cache's precisions
     python bench/quality.py --weights gguf,gguf-rb64,gguf-rb192 --modes exact,fast   # `export --reblock G`
+    python bench/quality.py --model qwen2.5-coder-1.5b --text stdlib --weights gguf,int4 --modes exact,fast
+
+`--model` takes a real model file (a path, or a name of `shardline pull`, pulled if missing): the
+reference is then transformers' own GGUF loader on it (fp32), and the prompts are code and chat
+(tests/real_models.py). `--text stdlib`: the perplexity text is Python's standard library's own
+source (STDLIB_FILES, the first --text-tokens tokens), natural for a code model.
 
 With `--kv`, each run precision is also run with each KV cache precision. A prompt fed in one
 step attends to its own keys and values before the cache stores them, so there the text's
@@ -60,6 +66,30 @@ PROMPTS = [
     "Write a haiku about autumn leaves.",
 ]
 
+
+
+STDLIB_FILES = ("textwrap.py", "bisect.py", "heapq.py", "fnmatch.py", "colorsys.py", "shlex.py", "string.py")
+
+
+def stdlib_text() -> str:
+    """Python's own library sources, in a fixed order (Python 3.11.7 on these machines)."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return "\n\n".join((root / name).read_text(encoding="utf-8") for name in STDLIB_FILES)
+
+
+def reference(model: Path | None):  # type: ignore[no-untyped-def]
+    """transformers fp32 on the same dequantized weights: its GGUF loader for a model file."""
+    import torch
+
+    if model is None:
+        from tests.model.reference import reference_model
+
+        return reference_model(open_source(None))
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=torch.float32).eval()
 
 
 def perplexity(logits: np.ndarray, ids: list[int]) -> float:
@@ -119,6 +149,10 @@ def main() -> int:
     p.add_argument("--modes", default="exact,fast,rounded,plugin", help="run precisions (comma-separated)")
     p.add_argument("--kv", default="", help="KV cache precisions to run each mode with (f32,f16,u8; default: "
                                             "the mode's own, prompts in one step)")
+    p.add_argument("--model", help="a GGUF file or a name of `shardline pull` (default: the embedded model)")
+    p.add_argument("--text", choices=("english", "stdlib"), default="english",
+                   help="the perplexity text: kit.TEXT, or the standard library's sources (STDLIB_FILES)")
+    p.add_argument("--text-tokens", type=int, default=1024, help="with --text stdlib: how many of its tokens")
     args = p.parse_args()
     weights = ["fp32", "gguf"] if args.quick else args.weights.split(",")
     if args.tokens < 1:
@@ -128,19 +162,24 @@ def main() -> int:
     prompts, n = (PROMPTS[:2], min(args.tokens, 32)) if args.quick else (PROMPTS, args.tokens)
     args.work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
-    folders = {w: shard_folder(args.work, 1, w) for w in weights}
+    from shardline.model.pull import resolve_model
+
+    path = resolve_model(Path(args.model)) if args.model else None
+    folders = {w: shard_folder(args.work, 1, w, model=path) for w in weights}
 
     sys.path.insert(0, str(REPO))
     import torch
 
     from tests.helpers import greedy_ours
-    from tests.model.reference import greedy_reference, reference_model
+    from tests.model.reference import greedy_reference
+    from tests.real_models import PROMPTS as REAL_PROMPTS
 
     t0 = time.perf_counter()
     tok = ChatTokenizer(folders[weights[0]])
-    chats = [tok.encode_chat([{"role": "user", "content": t}]) for t in prompts]
-    text_ids = tok.encode(TEXT)
-    model = reference_model(open_source(None))
+    messages = REAL_PROMPTS[:len(prompts)] if path else [[{"role": "user", "content": t}] for t in prompts]
+    chats = [tok.encode_chat(m) for m in messages]
+    text_ids = tok.encode(TEXT) if args.text == "english" else tok.encode(stdlib_text())[:args.text_tokens]
+    model = reference(path)
     ref_tokens = [greedy_reference(model, c, n)[0] for c in chats]
     forced = [c + r[:-1] for c, r in zip(chats, ref_tokens, strict=True)]  # the last n rows predict r
     with torch.no_grad():
@@ -192,6 +231,7 @@ def main() -> int:
     figures |= {f"{k}_perplexity_ratio": round(float(r["ppl"]) / ref_ppl, 4) for k, r in rows.items()}
     figures |= {f"{k}_perplexity": round(float(r["ppl"]), 4) for k, r in rows.items()}
     figures |= {
+        "model": str(path or "SmolLM2-135M (embedded)"), "text": args.text, "python": sys.version.split()[0],
         "reference_perplexity": round(ref_ppl, 4), "prompts": len(chats), "tokens": n,
         "text_tokens": len(text_ids), "load_avg_1m_at_start": round(load, 2),
         "run_precisions": {k: f"{r['compute']}/{r['kv']}" for k, r in rows.items()},
