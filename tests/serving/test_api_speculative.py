@@ -58,6 +58,11 @@ def test_speculative_server_answers_the_plain_text_and_counts_its_drafts(client:
     assert drafted > 0
     assert 0 < server.metric("shardline_spec_accepted_tokens_total") <= server.metric(
         "shardline_spec_drafted_tokens_total")
+    # By position, the same drafts: summed over positions, the totals (nothing is running now).
+    assert server.metric("shardline_spec_offered_at_position_total") == server.metric(
+        "shardline_spec_drafted_tokens_total")
+    assert server.metric("shardline_spec_accepted_at_position_total") == server.metric(
+        "shardline_spec_accepted_tokens_total")
 
 
 def test_a_request_can_turn_speculation_off(client: openai.OpenAI, server: Server, plain_text: str) -> None:

@@ -22,6 +22,7 @@ from shardline.serving.speculation import (
     PROBE_EVERY,
     Acceptance,
     Drafts,
+    SpecStats,
     Speculation,
     StepCost,
     best_k,
@@ -295,3 +296,20 @@ def test_the_scheduler_places_only_the_drafts_it_is_given() -> None:
         (b,) = spec.plan(_offered(spec)).steps
         assert a.inputs.input_ids.tolist() == [[9]] and a.sample_at.tolist() == [[0, 0]]
         assert b.inputs.input_ids.tolist() == [[9, 4, 5, 6]] and len(b.sample_at) == 4
+
+
+def test_acceptance_is_counted_by_draft_position_and_summed_over_streams() -> None:
+    """A draft stands only if every one before it did: position i counts the steps that offered
+    at least i + 1 drafts, and those whose first i + 1 all stood."""
+    spec = Speculation(_Fixed([]), 4, 8)
+    for drafts, chosen in (([5, 6, 7], [5, 6, 9, 1]), ([5, 6], [4, 6, 1]), ([5], [5, 2]), ([], [3])):
+        spec.offer(Proposal(drafts))
+        spec.settle(chosen)
+    stats = spec.stats()
+    assert (stats.offered_at, stats.kept_at) == ((3, 2, 1), (2, 1, 0))
+    assert stats.acceptance_at() == [2 / 3, 1 / 2, 0.0]
+    assert (stats.drafted, stats.accepted, stats.steps) == (6, 3, 4)
+    assert stats.tokens_per_step == (4 + 3) / 4
+    total = SpecStats(1, 1, 2, 0, (1,), (1,)) + stats
+    assert (total.drafted, total.accepted, total.steps, total.offered_at, total.kept_at) == (7, 4, 6, (4, 2, 1),
+                                                                                           (3, 1, 0))

@@ -66,14 +66,22 @@ class SpeculationCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         running = self.engine.speculating()
-        ended = self.engine.spec_ended
+        total = sum(running.values(), self.engine.spec_ended)
         drafted = CounterMetricFamily("shardline_spec_drafted_tokens", "draft tokens offered to verify steps")
         accepted = CounterMetricFamily("shardline_spec_accepted_tokens", "draft tokens the target accepted")
         steps = CounterMetricFamily("shardline_spec_verify_steps", "verify steps of speculating streams")
-        drafted.add_metric([], ended.drafted + sum(s.drafted for s in running.values()))
-        accepted.add_metric([], ended.accepted + sum(s.accepted for s in running.values()))
-        steps.add_metric([], ended.steps + sum(s.steps for s in running.values()))
+        drafted.add_metric([], total.drafted)
+        accepted.add_metric([], total.accepted)
+        steps.add_metric([], total.steps)
         yield from (drafted, accepted, steps)
+        at = {name: CounterMetricFamily(f"shardline_spec_{name}_at_position", help_, labels=["position"])
+              for name, help_ in (("offered", "drafts offered at each position of a verify step (0: the first)"),
+                                  ("accepted", "drafts accepted at each position (a draft stands only if the ones "
+                                               "before it did)"))}
+        for i, (offered, kept) in enumerate(zip(total.offered_at, total.kept_at, strict=True)):
+            at["offered"].add_metric([str(i)], offered)
+            at["accepted"].add_metric([str(i)], kept)
+        yield from at.values()
         per = {name: GaugeMetricFamily(f"shardline_spec_stream_{name}", help_, labels=["stream"])
                for name, help_ in (("drafted", "a running stream's drafts offered"),
                                    ("accepted", "a running stream's drafts accepted"),

@@ -116,8 +116,7 @@ class SpecDriver:
             return None
         stream.spec.drafter.close()
         stats = stream.spec.stats()
-        e = self.ended
-        self.ended = SpecStats(e.drafted + stats.drafted, e.accepted + stats.accepted, e.steps + stats.steps, 0)
+        self.ended = self.ended + stats
         return stats
 
     def running(self) -> dict[int, SpecStats]:

@@ -199,16 +199,38 @@ def best_k(rate: float, cost: StepCost, rows: int, draft_s: float, k_max: int, r
 
 @dataclass(frozen=True)
 class SpecStats:
-    """A stream's speculation so far: drafts offered and accepted, verify steps, the last K."""
+    """A stream's speculation so far: drafts offered and accepted, verify steps, the last K; and
+    by draft position (0: the first draft of a step), how often one was offered and how often it
+    stood (a draft stands only if every one before it did)."""
 
     drafted: int
     accepted: int
     steps: int
     k: int
+    offered_at: tuple[int, ...] = ()
+    kept_at: tuple[int, ...] = ()
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens each step gave: the target's own, and the drafts that stood."""
+        return (self.steps + self.accepted) / self.steps if self.steps else 0.0
+
+    def acceptance_at(self) -> list[float]:
+        return [kept / offered for kept, offered in zip(self.kept_at, self.offered_at, strict=True)]
+
+    def __add__(self, other: SpecStats) -> SpecStats:
+        """The sums of two streams' figures (k: the later one's)."""
+        return SpecStats(self.drafted + other.drafted, self.accepted + other.accepted, self.steps + other.steps,
+                         other.k, _sum(self.offered_at, other.offered_at), _sum(self.kept_at, other.kept_at))
+
+
+def _sum(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    n = max(len(a), len(b))
+    return tuple((a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n))
 
 
 @dataclass(eq=False)
@@ -224,11 +246,13 @@ class Speculation:
     drafted: int = 0  # totals over the stream's life
     kept: int = 0
     steps: int = 0
+    offered_at: list[int] = field(default_factory=list)  # by draft position, over the stream's life
+    kept_at: list[int] = field(default_factory=list)
     _since_probe: int = 0
     _last: float | None = None  # when its last step's outcome was settled
 
     def stats(self) -> SpecStats:
-        return SpecStats(self.drafted, self.kept, self.steps, self.k)
+        return SpecStats(self.drafted, self.kept, self.steps, self.k, tuple(self.offered_at), tuple(self.kept_at))
 
     def choose_k(self, cost: StepCost, rows: int, room: int, ready: int = 0) -> int:
         """Drafts to offer next: at most `room` (tokens left to generate, minus the target's own);
@@ -292,10 +316,19 @@ class Speculation:
             self.acceptance.record(len(drafts), kept)
             self.drafted += len(drafts)
             self.kept += kept
+            self._count_positions(len(drafts), kept)
         self.steps += 1
         self.proposal, self.planned = Proposal([]), False
         return kept
 
+    def _count_positions(self, offered: int, kept: int) -> None:
+        grow = offered - len(self.offered_at)
+        if grow > 0:
+            self.offered_at.extend([0] * grow)
+            self.kept_at.extend([0] * grow)
+        for i in range(offered):
+            self.offered_at[i] += 1
+            self.kept_at[i] += i < kept
 
 
 @dataclass(frozen=True)
