@@ -39,6 +39,10 @@ PROMPTS = {
     "technical": "Explain how HTTPS protects data between a browser and a web server, including the TLS handshake.",
     "translation": "Translate into French: The weather was cold this morning, so I took my warm coat and walked to "
                    "the station. The train was late, and I read a book while I waited.",
+    "edit": "Rewrite this function so it skips None values and returns 0.0 for an empty list. Answer with the "
+            "whole function only.\n\n```python\ndef average(values):\n    \"\"\"The mean of a list of numbers.\"\"\"\n"
+            "    total = 0\n    count = 0\n    for value in values:\n        total = total + value\n"
+            "        count = count + 1\n    return total / count\n```",
     "rewrite": "Summarize the following text in three sentences:\n\nThe city council met on Tuesday to discuss the "
                "new public library. The library will be built near the central park and will include a children's "
                "reading room, a computer lab and a cafe. Construction will start in the spring and is expected to "
@@ -112,8 +116,16 @@ def draft_path(source: str, work: Path) -> str:
         from shardline.export.defaults import self_draft_shards
 
         return str(self_draft_shards(int(source[7:]), progress=False))
+    from shardline.model.catalog import CATALOG
+
+    if source in CATALOG:  # a real model file of `shardline pull`, its own weights, one stage
+        from shardline.model.catalog import named
+        from shardline.model.pull import pull
+
+        return str(shard_folder(work, 1, model=pull(named(source))))
     if not (Path(source) / "manifest.json").is_file():
-        raise SystemExit(f"unknown draft source {source!r} (ngram, int8, int4, layers:L or an export folder)")
+        raise SystemExit(f"unknown draft source {source!r} (ngram, int8, int4, layers:L, a name of "
+                         "`shardline pull` or an export folder)")
     return source
 
 
@@ -211,13 +223,16 @@ def aggregate_tok_s(runs: list[Run]) -> float:
     return sum(len(r.tokens) - 1 for r in runs) / (end - start)
 
 
-def spec_totals(runs: list[Run]) -> dict[str, float]:
-    """Acceptance and mean K over every speculating run given."""
+def spec_totals(runs: list[Run]) -> dict[str, Any]:
+    """Acceptance (overall and by draft position), mean K and tokens per verify step over every
+    speculating run given."""
     stats = [r.spec for r in runs if r.spec is not None]
     drafted, accepted, steps = (sum(s.drafted for s in stats), sum(s.accepted for s in stats),
                                 sum(s.steps for s in stats))
+    total = sum(stats, SpecStats(0, 0, 0, 0))
     return {"acceptance": accepted / drafted if drafted else 0.0, "k_mean": drafted / steps if steps else 0.0,
             "tokens_per_step": sum(len(r.tokens) - 1 for r in runs) / steps if steps else 0.0,
+            "acceptance_at": [round(a, 3) for a in total.acceptance_at()],
             "drafted": drafted, "accepted": accepted, "steps": steps}
 
 
@@ -322,6 +337,10 @@ def print_spec(place: str, s: dict[str, Any], sources: list[str], n: int, rounds
                      for src in sources)
     show(f"{place}: speedup over plain decoding (acceptance, K = drafts per verify step); up to {n} tokens, "
          f"{rounds} rounds; runs with the same tokens as plain: {same}", headers, rows)
+    for src in sources:
+        x = s["sources"][src]
+        print(f"  {src}: acceptance by draft position {x['acceptance_at']}, {f(x['tokens_per_step'])} tokens per "
+              "verify step")
 
 
 def rounded(x: Any) -> Any:
@@ -357,6 +376,8 @@ class Setup:
 
 
 def common_flags(p: argparse.ArgumentParser, sources: str) -> None:
+    p.add_argument("--model", help="the target: a name of `shardline pull` or a GGUF file (default: the embedded "
+                                   "model)")
     p.add_argument("--types", default=",".join(PROMPTS))
     p.add_argument("--sources", default=sources)
     p.add_argument("--k-max", type=int, default=8)
@@ -371,7 +392,10 @@ def setup(p: argparse.ArgumentParser, args: argparse.Namespace, quick_types: boo
         types = [t for t in ("chat", "translation") if t in types] or types[:2]
     if unknown := [t for t in types if t not in PROMPTS]:
         p.error(f"unknown types {unknown}: {', '.join(PROMPTS)}")
-    f2, f3 = shard_folder(args.work, 2, balance=True), shard_folder(args.work, 3)
+    from shardline.model.pull import resolve_model
+
+    model = resolve_model(Path(args.model)) if args.model else None
+    f2, f3 = shard_folder(args.work, 2, balance=True, model=model), shard_folder(args.work, 3, model=model)
     tok = ChatTokenizer(f2)
     prompts = {t: tok.encode_chat([{"role": "user", "content": PROMPTS[t]}]) for t in types}
     stops = frozenset() if args.ignore_stops else frozenset(tok.stop_ids)

@@ -30,6 +30,7 @@ tokens with `--far-rounds` rounds (a plain token costs 3 trips there).
     python bench/speculative.py --quick
     python bench/speculative.py                          # every source and delay (~40 min on 2 cores)
     python bench/speculative.py --delays 0,100 --types chat,code --sources ngram,layers:8
+    python bench/speculative.py --model qwen2.5-coder-1.5b --sources qwen2.5-coder-0.5b,ngram --types code,edit,chat
 
 The last line on stdout is one JSON object with the figures, ratios first.
 """
@@ -40,6 +41,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from kit import relays, worker  # bench/ is on sys.path when this script runs
@@ -73,6 +75,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--far-rounds", type=int, default=2)
     p.add_argument("--k", default="auto", help="drafts per verify step: auto or a number")
+    p.add_argument("--llama-server", type=Path, help="with --model and a draft of `shardline pull` among --sources: "
+                                                     "llama.cpp's own speculative decoding with the same pair, "
+                                                     "side by side (bench/llama_spec.py)")
     args = p.parse_args()
     delays = [float(d) for d in args.delays.split(",") if d]
     n, far_n, rounds, far_rounds = args.tokens, args.far_tokens, args.rounds, args.far_rounds
@@ -119,8 +124,12 @@ def main() -> int:
             for w in procs:
                 w.stop()
 
+    llama: dict[str, Any] | None = None
+    if args.llama_server and args.model:
+        llama = llama_pair(args, sources, s.prompts, n, rounds)
     ran = provenance(s, watch, git)
-    print(f"default model (SmolLM2-135M, gguf weights, exact precision), greedy, stop tokens "
+    target = f"{args.model} (" if args.model else "default model (SmolLM2-135M, "
+    print(f"{target}gguf weights, exact precision), greedy, stop tokens "
           f"{'ignored' if args.ignore_stops else 'honoured'}, K {args.k} (max {args.k_max})")
     for place, x in results.items():
         print_spec(place, x, sources, tokens[place], tokens_at(None if place == "inproc" else float(place[8:-2]))[1])
@@ -133,6 +142,12 @@ def main() -> int:
         show("mean speedup over the prompt types", headers, rows)
     if skipped:
         print(f"time box: skipped {', '.join(skipped)}")
+    if llama is not None:
+        show("llama.cpp's speculative decoding with the same pair (llama-server -md, its defaults)",
+             ["type", "plain tok/s", "spec tok/s", "speedup", "acceptance", "same"],
+             [[t, f(r["plain_tok_s"], ".1f"), f(r["spec_tok_s"], ".1f"), f(r["speedup"]), f(r["acceptance"]),
+               f"{r['same']}/{r['runs']}"] for t, r in llama["types"].items()] + [
+                 ["mean", "", "", f(llama["mean_speedup"]), "", ""]])
 
     figures: dict[str, Any] = {}
     for place, x in results.items():
@@ -147,13 +162,34 @@ def main() -> int:
     if far:
         targets["mean_speedup_ge_3_at_20ms_and_beyond"] = all(figures[f"ratio_best_mean_speedup_{p_}"] >= 3
                                                               for p_ in far)
+    if llama is not None and "inproc" in results:
+        figures["ratio_inproc_speedup_over_llama_cpp_speedup"] = round(
+            figures["ratio_best_mean_speedup_inproc"] / llama["mean_speedup"], 3)
+        figures["llama_cpp_mean_speedup"] = round(llama["mean_speedup"], 3)
+        figures["llama_cpp"] = rounded(llama)
     figures["targets_met"] = targets
+    figures["model"] = args.model or "SmolLM2-135M (embedded)"
     figures |= {"tokens": n, "far_tokens": far_n, "far_from_ms": args.far_from, "rounds": rounds,
                 "far_rounds": far_rounds, "stops_honoured": not args.ignore_stops, "k": args.k, "k_max": args.k_max,
                 "skipped": skipped} | ran
     figures["spec"] = rounded(results)
     print(json.dumps(figures))
     return 0
+
+
+def llama_pair(args: argparse.Namespace, sources: list[str], prompts: dict[str, list[int]], n: int,
+               rounds: int) -> dict[str, Any] | None:
+    from llama_spec import measure
+
+    from shardline.model.catalog import CATALOG, named
+    from shardline.model.pull import pull, resolve_model
+
+    draft = next((src for src in sources if src in CATALOG), None)
+    target = resolve_model(Path(args.model))
+    if draft is None or target is None:
+        print("--llama-server: no draft of `shardline pull` among --sources: left out", file=sys.stderr)
+        return None
+    return measure(args.llama_server, target, pull(named(draft)), prompts, n, rounds, 2, args.work)
 
 
 if __name__ == "__main__":
