@@ -162,7 +162,7 @@ def main() -> int:
     prompts, n = (PROMPTS[:2], min(args.tokens, 32)) if args.quick else (PROMPTS, args.tokens)
     args.work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
-    from shardline.model.pull import resolve_model
+    from shardline.export.pull import resolve_model
 
     path = resolve_model(Path(args.model)) if args.model else None
     folders = {w: shard_folder(args.work, 1, w, model=path) for w in weights}

@@ -37,9 +37,9 @@ from moe import medians, one_stage_run  # noqa: E402
 
 from shardline.config import ExportConfig  # noqa: E402
 from shardline.export.exporter import export  # noqa: E402
+from shardline.export.pull import pull  # noqa: E402
 from shardline.model.catalog import named  # noqa: E402
 from shardline.model.manifest import load_manifest  # noqa: E402
-from shardline.model.pull import pull  # noqa: E402
 
 CHAIN = 3  # processes: a coordinator and two workers, as llama-bench and two rpc-servers
 

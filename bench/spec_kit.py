@@ -119,8 +119,8 @@ def draft_path(source: str, work: Path) -> str:
     from shardline.model.catalog import CATALOG
 
     if source in CATALOG:  # a real model file of `shardline pull`, its own weights, one stage
+        from shardline.export.pull import pull
         from shardline.model.catalog import named
-        from shardline.model.pull import pull
 
         return str(shard_folder(work, 1, model=pull(named(source))))
     if not (Path(source) / "manifest.json").is_file():
@@ -392,7 +392,7 @@ def setup(p: argparse.ArgumentParser, args: argparse.Namespace, quick_types: boo
         types = [t for t in ("chat", "translation") if t in types] or types[:2]
     if unknown := [t for t in types if t not in PROMPTS]:
         p.error(f"unknown types {unknown}: {', '.join(PROMPTS)}")
-    from shardline.model.pull import resolve_model
+    from shardline.export.pull import resolve_model
 
     model = resolve_model(Path(args.model)) if args.model else None
     f2, f3 = shard_folder(args.work, 2, balance=True, model=model), shard_folder(args.work, 3, model=model)

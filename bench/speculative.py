@@ -181,8 +181,8 @@ def llama_pair(args: argparse.Namespace, sources: list[str], prompts: dict[str, 
                rounds: int) -> dict[str, Any] | None:
     from llama_spec import measure
 
+    from shardline.export.pull import pull, resolve_model
     from shardline.model.catalog import CATALOG, named
-    from shardline.model.pull import pull, resolve_model
 
     draft = next((src for src in sources if src in CATALOG), None)
     target = resolve_model(Path(args.model))

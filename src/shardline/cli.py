@@ -364,8 +364,8 @@ def _on_ray(args: argparse.Namespace, command: Callable[[argparse.Namespace], in
 
 
 def _pull(args: argparse.Namespace) -> int:
+    from shardline.export.pull import pull, pulled_path
     from shardline.model.catalog import CATALOG, named
-    from shardline.model.pull import pull, pulled_path
 
     if args.list or not args.name:
         for m in CATALOG.values():
@@ -404,7 +404,7 @@ def memory_sizes(given: str) -> tuple[float, ...]:
 
 def _export(args: argparse.Namespace) -> int:
     from shardline.export.exporter import export
-    from shardline.model.pull import resolve_model
+    from shardline.export.pull import resolve_model
 
     cfg = ExportConfig(
         out=args.out, model=resolve_model(args.model), stages=args.stages, layers=args.layers, balance=args.balance,

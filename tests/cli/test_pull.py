@@ -16,9 +16,9 @@ import pytest
 
 from shardline.cli import main
 from shardline.errors import ShardlineError
+from shardline.export.pull import pull, pulled_path, resolve_model
 from shardline.model import catalog
 from shardline.model.catalog import ChunkedModel
-from shardline.model.pull import pull, pulled_path, resolve_model
 
 PARTS = [bytes([n]) * (1000 + 37 * n) + os.urandom(64) for n in range(1, 4)]
 

@@ -67,4 +67,4 @@ def test_every_family_module_is_found() -> None:
     declared = {f.name for m in modules for f in __import__(f"shardline.model.families.{m}",
                                                             fromlist=["FAMILIES"]).FAMILIES}
     assert declared == set(FAMILIES) == {"gemma3", "llama", "mistral", "mistral3", "qwen2", "qwen3",
-                                                    "qwen3moe", "smollm3"}
+                                                    "qwen3moe", "smollm3", "gpt-oss", "mixtral"}

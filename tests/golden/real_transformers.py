@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from shardline.export.pull import pull
 from shardline.model.catalog import CATALOG, named
-from shardline.model.pull import pull
 from tests.model.reference import greedy_reference
 from tests.real_models import GOLDEN, PROMPTS, STEPS, TOP
 

@@ -18,8 +18,8 @@ import pytest
 
 from shardline.config import ExportConfig, RunConfig
 from shardline.export.exporter import export
+from shardline.export.pull import pull
 from shardline.model.catalog import named
-from shardline.model.pull import pull
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.remote import RemotePipeline
