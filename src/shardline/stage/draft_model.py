@@ -25,6 +25,14 @@ from shardline.stage.runners import open_stage
 CATCH_UP_CHUNK = 256  # tokens per draft-model call when it catches up (a prompt)
 
 
+def draft_run(run: RunConfig) -> RunConfig:
+    """The draft's own run config. Its tokens are proposals the target verifies (and, sampled,
+    the probabilities it drew them with): its precision moves acceptance, never the output. So
+    under `exact` it runs `fast` (int8 activations for compressed weights, u8 KV), a cheaper
+    draft token for the same proposals within near-ties (BENCHMARKS.md, issue 39)."""
+    return replace(run, precision="fast", kv_precision=None) if run.precision == "exact" else run
+
+
 class DraftModel:
     """One draft export folder, compiled once, shared by every stream's drafter."""
 
@@ -39,7 +47,7 @@ class DraftModel:
         if self.manifest.arch.vocab != target.arch.vocab or \
                 self.manifest.files.get("tokenizer.json") != target.files.get("tokenizer.json"):
             raise ShardlineError(f"draft model {folder} does not share the target's tokenizer")
-        run = run or RunConfig()
+        run = draft_run(run or RunConfig())
         # beside stage 0, on its device
         self.runner = open_stage(folder, self.manifest.stages[0], replace(run, device=run.devices[0]),
                                   vocab=self.manifest.arch.vocab)
