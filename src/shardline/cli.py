@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     _activations_flag(g)
     g.add_argument("--topology", choices=("chain", "star"), default="chain")
     g.add_argument("--precision", choices=PRECISIONS, default="exact",
-                   help="exact: f32 everywhere (default); fast: int8 activations, u8 KV; rounded: fast, Q4_1 zero "
+                   help="exact: f32 everywhere (default); fast: int8 activations, f16 KV; rounded: fast, Q4_1 zero "
                         "points rounded (other weights, as openvino_genai); plugin: device defaults")
     _context_flags(g)
     g.add_argument("--logprobs", type=int, default=0, metavar="N",
@@ -195,7 +195,7 @@ def _context_flags(p: argparse.ArgumentParser) -> None:
                    help="the longest sequence (prompt and answer) served; every node of a chain the same "
                         "(default: the model's, capped where one stream's f32 KV takes 4 GiB)")
     p.add_argument("--kv-precision", choices=KV_PRECISIONS,
-                   help="the KV cache's precision (default: f32 under exact, u8 under fast and rounded)")
+                   help="the KV cache's precision (default: f32 under exact, f16 under fast, rounded)")
 
 
 def _activations_flag(p: argparse.ArgumentParser) -> None:

@@ -141,7 +141,9 @@ class RunConfig:
     #   activations. Agrees with a reference on the same weights to ~1e-4, so the tokens do not
     #   depend on the split, the thread count or the batch. With GGUF blocks it costs ~10%.
     # - "fast": f32 compute with the plugin's int8 activation quantization for compressed
-    #   weights and its u8 KV cache: much faster with int8 weights, but near-ties can flip.
+    #   weights and an f16 KV cache: much faster with int8 weights, but near-ties can flip.
+    #   f16, not the plugin's u8: on a trained 1.5B u8 cost 1.8% perplexity, f16 nothing
+    #   (BENCHMARKS.md, issue 39), and llama.cpp keeps f16 by default too.
     # - "rounded": "fast", and GGUF Q4_1 zero points rounded to whole codes, as openvino_genai
     #   reads a GGUF: the fastest here, but it changes the weights themselves (its agreement
     #   with the exact model is in BENCHMARKS.md, issue 12). Only Q4_1 weights change.
@@ -156,8 +158,9 @@ class RunConfig:
     # The longest sequence served (None: the model's, capped to fit a 16 GiB PC: model/context.py).
     # Every node of a chain must serve the same (the handshake checks it).
     context: int | None = None
-    # The KV cache's precision (None: f32 under `exact`, u8 under `fast` and `rounded` on a
-    # CPU, the device's own under `plugin`). Stages may differ: each node keeps its own cache.
+    # The KV cache's precision (None: f32 under `exact`, f16 under `fast` and `rounded` on a
+    # CPU, the device's own under `plugin`; u8 halves f16's memory at a cost in quality).
+    # Stages may differ: each node keeps its own cache.
     kv_precision: str | None = None
 
     def __post_init__(self) -> None:
@@ -198,8 +201,8 @@ class RunConfig:
             return self.kv_precision
         if self.precision == "exact":
             return "f32"
-        # the CPU plugin's own default, made explicit so that it is reported and sized truly
-        return "u8" if self.precision in ("fast", "rounded") and self._cpu else None
+        # explicit on a CPU (whose plugin would pick u8) so that it is reported and sized truly
+        return "f16" if self.precision in ("fast", "rounded") and self._cpu else None
 
     def ov_properties(self) -> dict[str, str]:
         props: dict[str, str] = {}

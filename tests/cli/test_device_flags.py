@@ -32,7 +32,7 @@ def test_a_malformed_device_list_is_refused(device: str) -> None:
 
 
 def test_a_kv_precision_default_reads_every_device() -> None:
-    assert RunConfig(precision="fast", device="CPU,CPU").kv == "u8"
+    assert RunConfig(precision="fast", device="CPU,CPU").kv == "f16"
     assert RunConfig(precision="fast", device="CPU,GPU").kv is None  # the GPU's own
 
 

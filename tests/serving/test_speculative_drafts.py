@@ -95,12 +95,12 @@ def test_a_tiny_draft_of_another_size_inside_a_group(tiny_models: tuple[Path, Pa
 
 
 def test_an_exact_targets_draft_runs_fast(tiny_models: tuple[Path, Path]) -> None:
-    """Its proposals are verified: the draft of an `exact` target takes `fast` (u8 KV), and a
+    """Its proposals are verified: the draft of an `exact` target takes `fast` (f16 KV), and a
     target already fast keeps its own KV choice for the draft too."""
     target, draft_folder = tiny_models
-    assert DraftModel(draft_folder, load_manifest(target), RunConfig(precision="exact")).runner.kv_precision == "u8"
-    fast = RunConfig(precision="fast", kv_precision="f16")
-    assert DraftModel(draft_folder, load_manifest(target), fast).runner.kv_precision == "f16"
+    assert DraftModel(draft_folder, load_manifest(target), RunConfig(precision="exact")).runner.kv_precision == "f16"
+    fast = RunConfig(precision="fast", kv_precision="u8")
+    assert DraftModel(draft_folder, load_manifest(target), fast).runner.kv_precision == "u8"
 
 
 def test_a_draft_with_another_tokenizer_is_refused(two: Path, tiny_models: tuple[Path, Path], tmp_path: Path) -> None:

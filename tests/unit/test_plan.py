@@ -50,7 +50,7 @@ def test_run_config_properties() -> None:
                                            "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
     assert RunConfig(precision="fast", threads=2).ov_properties() == {"INFERENCE_PRECISION_HINT": "f32",
                                                                       "INFERENCE_NUM_THREADS": "2",
-                                                                      "KV_CACHE_PRECISION": "u8"}
+                                                                      "KV_CACHE_PRECISION": "f16"}
     assert RunConfig(precision="fast", device="GPU").ov_properties() == {}
     gpu_f16 = RunConfig(precision="fast", device="GPU", kv_precision="f16")
     assert gpu_f16.ov_properties() == {"KV_CACHE_PRECISION": "f16"}

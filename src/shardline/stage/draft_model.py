@@ -28,7 +28,7 @@ CATCH_UP_CHUNK = 256  # tokens per draft-model call when it catches up (a prompt
 def draft_run(run: RunConfig) -> RunConfig:
     """The draft's own run config. Its tokens are proposals the target verifies (and, sampled,
     the probabilities it drew them with): its precision moves acceptance, never the output. So
-    under `exact` it runs `fast` (int8 activations for compressed weights, u8 KV), a cheaper
+    under `exact` it runs `fast` (int8 activations for compressed weights, its f16 KV), a cheaper
     draft token for the same proposals within near-ties (BENCHMARKS.md, issue 39)."""
     return replace(run, precision="fast", kv_precision=None) if run.precision == "exact" else run
 
