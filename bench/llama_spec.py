@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2 as httpx  # what the openai client itself uses here
 
 START_TIMEOUT_S = 180.0
 REQUEST_TIMEOUT_S = 600.0

@@ -97,6 +97,9 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}  # placement -> summary
     tokens: dict[str, int] = {}
     skipped: list[str] = []
+    llama: dict[str, Any] | None = None
+    if args.llama_server and args.model:  # first: a failure there shows before the long shardline runs
+        llama = llama_pair(args, sources, s.prompts, n, rounds)
     if not args.no_inproc:
         with engines() as eng:
             eng.open("plain", s.f2, None, SpeculationConfig())
@@ -124,9 +127,6 @@ def main() -> int:
             for w in procs:
                 w.stop()
 
-    llama: dict[str, Any] | None = None
-    if args.llama_server and args.model:
-        llama = llama_pair(args, sources, s.prompts, n, rounds)
     ran = provenance(s, watch, git)
     target = f"{args.model} (" if args.model else "default model (SmolLM2-135M, "
     print(f"{target}gguf weights, exact precision), greedy, stop tokens "
