@@ -30,8 +30,12 @@ def _free_port() -> int:
 def llama_server(binary: Path, target: Path, draft: Path | None, threads: int, log: Path) -> Iterator[str]:
     """A llama-server on loopback (its URL), stopped by its handle."""
     port = _free_port()
+    # --no-repack: llama-server's weight repacking (the CPU's extra buffer types) dies of SIGILL at
+    # load on this machine (2026-12-06, Xeon with AVX512 and AMX), as llama-cpp-python does without
+    # use_extra_bufts=False (MISSION.md); llama-bench's repacked path runs. Its tok/s is then without
+    # the repacked kernels, on both of its sides (plain and -md).
     cmd = [str(binary), "-m", str(target), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-           "--parallel", "1", "-c", "4096", "--temp", "0", "--no-webui"]
+           "--parallel", "1", "-c", "4096", "--temp", "0", "--no-webui", "--no-repack"]
     if draft is not None:
         cmd += ["-md", str(draft), "-td", str(threads)]
     log.parent.mkdir(parents=True, exist_ok=True)
