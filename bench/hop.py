@@ -67,6 +67,7 @@ def forward(slots: int = SLOTS, rows: int = 1, mask: np.ndarray | None = None) -
                    merge=np.zeros(0, np.int64), hidden=rng.standard_normal((1, 1, HIDDEN)).astype(np.float16),
                    mask_runs=mask_to_runs(mask), position_ids=np.array([[width - 1]], np.int64),
                    sample_at=np.zeros((1, 2), np.int64), drafts=None, q_ids=None, q_probs=None,
+                   allow_bits=None, allow_of=None,
                    hops=np.zeros((rows, len(HOP_COLUMNS)), np.float64))
 
 

@@ -144,6 +144,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="a prompt of at most this many tokens is not paced: its chunks go at once, beside at most "
                         f"--max-prefills others (default {PacingConfig.short}; 0: every prompt paced)")
     s.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get 413")
+    s.add_argument("--chat-template", metavar="NAME|FILE",
+                   help="a chat template in place of the model's: a built-in (chatml-tools: ChatML that renders "
+                        "tools, for a ChatML model whose own template renders none) or a Jinja file")
     key = s.add_mutually_exclusive_group()
     key.add_argument("--api-key", help="require 'Authorization: Bearer KEY' of /v1 requests (401 otherwise)")
     key.add_argument("--api-key-file", type=Path,
@@ -438,6 +441,7 @@ def _worker(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from shardline.api.auth import load_keys
     from shardline.config import ServeConfig
+    from shardline.model.tokenizer import template_text
     from shardline.server import serve
 
     cfg = ServeConfig(host=args.host, port=args.port, max_streams=args.max_streams, max_queue=args.max_queue,
@@ -451,7 +455,8 @@ def _serve(args: argparse.Namespace) -> int:
                       length_predictor=args.length_predictor, kv_transfer=args.kv_transfer,
                       pacing=PacingConfig(budget=args.prefill_budget, share=args.prefill_share,
                                           short=args.short_prompt),
-                      prefix_cache_mb=args.prefix_cache_mb)
+                      prefix_cache_mb=args.prefix_cache_mb,
+                      chat_template=template_text(args.chat_template) if args.chat_template else None)
     run = _run(args)
     if cfg.disaggregate and args.draft:
         raise ShardlineError("--disaggregate runs without speculation: it cannot be combined with --draft yet")

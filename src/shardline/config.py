@@ -389,6 +389,8 @@ class ServeConfig:
     # (serving/pacing.py); None: every chunk `prefill_chunk` tokens (the old policy, for benchmarks).
     pacing: PacingConfig | None = field(default_factory=PacingConfig)
     max_body_bytes: int = 2 << 20  # larger request bodies get 413
+    # A chat template's text in place of the model's (`--chat-template`: a built-in's or a file's); None: the model's.
+    chat_template: str | None = field(default=None, repr=False)
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # /v1 requests must bear one (api/auth.py)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)  # after a worker dies or hangs
     # Browser origins allowed to call the API from their pages (CORS); none unless given.

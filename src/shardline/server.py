@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -254,6 +255,7 @@ def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | N
     import uvicorn
 
     from shardline.api.app import Served, build_app
+    from shardline.model.grammar import Grammars
     from shardline.model.tokenizer import ChatTokenizer
 
     engine: Serving
@@ -262,9 +264,13 @@ def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | N
     else:
         engine, manifest = open_engine(folder, run, cfg, workers, activations, spec=spec, credentials=credentials)
     context = run_context(manifest.arch, run.context)
-    served = Served(engine, ChatTokenizer(folder), model_id(manifest, cfg), cfg.default_max_tokens,
+    tok = ChatTokenizer(folder, cfg.chat_template)
+    grammars = Grammars((folder / "tokenizer.json").read_text(), manifest.arch.vocab, tok.stop_ids)
+    threading.Thread(target=grammars.warm, name="grammar-vocabulary", daemon=True).start()
+    served = Served(engine, tok, model_id(manifest, cfg), cfg.default_max_tokens,
                     cfg.max_body_bytes, api_keys=cfg.api_keys, cors_origins=cfg.cors_origins, precision=run.precision,
-                    context=context, kv=run.kv or "device default", reconnect_s=cfg.recovery.reconnect_s)
+                    context=context, kv=run.kv or "device default", reconnect_s=cfg.recovery.reconnect_s,
+                    grammars=grammars)
     sock = socket.create_server((cfg.host, cfg.port))  # bound here, so port 0 reports its real port
     host, port = sock.getsockname()[:2]
     print(f"serving {served.model_id} ({len(manifest.stages)} stages, context {context} tokens, KV cache "

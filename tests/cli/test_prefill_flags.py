@@ -1,6 +1,7 @@
-"""`serve --prefill-budget` and `--prefill-share` (issue 23) and `export --reblock` (issue 22)
-through the real command line: a zero, negative or out-of-range value is one clear error line
-and exit 1, before the server binds or an export begins."""
+"""`serve --prefill-budget` and `--prefill-share` (issue 23), `--chat-template` (issue 40) and
+`export --reblock` (issue 22) through the real command line: a zero, negative or out-of-range
+value, or a template that cannot be read, is one clear error line and exit 1, before the server
+binds or an export begins."""
 
 from __future__ import annotations
 
@@ -36,3 +37,14 @@ def test_export_refuses_a_bad_reblock(tmp_path: Path, flags: list[str], message:
                                       capsys: pytest.CaptureFixture[str]) -> None:
     _fails(capsys, ["export", "--stages", "1", "--out", str(tmp_path / "out"), *flags], message)
     assert not (tmp_path / "out").exists()
+
+
+def test_serve_refuses_a_chat_template_it_cannot_read(tiny_models: tuple[Path, Path], tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing.jinja"
+    _fails(capsys, ["serve", "--shards", str(tiny_models[0]), "--port", "0", "--chat-template", str(missing)],
+           f"--chat-template {missing}: neither a built-in (chatml-tools) nor a readable file")
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }")
+    _fails(capsys, ["serve", "--shards", str(tiny_models[0]), "--port", "0", "--chat-template", str(broken)],
+           f"--chat-template {broken}: not a Jinja template")

@@ -1,6 +1,7 @@
 """Running shards (coordinator, workers, tokenizer) needs only openvino, numpy, tokenizers and
-jinja2: torch, transformers, nncf, gguf and tqdm are export- or test-time only, cryptography
-keygen-time only (links use the standard ssl module)."""
+jinja2 (and llguidance for constrained decoding, on the coordinator): torch, transformers, nncf,
+gguf and tqdm are export- or test-time only, cryptography keygen-time only (links use the
+standard ssl module)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ prompt = tok.encode_chat([{"role": "user", "content": "What is the capital of Fr
 engine, _ = open_engine(folder, RunConfig(), ServeConfig(max_streams=1))
 print(tok.decode(tokens(engine, prompt, SamplingConfig(max_tokens=8), tok.stop_ids)))
 engine.shutdown()
+from shardline.model.grammar import Grammars, GrammarSpec  # constrained decoding: llguidance alone
+from shardline.model.manifest import load_manifest
+grammars = Grammars((folder / "tokenizer.json").read_text(), load_manifest(folder).arch.vocab, tok.stop_ids)
+print("mask", grammars.constraint(GrammarSpec.json_schema({"type": "object"})).masks([]).shape)
 """
 
 
@@ -40,4 +45,4 @@ def test_run_time_path_imports_no_export_dependencies(shards: Callable[..., Path
     run = subprocess.run([sys.executable, "-c", SCRIPT, str(shards("fp32", stages=2))],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "Paris" in run.stdout
+    assert "Paris" in run.stdout and "mask (1, 1536)" in run.stdout

@@ -121,3 +121,66 @@ def test_the_golden_is_transformers(golden: dict[str, Any]) -> None:
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     case = golden["cases"][0]
     assert greedy_reference(model, case["ids"], STEPS)[0] == case["tokens"]
+
+
+TOOLS: Any = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 40}}}}}]
+TOOL_CHAT: Any = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny, 21 C"},
+]
+
+
+def test_its_own_template_renders_tools_as_transformers_does(real: Callable[..., Path]) -> None:
+    """Qwen2.5's template, run by us, renders tools, a call and its result as transformers renders
+    them; it teaches Hermes calls, `<tool_call>` being one token of its vocabulary (issue 40)."""
+    from transformers import AutoTokenizer
+
+    from shardline.model.tool_calls import Hermes
+
+    path = pull(named(NAME))
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = ChatTokenizer(real(1))
+    for messages in (TOOL_CHAT[:1], TOOL_CHAT):
+        assert tok.chat_prompt(messages, tools=TOOLS) == hf.apply_chat_template(
+            messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert isinstance(tok.tool_syntax, Hermes) and tok.tokens("<tool_call>") == [151657]
+
+
+def test_a_required_call_is_valid_on_the_real_model(real: Callable[..., Path]) -> None:
+    import json
+
+    import jsonschema
+
+    from shardline.config import SamplingConfig
+    from shardline.model.grammar import Grammars, GrammarSpec
+    from shardline.model.manifest import load_manifest
+    from shardline.model.tool_calls import MARKERS
+    from shardline.serving.engine import Request
+    from tests.serving.test_constrained import _run
+
+    folder = real(1)
+    tok = ChatTokenizer(folder)
+    grammars = Grammars((folder / "tokenizer.json").read_text(), load_manifest(folder).arch.vocab, tok.stop_ids)
+    assert tok.tool_syntax is not None
+    syntax = type(tok.tool_syntax)(grammars.special(MARKERS))  # as api/tools.py builds it
+    tools = [t["function"] for t in TOOLS]
+    prompt = tok.encode_chat(TOOL_CHAT[:1], tools=TOOLS)
+    spec = GrammarSpec("lark", syntax.grammar(tools, False))
+    with LocalPipeline(folder, EXACT) as pipe:
+        engine = Engine(pipe, Limits(2, 2), 8192)
+        try:  # required, and auto (if the model calls on its own, its call is held to the schema)
+            out = _run(engine, [Request(prompt, SamplingConfig(max_tokens=60), frozenset(tok.stop_ids),
+                                        constraint=c) for c in (grammars.constraint(spec),
+                                                                grammars.lazy(spec, syntax.trigger))])
+        finally:
+            engine.stop()
+    calls = [syntax.parse(tok.raw.decode(got, skip_special_tokens=False)).calls for got, _ in out]
+    assert [f for _, f in out] == ["stop", "stop"] and len(calls[0]) == 1  # required: exactly one call
+    for call in calls[0] + calls[1]:  # auto: this model answers in a fenced JSON block, which is its choice
+        assert call.name == "get_weather"
+        jsonschema.validate(json.loads(call.arguments), tools[0]["parameters"])

@@ -87,7 +87,7 @@ def forward(key: int, slots: int, t: int, *, first: bool = False, rows: int = 1,
                    [SamplingParams()] * rows, np.arange(rows, dtype=np.int64) + 1000, np.asarray(keep, np.int64),
                    np.asarray(merge, np.int64), hidden, mask_to_runs(np.ones((rows, slots + t), np.int64)),
                    np.tile(np.arange(at, at + t, dtype=np.int64), (rows, 1)),
-                   np.array([[r, t - 1] for r in range(rows)], np.int64), None, None, None, no_hops())
+                   np.array([[r, t - 1] for r in range(rows)], np.int64), None, None, None, None, None, no_hops())
 
 
 def parts_for(worker: StageWorker, seq: int, slots: int) -> list[KvPart]:

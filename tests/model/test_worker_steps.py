@@ -43,7 +43,7 @@ def _forward(key: int, slots: int, t: int, first: bool = False, width: int = 576
                    [SamplingParams()] * b,
                    np.arange(key, key + b, dtype=np.int64), np.asarray(keep, np.int64), np.asarray(merge, np.int64),
                    hidden, mask_to_runs(mask), np.tile(np.arange(slots, slots + t, dtype=np.int64), (b, 1)),
-                   np.array([[r, t - 1] for r in range(b)], np.int64), None, None, None, no_hops())
+                   np.array([[r, t - 1] for r in range(b)], np.int64), None, None, None, None, None, no_hops())
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +78,19 @@ def test_first_step_opens_and_bad_steps_fail_alone(worker: StageWorker) -> None:
         "draft ids outside the vocabulary of 49152": replace(
             _forward(5, 4, 1), sampling=[SamplingParams(temperature=1.0)], drafts=np.array([70000]),
             q_ids=np.array([[70000]]), q_probs=np.array([[1.0]], np.float32)),
+        "token masks of 3 words for a vocabulary of 49152": replace(
+            _forward(5, 4, 1), allow_bits=np.full((1, 3), -1, np.int32), allow_of=np.array([0])),
+        "a token mask that allows no token": replace(
+            _forward(5, 4, 1), allow_bits=np.zeros((1, 1536), np.int32), allow_of=np.array([0])),
     }
     for why, msg in cases.items():
         reply = _send(worker, s, msg)
         assert isinstance(reply, StepFailed) and why in reply.reason, (why, reply)
     assert isinstance(_send(worker, s, _forward(5, 4, 1)), Sampled)  # the stream goes on
+    one = np.zeros((1, 1536), np.int32)
+    one[0, 100 // 32] = 1 << (100 % 32)  # token 100 alone
+    reply = _send(worker, s, replace(_forward(5, 5, 1), allow_bits=one, allow_of=np.array([0])))
+    assert isinstance(reply, Sampled) and reply.tokens.tolist() == [100]  # the worker applies the mask
     worker._handle(Ended(s))
 
 

@@ -223,7 +223,7 @@ def _step(key: int, cache: int, t: int = 1, *, first: bool = False, seq: int = 0
                    [SamplingParams()] * b, np.arange(1000, 1000 + b, dtype=np.int64),
                    np.asarray(keep, np.int64), np.asarray(merge, np.int64), hidden,
                    mask_to_runs(np.ones((b, width_s), np.int64)), positions, np.array(sample_at, np.int64),
-                   None, None, None, no_hops())
+                   None, None, None, None, None, no_hops())
 
 
 def _dropped(w: Proc, p: Peer) -> str:

@@ -9,6 +9,7 @@ import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx2 as httpx
 import openai
@@ -122,3 +123,33 @@ def test_bad_flags_get_a_clear_error(two: Path, flags: list[str], said: str) -> 
     done = subprocess.run([SHARDLINE, "serve", "--shards", str(two), "--port", "0", *flags],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and said in done.stderr, done.stderr
+
+
+def test_a_constrained_answer_is_the_coupled_one(balanced: Path, client: openai.OpenAI) -> None:
+    """The grammar's state travels with the stream from the prefill to the decode instance: the
+    JSON answer equals a coupled engine's, asked twice (the second from the kept prompt)."""
+    import json
+
+    import jsonschema
+
+    from shardline.model.grammar import Grammars, GrammarSpec
+    from shardline.model.manifest import load_manifest
+    from shardline.serving.engine import Request
+    from tests.serving.test_constrained import ASK, PERSON, _run
+
+    tok = ChatTokenizer(balanced)
+    grammars = Grammars((balanced / "tokenizer.json").read_text(), load_manifest(balanced).arch.vocab, tok.stop_ids)
+    with LocalPipeline(balanced, RunConfig()) as pipe:
+        engine = Engine(pipe, Limits(1, 1), 8192)
+        try:
+            [(want, _)] = _run(engine, [Request(tok.encode_chat([{"role": "user", "content": ASK}]),
+                                                SamplingConfig(max_tokens=96), frozenset(tok.stop_ids),
+                                                constraint=grammars.constraint(GrammarSpec.json_schema(PERSON)))])
+        finally:
+            engine.stop()
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for _ in range(2):
+        got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=96,
+                                             temperature=0, response_format=fmt).choices[0].message.content or ""
+        assert got == tok.decode(want)
+    jsonschema.validate(json.loads(got), PERSON)

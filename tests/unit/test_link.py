@@ -52,7 +52,8 @@ def _hello(first: int, last: int, model: str = "m" * 64, role: Role = Role.WORKE
 def _prefill(t: int) -> Forward:
     return Forward(1, 0, Phase.PREFILL, True, t, False, False, [SamplingParams()], np.array([1]), np.zeros(0, np.int64),
                    np.zeros(0, np.int64), np.ones((1, t, 576), np.float16), mask_to_runs(np.ones((1, t))),
-                   np.arange(t, dtype=np.int64)[None], np.zeros((0, 2), np.int64), None, None, None, np.zeros((1, 5)))
+                   np.arange(t, dtype=np.int64)[None], np.zeros((0, 2), np.int64), None, None, None, None, None,
+                   np.zeros((1, 5)))
 
 
 def _in_thread(f: Callable[[], object]) -> tuple[threading.Thread, list[BaseException]]:

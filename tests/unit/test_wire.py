@@ -54,7 +54,7 @@ def _mask(*rows: str) -> np.ndarray:
 PREFILL = Forward(7, 3, Phase.PREFILL, True, 5, False, False, [SamplingParams(0.0, 0, 1.0, 1, 0)], np.array([7], I64),
                   np.zeros(0, I64), np.zeros(0, I64), rng.standard_normal((1, 5, 576)).astype(np.float16),
                   mask_to_runs(np.ones((1, 5))), np.arange(5, dtype=I64)[None], np.zeros((0, 2), I64), None, None,
-                  None, HOPS[:1])
+                  None, None, None, HOPS[:1])
 # A correction and three drafts verified in one step; two earlier rejected drafts are masked out
 # (and dropped first: compact); the drafts were drawn from distributions whose supports travel.
 VERIFY = Forward(7, 4, Phase.DECODE, False, 12, True, True, [SamplingParams(0.7, 40, 0.9, 5, 3)], np.array([7], I64),
@@ -62,14 +62,16 @@ VERIFY = Forward(7, 4, Phase.DECODE, False, 12, True, True, [SamplingParams(0.7,
                  mask_to_runs(_mask("111111001111")), np.arange(6, 10, dtype=I64)[None],
                  np.array([[0, 0], [0, 1], [0, 2], [0, 3]], I64), np.array([11, 12, 13, -1], I64),
                  np.array([[11, 5], [12, -1], [13, 2], [-1, -1]], I64),
-                 np.array([[0.75, 0.25], [1, 0], [0.5, 0.5], [0, 0]], np.float32), np.zeros((0, 5)))
+                 np.array([[0.75, 0.25], [1, 0], [0.5, 0.5], [0, 0]], np.float32), None, None, np.zeros((0, 5)))
 # A decode group: rows 1 and 0 of its state kept in that order, stream 4's own KV merged after them.
 GROUP = Forward(-1, 5, Phase.DECODE, False, 6, False, False,
                 [SamplingParams(), SamplingParams(temperature=0.5, seed=9), SamplingParams(top_p=0.5)],
                 np.array([3, 9, 4], I64), np.array([1, 0], I64), np.array([4], I64),
                 rng.standard_normal((3, 1, 576)).astype(np.float16),
                 mask_to_runs(_mask("111111", "001111", "000011")), np.array([[5], [3], [1]], I64),
-                np.array([[0, 0], [1, 0], [2, 0]], I64), None, None, None, HOPS[:1])
+                np.array([[0, 0], [1, 0], [2, 0]], I64), None, None, None,
+                # row 1 constrained (a grammar's mask over a 70-token vocabulary), rows 0 and 2 free
+                np.array([[-1, 0b101, 0]], np.int32), np.array([-1, 0, -1], I64), HOPS[:1])
 SAMPLES: list[Message] = [
     Hello(PROTOCOL, Role.WORKER, "ab" * 32, 15, 29, "gguf", Activations.ANY, "", 8192, "CPU,NPU"),
     Hello(PROTOCOL, Role.COORDINATOR, "ab" * 32, 0, 14, "gguf", Activations.F16, "0f" * 16, 131072),
@@ -328,6 +330,13 @@ def _hidden(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     (VERIFY, {"q_ids": array_bytes(np.zeros((4, 65), I64)), "q_probs": array_bytes(np.zeros((4, 65), np.float32))},
      "for 4 samples"),
     (VERIFY, {"q_ids": array_bytes(np.zeros((4, 2), np.int32))}, "q_ids is i4"),
+    (GROUP, {"allow_bits": array_bytes(None)}, "allow_bits come with allow_of"),
+    (GROUP, {"allow_of": array_bytes(np.array([-1, 1, -1], I64))}, "allow_of names a mask outside 0-0"),
+    (GROUP, {"allow_of": array_bytes(np.array([-2, 0, -1], I64))}, "allow_of names a mask outside"),
+    (GROUP, {"allow_of": array_bytes(np.array([0, 0], I64))}, "allow_of .* for 3 samples"),
+    (GROUP, {"allow_bits": array_bytes(np.zeros((4, 3), np.int32))}, "token masks of shape .* for 3 samples"),
+    (GROUP, {"allow_bits": array_bytes(np.zeros((1, 3), np.int64))}, "allow_bits is i8 with 2 dims, not i4"),
+    (GROUP, {"allow_bits": array_bytes(np.zeros((1, (1 << 15) + 1), np.int32))}, "token masks of shape"),
     (SAMPLES[9], {"top_ids": array_bytes(None)}, "top ids and logprobs go together"),
     (SAMPLES[9], {"logprobs": array_bytes(np.zeros(2, np.float16))}, "logprobs is f2"),
     (SAMPLES[9], {"tokens": array_bytes(np.zeros(3, I64))}, "one logprob per token"),

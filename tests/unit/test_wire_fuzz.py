@@ -116,7 +116,18 @@ def forwards(draw: Any) -> Forward:
         np.array(keep, np.int64), np.array(merge, np.int64),
         draw(arrays(draw(st.sampled_from(["<f2", "<f4"])), (b, t, width))), mask_to_runs(mask),
         draw(arrays("<i8", (b, t), 0, MAX_SLOTS - 1)), np.array(samples, np.int64).reshape(-1, 2),
-        drafts if drafted else None, q_ids if drafted else None, q_probs if drafted else None, draw(hops()))
+        drafts if drafted else None, q_ids if drafted else None, q_probs if drafted else None,
+        *draw(token_masks(e)), draw(hops()))
+
+
+@st.composite
+def token_masks(draw: Any, e: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """None, or up to one bitmask per sampled entry and which entries they limit."""
+    if not draw(st.booleans()):
+        return None, None
+    m, words = draw(st.integers(0, e)), draw(st.integers(0, 5))
+    which = draw(st.lists(st.integers(-1, m - 1), min_size=e, max_size=e)) if m else [-1] * e
+    return draw(arrays("<i4", (m, words))), np.array(which, np.int64)
 
 
 @st.composite

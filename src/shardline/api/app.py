@@ -24,13 +24,16 @@ from starlette.exceptions import HTTPException
 
 from shardline.api.auth import SCOPE, ApiKey
 from shardline.api.availability import when_up
-from shardline.api.generation import Generation, check_alive, fitted_max_tokens
+from shardline.api.constrain import constrain
+from shardline.api.generation import Generation, Piece, check_alive, fitted_max_tokens
 from shardline.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from shardline.api.logprobs import ChatLogprobs, LegacyLogprobs, TokenLogprob, TokenText
 from shardline.api.metrics import ServerMetrics
 from shardline.api.pages import add_pages
 from shardline.api.prompt import tokenize
 from shardline.api.schemas import ApiError, ChatRequest, CompletionRequest, Sampling, now, usage
+from shardline.api.tools import ToolPlan, ToolStream, offered, openai_calls, template_messages, tool_plan
+from shardline.model.grammar import Grammars
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.serving.engine import Serving
 from shardline.serving.status import health as serving_health
@@ -55,6 +58,7 @@ class Served:
     context: int = 0  # the longest sequence served (0: unknown)
     kv: str = "f32"  # this process's KV cache precision ("device default" where the device chose)
     reconnect_s: float = 10.0  # how long a request waits for a broken chain's repair before a 503
+    grammars: Grammars | None = None  # constrained decoding (response_format, json_schema, grammar); None: refused
 
 
 class Json(JSONResponse):
@@ -78,11 +82,14 @@ def build_app(served: Served) -> FastAPI:
     _errors(app)
     add_pages(app, served, Json)
 
-    def generation(endpoint: str, prompt: list[int], body: Sampling, request: Request) -> Generation:
+    async def generation(endpoint: str, prompt: list[int], body: Sampling, request: Request,
+                         tools: ToolPlan | None = None) -> Generation:
         key_scope = getattr(request.state, SCOPE, "")  # whose kept prefixes it may share (auth.py)
         default = fitted_max_tokens(served.default_max_tokens, served.context, len(prompt))
+        wanted = (tools.constraint, "tools") if tools else body.grammar_spec()
+        constraint = await constrain(served.grammars, wanted, metrics)
         return Generation(served.engine, served.tok, metrics, endpoint, prompt, body, default,
-                          served.retry_after_s, key_scope=key_scope)
+                          served.retry_after_s, key_scope=key_scope, constraint=constraint)
 
     @app.get("/health")
     async def health() -> Response:
@@ -107,12 +114,14 @@ def build_app(served: Served) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Response:
         _admit(served, body)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = await tokenize(partial(ChatTokenizer.encode_chat, extra=body.chat_template_kwargs), served.tok,
-                                messages, "messages")
-        shape = _ChatShape(served.model_id, ChatLogprobs(token_text) if body.wants_logprobs() else None)
+        plan = tool_plan(body, served.tok)
+        messages = template_messages(body)
+        prompt = await tokenize(partial(ChatTokenizer.encode_chat, extra=body.chat_template_kwargs,
+                                        tools=offered(plan.tools) if plan else None), served.tok, messages, "messages")
+        shape = _ChatShape(served.model_id, ChatLogprobs(token_text) if body.wants_logprobs() else None,
+                           ToolStream(plan, served.tok) if plan else None)
         await when_up(served.engine, served.reconnect_s)
-        return await _respond(generation("chat", prompt, body, request), body, request, shape)
+        return await _respond(await generation("chat", prompt, body, request, plan), body, request, shape)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -124,7 +133,7 @@ def build_app(served: Served) -> FastAPI:
             prompt_text = await run_in_threadpool(served.tok.decode, prompt) if body.wants_logprobs() else ""
         fmt = LegacyLogprobs(token_text, len(prompt_text)) if body.wants_logprobs() else None
         await when_up(served.engine, served.reconnect_s)
-        return await _respond(generation("completion", prompt, body, request), body, request,
+        return await _respond(await generation("completion", prompt, body, request), body, request,
                               _TextShape(served.model_id, fmt))
 
     return app
@@ -149,16 +158,40 @@ def _known_ids(ids: list[int], vocab: int) -> list[int]:
 class _ChatShape:
     obj, chunk_obj = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, model: str, logprobs: Formatter | None = None) -> None:
+    def __init__(self, model: str, logprobs: Formatter | None = None, tools: ToolStream | None = None) -> None:
         self.model, self.id, self.logprobs = model, f"chatcmpl-{secrets.token_hex(12)}", logprobs
+        self.tools = tools
 
     def _lp(self, entries: list[TokenLogprob], always: bool) -> dict[str, Any] | None:
         """A whole answer always has a logprobs object when asked for; a chunk only with tokens."""
         return self.logprobs(entries) if self.logprobs and (always or entries) else None
 
-    def choice(self, text: str, finish: str, entries: list[TokenLogprob]) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self._lp(entries, True),
-                "finish_reason": finish}
+    def choice(self, text: str, finish: str, entries: list[TokenLogprob], tokens: list[int]) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            parsed = self.tools.plan.syntax.parse(self.tools.tok.raw.decode(tokens, skip_special_tokens=False))
+            if parsed.calls:
+                message = {"role": "assistant", "content": parsed.content or None,
+                           "tool_calls": openai_calls(parsed.calls)}
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": 0, "message": message, "logprobs": self._lp(entries, True), "finish_reason": finish}
+
+    def deltas(self, p: Piece, first: bool, tokens: list[int]) -> list[dict[str, Any]]:
+        """The chunks' choices for piece `p` (`tokens`: every token so far, read at the end for calls)."""
+        if self.tools is None:
+            return [self.delta(p.text, p.finish, p.logprobs, first)] if (p.text or first or p.finish or p.logprobs) \
+                else []
+        text = self.tools.push(p.text, p.tokens)
+        if not p.finish:
+            return [self.delta(text, None, p.logprobs, first)] if (text or first or p.logprobs) else []
+        rest, parsed = self.tools.end(tokens)
+        if not parsed.calls:
+            return [self.delta(text + rest, p.finish, p.logprobs, first)]
+        out = [self.delta(text + rest, None, p.logprobs, first)] if (text + rest or first) else []
+        calls = [{"index": i, **c} for i, c in enumerate(openai_calls(parsed.calls))]
+        out.append({"index": 0, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None})
+        out.append(self.delta(None, "tool_calls" if p.finish == "stop" else p.finish, [], False))
+        return out
 
     def delta(self, text: str | None, finish: str | None, entries: list[TokenLogprob],
               first: bool = False) -> dict[str, Any]:
@@ -175,7 +208,7 @@ class _TextShape(_ChatShape):
         super().__init__(model, logprobs)
         self.id = f"cmpl-{secrets.token_hex(12)}"
 
-    def choice(self, text: str, finish: str, entries: list[TokenLogprob]) -> dict[str, Any]:
+    def choice(self, text: str, finish: str, entries: list[TokenLogprob], tokens: list[int]) -> dict[str, Any]:
         return {"index": 0, "text": text, "logprobs": self._lp(entries, True), "finish_reason": finish}
 
     def delta(self, text: str | None, finish: str | None, entries: list[TokenLogprob],
@@ -189,7 +222,7 @@ async def _respond(gen: Generation, body: Sampling, request: Request, shape: _Ch
         return StreamingResponse(_sse(gen, body, shape), media_type="text/event-stream")
     done = await _unless_disconnected(gen.collect(), request)
     return Json({"id": shape.id, "object": shape.obj, "created": now(), "model": shape.model,
-                 "choices": [shape.choice(done.text, done.finish, done.logprobs)],
+                 "choices": [shape.choice(done.text, done.finish, done.logprobs, gen.tokens)],
                  "usage": usage(len(gen.prompt), gen.completion_tokens)})
 
 
@@ -214,8 +247,8 @@ async def _sse(gen: Generation, body: Sampling, shape: _ChatShape) -> AsyncItera
     first = True
     try:
         async for p in gen.pieces():
-            if p.text or first or p.finish or p.logprobs:
-                yield event([shape.delta(p.text, p.finish, p.logprobs, first)])
+            for choice in shape.deltas(p, first, gen.tokens):
+                yield event([choice])
                 first = False
     except ApiError as e:  # headers are gone: the error travels as an event
         yield f"data: {json.dumps(e.body())}\n\n"

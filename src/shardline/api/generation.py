@@ -22,7 +22,7 @@ from shardline.api.schemas import ApiError, Sampling
 from shardline.config import SamplingConfig
 from shardline.errors import ShardlineError
 from shardline.model.tokenizer import ChatTokenizer, StreamDecoder
-from shardline.serving.engine import Event, Overloaded, Request, Serving
+from shardline.serving.engine import Constraint, Event, Overloaded, Request, Serving
 
 # How often a request waiting for its next token checks that the engine thread is still alive
 # (an engine that died without a final event would otherwise leave the request hanging).
@@ -34,6 +34,7 @@ class Piece:
     text: str
     finish: str | None = None  # "stop" | "length" on the last piece
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the token ids consumed since the previous piece
 
 
 @dataclass
@@ -76,7 +77,9 @@ class Generation:
     default_max_tokens: int
     retry_after_s: int = 1
     key_scope: str = ""  # the API key's scope (auth.py): kept prefixes are shared within it alone
+    constraint: Constraint | None = None  # its grammar's state, when its output is constrained
     completion_tokens: int = 0
+    tokens: list[int] = field(default_factory=list)  # every token emitted (tool calls are read from them)
     start: float = field(default_factory=time.perf_counter)
     first: float | None = None
     last: float | None = None  # its latest token (the gap histogram's)
@@ -92,7 +95,7 @@ class Generation:
         tok = self.tok
         return Request(self.prompt, cfg, frozenset() if b.ignore_eos else frozenset(tok.stop_ids),
                        b.speculative, tuple(b.stops()), lambda: StreamDecoder(tok), scope=self.key_scope,
-                       cache_prompt=b.cache_prompt)
+                       cache_prompt=b.cache_prompt, constraint=self.constraint)
 
     def start_engine(self) -> None:
         """Submit to the engine now, so that a refusal becomes an HTTP error before any byte
@@ -142,6 +145,7 @@ class Generation:
                     yield visible.end(ev, finish)
                     return
                 self.completion_tokens += 1
+                self.tokens.append(ev.token)
                 now = time.perf_counter()
                 if self.last is not None:
                     self.metrics.gap.observe(now - self.last)
@@ -179,20 +183,26 @@ class _Visible:
         self._keep = keep
         self._shown = 0  # characters sent
         self._pending: list[TokenLogprob] = []
+        self._ids: list[int] = []
 
     def push(self, ev: Event) -> Piece | None:
         """The piece to send after this token's event, if any."""
         assert ev.token is not None
+        self._ids.append(ev.token)
         if self._keep:
             self._pending.append(TokenLogprob(ev.token, ev.logprob, ev.top, ev.offset))
         self._shown += len(ev.text)
         if ev.cut:
-            return Piece(ev.text, None, [e for e in self._take() if e.offset < self._shown])
-        return Piece(ev.text, None, self._take()) if ev.text else None
+            return Piece(ev.text, None, [e for e in self._take() if e.offset < self._shown], self._tokens())
+        return Piece(ev.text, None, self._take(), self._tokens()) if ev.text else None
 
     def end(self, ev: Event, finish: str) -> Piece:
-        return Piece(ev.text, finish, self._take())
+        return Piece(ev.text, finish, self._take(), self._tokens())
 
     def _take(self) -> list[TokenLogprob]:
         taken, self._pending = self._pending, []
+        return taken
+
+    def _tokens(self) -> list[int]:
+        taken, self._ids = self._ids, []
         return taken

@@ -35,6 +35,11 @@ class ServerMetrics:
         self.completion_tokens = Counter("shardline_completion_tokens", "tokens generated", registry=r)
         self.rejected = Counter("shardline_rejected_requests", "requests turned away before generating",
                                 ["reason"], registry=r)
+        self.constrained_requests = Counter("shardline_constrained_requests",
+                                            "requests whose output a grammar or JSON schema constrains", registry=r)
+        self.grammar_compile = Histogram("shardline_grammar_compile_seconds",
+                                         "compiling a request's grammar (cache misses only)", buckets=_LATENCY,
+                                         registry=r)
         Gauge("shardline_queue_depth", "requests waiting for a stream", registry=r).set_function(
             lambda: engine.waiting)
         Gauge("shardline_active_streams", "streams holding KV state", registry=r).set_function(
@@ -52,6 +57,12 @@ class ServerMetrics:
             self.ttft.observe(first - start)
             if tokens > 1:
                 self.tpot.observe((end - first) / (tokens - 1))
+
+    def constrained(self, compile_s: float) -> None:
+        """A constrained request was admitted; `compile_s` its grammar's compile time (0: cached)."""
+        self.constrained_requests.inc()
+        if compile_s > 0:
+            self.grammar_compile.observe(compile_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry) + generate_latest(REGISTRY)

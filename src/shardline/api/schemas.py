@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr
 from pydantic_core import PydanticCustomError
 
 from shardline.config import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, MAX_TOP_LOGPROBS, MIN_TEMPERATURE
+from shardline.model.grammar import GrammarSpec
 
 Int = Annotated[int, Strict()]  # JSON integers only: no true/false, no 1.0, no "1"
 Number = Annotated[float, Strict()]  # JSON numbers (integers too), finite (see allow_inf_nan)
@@ -138,6 +139,12 @@ class Sampling(BaseModel):
     def wants_logprobs(self) -> bool:
         return False
 
+    def grammar_spec(self) -> tuple[GrammarSpec, str] | None:
+        """What the output is constrained to and the field that says so (None: free text);
+        ApiError naming the field."""
+        spec = response_format(self.response_format)
+        return None if spec is None else (spec, _FORMAT_PARAM[spec.kind])
+
     def refusals(self) -> None:
         """Raise ApiError for a valid value that this server cannot honour."""
         if self.n is not None and self.n > 1:
@@ -147,11 +154,44 @@ class Sampling(BaseModel):
                 raise unsupported(name, "a non-zero penalty")
         if self.logit_bias:
             raise unsupported("logit_bias", "a non-empty logit bias")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", f"response format {self.response_format.get('type')!r}")
         for name, neutral in _NEUTRAL_EXTRAS.items():
             if not _neutral((self.model_extra or {}).get(name), neutral):
                 raise unsupported(name, f"a value other than {neutral!r}")
+
+
+_FORMAT_PARAM = {"json_schema": "response_format"}
+
+
+def response_format(fmt: dict[str, Any] | None) -> GrammarSpec | None:
+    """OpenAI's `response_format`: text, json_object (any JSON object; llama-server's `schema`
+    key too) or json_schema ({"json_schema": {"name", "schema", "strict"}}), as a grammar."""
+    where = "response_format"
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec.json_schema(_schema(fmt.get("schema", {"type": "object"}), f"{where}.schema"))
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ApiError(400, f"{where}.json_schema: must be an object with a `schema`", param=f"{where}.json_schema")
+        name = spec.get("name", "")
+        if not isinstance(name, str) or len(name) > 64:
+            raise ApiError(400, f"{where}.json_schema.name: must be a string of at most 64 characters",
+                           param=f"{where}.json_schema.name")
+        if not isinstance(spec.get("strict", False), bool):
+            raise ApiError(400, f"{where}.json_schema.strict: must be a boolean", param=f"{where}.json_schema.strict")
+        return GrammarSpec.json_schema(_schema(spec.get("schema", {}), f"{where}.json_schema.schema"))
+    raise ApiError(400, f"{where}.type: must be one of 'text', 'json_object', 'json_schema', got {kind!r}"[:300],
+                   param=f"{where}.type")
+
+
+def _schema(schema: object, where: str) -> dict[str, Any]:
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"{where}: a JSON schema must be an object", param=where)
+    return schema
 
 
 # Sampling fields of OpenAI's legacy API and of vLLM that clients send: refused unless neutral.
@@ -206,6 +246,7 @@ class ChatRequest(Sampling):
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
     function_call: Any = None
     # More variables for the chat template (vLLM's and llama-server's field): Qwen3's
     # enable_thinking, a system date... Scalars only, under names the template does not own.
@@ -221,15 +262,10 @@ class ChatRequest(Sampling):
         super().refusals()
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise unsupported(name, "tool calling")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none", "auto"):
-                raise unsupported(name, "tool calling")
-        for i, m in enumerate(self.messages):
-            if m.tool_calls:
-                raise unsupported(f"messages[{i}].tool_calls", "tool calling")
+        if self.functions:  # the deprecated form of tools
+            raise unsupported("functions", "the deprecated `functions` (give `tools`)")
+        if self.function_call not in (None, "none", "auto"):
+            raise unsupported("function_call", "the deprecated `function_call` (give `tool_choice`)")
         _check_template_kwargs(self.chat_template_kwargs)
 
 
@@ -259,6 +295,20 @@ def _check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
 class CompletionRequest(Sampling):
     prompt: str | list[int]  # one text, or one prompt's token ids
     logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI allows 0-5
+    # llama-server's: a JSON schema, or a GBNF grammar (llama.cpp's grammars/README.md) the text follows
+    json_schema: dict[str, Any] | None = None
+    grammar: StrictStr | None = None
+
+    def grammar_spec(self) -> tuple[GrammarSpec, str] | None:
+        given = [n for n in ("response_format", "json_schema", "grammar") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ApiError(400, f"{given[1]}: give one of response_format, json_schema and grammar, not several",
+                           param=given[1])
+        if self.json_schema is not None:
+            return GrammarSpec.json_schema(self.json_schema), "json_schema"
+        if self.grammar is not None:
+            return GrammarSpec("gbnf", self.grammar), "grammar"
+        return super().grammar_spec()
 
     @field_validator("prompt", mode="before")
     @classmethod

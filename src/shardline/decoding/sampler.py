@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardline.config import SamplingParams
+from shardline.decoding.masks import TokenMasks, masked
 from shardline.decoding.speculative import Drafted, dense, verify_draw
 
 
@@ -94,41 +95,49 @@ def _choice(logits: np.ndarray, token: int, p: SamplingParams, want_logits: bool
     return Choice(token, float(logp[token]), top_logprobs(logp, p.top_logprobs), kept)
 
 
-def choose(logits: np.ndarray, p: SamplingParams, position: int, want_logits: bool = False) -> Choice:
-    """The token at logical `position` of a stream, from the logits that predict it."""
+def choose(logits: np.ndarray, p: SamplingParams, position: int, want_logits: bool = False,
+           allowed: np.ndarray | None = None) -> Choice:
+    """The token at logical `position` of a stream, from the logits that predict it, among the
+    `allowed` tokens (None: any). Its log-probability is the model's own, unconstrained."""
     if not np.isfinite(logits).all():
         raise BadLogits("the logits are not finite")
-    token = int(np.argmax(logits)) if p.greedy else draw(probabilities(logits, p), p.seed, position)
+    x = masked(logits, allowed)
+    token = int(np.argmax(x)) if p.greedy else draw(probabilities(x, p), p.seed, position)
     return _choice(logits, token, p, want_logits)
 
 
 def verify(logits: np.ndarray, p: SamplingParams, position: int, draft: int, q_ids: np.ndarray,
-           q_probs: np.ndarray, want_logits: bool = False) -> Choice:
+           q_probs: np.ndarray, want_logits: bool = False, allowed: np.ndarray | None = None) -> Choice:
     """The token at `position` when a draft drawn from q (its support `q_ids`, `q_probs`) is
-    offered there: speculative sampling's rule (decoding/speculative.py); greedy takes the argmax."""
+    offered there: speculative sampling's rule (decoding/speculative.py) over the `allowed`
+    tokens' distribution (exact for any q); greedy takes the argmax."""
     if p.greedy:
-        return choose(logits, p, position, want_logits)
+        return choose(logits, p, position, want_logits, allowed)
     if not np.isfinite(logits).all():
         raise BadLogits("the logits are not finite")
     vocab = logits.shape[-1]
     if draft >= vocab or (q_ids.size and int(q_ids.max()) >= vocab):
         raise BadLogits(f"a draft or its support outside the vocabulary of {vocab}")
-    token = verify_draw(probabilities(logits, p), draft, dense(q_ids, q_probs, vocab), p.seed, position)
+    x = masked(logits, allowed)
+    token = verify_draw(probabilities(x, p), draft, dense(q_ids, q_probs, vocab), p.seed, position)
     return _choice(logits, token, p, want_logits)
 
 
 def choose_at(logits: np.ndarray, sample_at: np.ndarray, pick: np.ndarray, position_ids: np.ndarray,
-              params: list[SamplingParams], want_logits: bool = False, drafted: Drafted | None = None) -> list[Choice]:
+              params: list[SamplingParams], want_logits: bool = False, drafted: Drafted | None = None,
+              masks: TokenMasks | None = None) -> list[Choice]:
     """A choice per (row, t) of `sample_at`, from the last stage's logits [B, N, V] gathered by
     `stage.cache.logits_index` (column `pick[e]` of row r); the token chosen after new token t
     sits at logical position position_ids[r, t] + 1. Where `drafted` offers a draft drawn from
-    a distribution, the choice verifies it."""
+    a distribution, the choice verifies it; where `masks` limits an entry, it chooses among the
+    tokens its mask allows."""
     out = []
     for e, (r, t) in enumerate(sample_at.tolist()):
         row, position = logits[r, pick[e]], int(position_ids[r, t]) + 1
+        allowed = masks.allowed(e, row.shape[-1]) if masks is not None else None
         if drafted is not None and drafted.tokens[e] >= 0:
             out.append(verify(row, params[r], position, int(drafted.tokens[e]), drafted.q_ids[e],
-                              drafted.q_probs[e], want_logits))
+                              drafted.q_probs[e], want_logits, allowed))
         else:
-            out.append(choose(row, params[r], position, want_logits))
+            out.append(choose(row, params[r], position, want_logits, allowed))
     return out

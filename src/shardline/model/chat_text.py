@@ -26,25 +26,31 @@ class ControlTokens:
         longest_first = sorted(ids, key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, longest_first))) if ids else None
 
-    def hide(self, messages: list[dict[str, Any]], template: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
-        """The messages with every control-token text in their strings replaced by a stand-in,
-        and the map back (stand-in -> text, for `reveal`); the messages themselves when they
-        hold none."""
+    def hide(self, values: Any, template: str) -> tuple[Any, dict[str, str]]:
+        """`values` (messages, tools: any nesting of dicts and lists) with every control-token
+        text in their strings replaced by a stand-in, and the map back (stand-in -> text, for
+        `reveal`); the values themselves when they hold none."""
         if self._pattern is None:
-            return messages, {}
-        strings = [v for m in messages for v in m.values() if isinstance(v, str)]
+            return values, {}
+        strings = list(_strings(values))
         found = sorted({t for s in strings for t in self._pattern.findall(s)})
         if not found:
-            return messages, {}
+            return values, {}
         texts = [template, *strings]
         free = (c for c in map(chr, _STAND_INS) if not any(c in t for t in texts))
         stand_in = {t: next(free) for t in found}
         pattern = self._pattern
 
         def swap(v: Any) -> Any:
-            return pattern.sub(lambda m: stand_in[m.group()], v) if isinstance(v, str) else v
+            if isinstance(v, str):
+                return pattern.sub(lambda m: stand_in[m.group()], v)
+            if isinstance(v, dict):
+                return {k: swap(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [swap(x) for x in v]
+            return v
 
-        return [{k: swap(v) for k, v in m.items()} for m in messages], {c: t for t, c in stand_in.items()}
+        return swap(values), {c: t for t, c in stand_in.items()}
 
     def split(self, text: str) -> Iterator[str | int]:
         """The text's pieces in order: runs of text, and the id of each control token in it."""
@@ -57,6 +63,17 @@ class ControlTokens:
                 pos = m.end()
         if pos < len(text):
             yield text[pos:]
+
+
+def _strings(v: Any) -> Iterator[str]:
+    if isinstance(v, str):
+        yield v
+    elif isinstance(v, dict):
+        for x in v.values():
+            yield from _strings(x)
+    elif isinstance(v, list):
+        for x in v:
+            yield from _strings(x)
 
 
 def reveal(text: str, back: dict[str, str]) -> str:

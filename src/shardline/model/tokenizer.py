@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 from collections.abc import Mapping
+from importlib import resources
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -15,6 +16,7 @@ from tokenizers.decoders import DecodeStream
 
 from shardline.errors import ShardlineError
 from shardline.model.chat_text import ControlTokens, reveal
+from shardline.model.tool_calls import ToolSyntax, detect
 
 END_OF_GENERATION = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>", "<|end|>",
                      "<end_of_turn>", "</s>", "<EOT>", "<|return|>", "<|call|>")
@@ -34,8 +36,33 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(str(fmt))
 
 
+def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
+            sort_keys: bool = False, ensure_ascii: bool = False) -> str:
+    """JSON as the templates' authors see it rendered (transformers' and llama.cpp's `tojson`):
+    not jinja2's, which escapes <, > and & for HTML."""
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+
+def template_text(given: str) -> str:
+    """`serve --chat-template`: a built-in template by name (model/templates/) or a file's text."""
+    builtin = resources.files("shardline.model.templates") / f"{given}.jinja"
+    try:
+        text = builtin.read_text() if builtin.is_file() else Path(given).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        names = sorted(p.name.removesuffix(".jinja") for p in resources.files("shardline.model.templates").iterdir()
+                       if p.name.endswith(".jinja"))
+        raise ShardlineError(f"--chat-template {given}: neither a built-in ({', '.join(names)}) nor a readable "
+                             f"file: {e}") from None
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateError as e:
+        raise ShardlineError(f"--chat-template {given}: not a Jinja template: {e}") from None
+    return text
+
+
 class ChatTokenizer:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, template: str | None = None) -> None:
+        """`template`: a chat template in place of the export's (`serve --chat-template`)."""
         try:
             spec = (folder / "tokenizer.json").read_text()
             self._tok = Tokenizer.from_str(spec)
@@ -52,9 +79,13 @@ class ChatTokenizer:
         self.add_bos: bool = bool(cfg.get("add_bos_token", False))
         self.bos_token: str = cfg.get("bos_token") or ""
         self.bos_id: int | None = self._tok.token_to_id(self.bos_token) if self.bos_token else None
-        self._source: str = cfg.get("chat_template") or ""
+        self._source: str = template if template is not None else (cfg.get("chat_template") or "")
         env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
-        self._template = env.from_string(self._source) if self._source else None
+        env.filters["tojson"] = _tojson
+        try:
+            self._template = env.from_string(self._source) if self._source else None
+        except TemplateError as e:
+            raise ShardlineError(f"the chat template cannot be read: {e}") from None
         self._control = ControlTokens(
             {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special})
         # Chat models stop at the end of their turn as well as at the declared eos: the
@@ -88,20 +119,36 @@ class ChatTokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
-    def chat_prompt(self, messages: list[dict[str, Any]], extra: Mapping[str, Any] | None = None) -> str:
+    @property
+    def control_tokens(self) -> frozenset[str]:
+        """The texts of the vocabulary's special tokens."""
+        return frozenset(self._control.ids)
+
+    @property
+    def tool_syntax(self) -> ToolSyntax | None:
+        """How the template renders tool calls (None: it renders none)."""
+        return detect(self._source, frozenset(self._control.ids))
+
+    def chat_prompt(self, messages: list[dict[str, Any]], extra: Mapping[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         """The template rendered; `extra`: more variables it may read (a request's
-        chat_template_kwargs, e.g. Qwen3's enable_thinking), never one of those set here."""
+        chat_template_kwargs, e.g. Qwen3's enable_thinking), never one of those set here;
+        `tools`: the functions offered, in OpenAI's form (None: none, and no `tools` variable)."""
         if self._template is None:
             raise ShardlineError("this model has no chat template")
-        return str(self._template.render({**(extra or {}), "messages": messages, "add_generation_prompt": True,
+        offered = {"tools": tools} if tools else {}
+        own = {"messages": messages, "add_generation_prompt": True}
+        return str(self._template.render({**(extra or {}), **offered, **own,
                                           "bos_token": self.bos_token, "eos_token": self.eos_token,
                                           "raise_exception": _raise_exception, "strftime_now": _strftime_now}))
 
-    def encode_chat(self, messages: list[dict[str, Any]], extra: Mapping[str, Any] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], extra: Mapping[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The rendered template's ids: its own control tokens, and every piece of text between
-        them with special tokens left as text, so a message never smuggles in a control token."""
-        hidden, back = self._control.hide(messages, self._source)
-        prompt = self.chat_prompt(hidden, extra)
+        them with special tokens left as text, so a message (or a tool's description) never
+        smuggles in a control token."""
+        (hidden, offered), back = self._control.hide([messages, tools], self._source)
+        prompt = self.chat_prompt(hidden, extra, offered)
         pieces = list(self._control.split(prompt))
         texts = [reveal(p, back) for p in pieces if isinstance(p, str)]
         encoded = iter(self._plain.encode_batch(texts, add_special_tokens=False))  # releases the GIL

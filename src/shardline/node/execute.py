@@ -13,6 +13,7 @@ from collections.abc import Callable, Hashable
 
 import numpy as np
 
+from shardline.decoding.masks import TokenMasks
 from shardline.decoding.sampler import Choice
 from shardline.decoding.speculative import Drafted
 from shardline.stage import executor as stage_work
@@ -33,9 +34,10 @@ def work_of(msg: Forward, scope: Scope) -> StageWork:
     drafted = None
     if msg.drafts is not None and msg.q_ids is not None and msg.q_probs is not None:
         drafted = Drafted(msg.drafts, msg.q_ids, msg.q_probs)
+    masks = None if msg.allow_bits is None or msg.allow_of is None else TokenMasks(msg.allow_bits, msg.allow_of)
     return StageWork(scope(msg.key), inputs, msg.sample_at, msg.sampling, first=msg.first,
                      keep=msg.keep.tolist(), merge=[scope(int(m)) for m in msg.merge], compact=msg.compact,
-                     want_logits=msg.want_logits, drafted=drafted)
+                     want_logits=msg.want_logits, drafted=drafted, masks=masks)
 
 
 def run_stages(stages: list[Stage], work: StageWork, msg: Forward,

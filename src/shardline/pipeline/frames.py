@@ -20,12 +20,14 @@ def forward(step: Step, seq: int, hidden: np.ndarray, graph_s: float, started: f
     hops = with_rows(no_hops(), [0], [graph_s], 0.0, time.perf_counter() - started - graph_s)
     compact = isinstance(step, DecodeStep) and step.compact
     d = step.drafted if isinstance(step, DecodeStep) else None
+    m = step.masks
     return Forward(step.key, seq, step.phase, isinstance(step, PrefillStep) and step.first,
                    int(inputs.attention_mask.shape[1]), step.want_logits, compact, list(step.sampling),
                    np.asarray(step.streams, np.int64), np.asarray(keep, np.int64), np.asarray(merge, np.int64),
                    hidden, mask_to_runs(inputs.attention_mask), inputs.position_ids, step.sample_at,
                    None if d is None else d.tokens, None if d is None else d.q_ids,
-                   None if d is None else d.q_probs, hops)
+                   None if d is None else d.q_probs, None if m is None else m.bits, None if m is None else m.which,
+                   hops)
 
 
 def choice(msg: Sampled, e: int, top_n: int) -> Choice:

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, NewType, Protocol
 import numpy as np
 
 from shardline.config import SamplingParams
+from shardline.decoding.masks import TokenMasks
 from shardline.decoding.sampler import Choice
 from shardline.decoding.speculative import Drafted
 from shardline.errors import ShardlineError
@@ -51,6 +52,7 @@ class Step:
     sample_at: np.ndarray  # [E, 2] i64: (row, t) whose next token is wanted, rows in order
     want_logits: bool = False
     made: float = field(default_factory=time.perf_counter, compare=False)  # when it was planned
+    masks: TokenMasks | None = None  # allowed tokens per sampled entry (constrained rows only)
     phase: ClassVar[Phase]
 
     def __post_init__(self) -> None:
@@ -74,7 +76,7 @@ class PrefillStep(Step):
 
     def work(self) -> StageWork:
         return StageWork(self.key, self.inputs, self.sample_at, self.sampling, first=self.first,
-                         want_logits=self.want_logits)
+                         want_logits=self.want_logits, masks=self.masks)
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,8 @@ class DecodeStep(Step):
 
     def work(self) -> StageWork:
         return StageWork(self.key, self.inputs, self.sample_at, self.sampling, keep=self.keep, merge=self.merge,
-                         compact=self.compact, want_logits=self.want_logits, drafted=self.drafted)
+                         compact=self.compact, want_logits=self.want_logits, drafted=self.drafted,
+                         masks=self.masks)
 
 
 def _started() -> Future[Any]:
@@ -285,17 +288,18 @@ def reserve(step: Step, books: Sequence[KVBook]) -> None:
 
 
 def prefill_step(stream: int, book: KVBook, tokens: list[int], params: SamplingParams, *, first: bool,
-                 last: bool, want_logits: bool = False, key: int | None = None) -> PrefillStep:
+                 last: bool, want_logits: bool = False, key: int | None = None,
+                 masks: TokenMasks | None = None) -> PrefillStep:
     """A prompt chunk of `stream` on its lease `key` (None: the stream's id), over its book as
     it is (not committed: `reserve`); the last chunk samples the token after its last position."""
     at = np.array([[0, len(tokens) - 1]] if last else np.zeros((0, 2)), np.int64)
     return PrefillStep(stream if key is None else key, (stream,), (params,), book.plan(tokens), at, want_logits,
-                       first=first)
+                       masks=masks if last else None, first=first)
 
 
 def decode_step(stream: int, book: KVBook, tokens: list[int], params: SamplingParams, *, sample_all: bool = False,
                 want_logits: bool = False, compact: bool = False, drafted: Drafted | None = None,
-                key: int | None = None) -> DecodeStep:
+                key: int | None = None, masks: TokenMasks | None = None) -> DecodeStep:
     """`tokens` fed to one stream on its own state (lease `key`; None: the stream's id), over
     its book as it is (not committed: `reserve`): the next token after the last (or, with
     `sample_all`, after each of them, as a verify step needs); `compact` first drops the cache's
@@ -303,7 +307,7 @@ def decode_step(stream: int, book: KVBook, tokens: list[int], params: SamplingPa
     ts = range(len(tokens)) if sample_all else [len(tokens) - 1]
     at = np.array([[0, t] for t in ts], np.int64)
     return DecodeStep(stream if key is None else key, (stream,), (params,), book.plan(tokens), at, want_logits,
-                      compact=compact, drafted=drafted)
+                      masks=masks, compact=compact, drafted=drafted)
 
 
 def prefill(stream: int, book: KVBook, tokens: list[int], params: SamplingParams, *, first: bool,

@@ -31,6 +31,7 @@ from itertools import count
 from typing import Protocol
 
 from shardline.config import SamplingConfig
+from shardline.decoding.masks import Constraint
 from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
 from shardline.host import trim_memory_every
@@ -70,6 +71,8 @@ class Request:
     # may start from and join (an API key's), and whether it may at all ("cache_prompt").
     scope: str = ""
     cache_prompt: bool = True
+    # Constrained decoding (issue 40): the request's grammar state, its own (decoding/grammar.py).
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -318,7 +321,7 @@ class Engine:
             lease = self._lease()
             ticket.stream = Stream(new_stream_id(), list(r.prompt), params, r.sampling.max_tokens, r.stop_ids,
                                    r.sampling.want_logits, owner=ticket, book=self.scheduler.kv.book(lease), key=lease,
-                                   prefix_scope=r.scope if r.cache_prompt else None)
+                                   prefix_scope=r.scope if r.cache_prompt else None, constraint=r.constraint)
             if r.speculative:
                 ticket.stream.spec = self.spec.speculation()
             self.scheduler.add(ticket.stream)
@@ -383,9 +386,11 @@ class Engine:
         if ticket.cancelled:
             self._finish(stream, "cancelled")
             return True
-        if choice.token in stream.stop_ids:
+        if choice.token in stream.stop_ids or (stream.constraint and stream.constraint.ends(choice.token)):
             self._finish(stream, "stop")
             return True
+        if stream.constraint is not None:
+            stream.constraint.advance(choice.token)
         stream.generated.append(choice.token)
         text, offset = ticket.text.push(choice.token) if ticket.text else ("", 0)
         cut = bool(ticket.text and ticket.text.stopped)

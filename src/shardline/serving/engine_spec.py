@@ -17,6 +17,7 @@ import time
 from shardline.decoding.drafts import Proposal
 from shardline.decoding.sampler import Choice
 from shardline.pipeline.plan import DecodeStep, Outcome, Pipeline
+from shardline.serving.constrained import within_grammar
 from shardline.serving.scheduler import Scheduler
 from shardline.serving.speculation import Drafts, SpecStats, Speculation, StepCost
 from shardline.serving.stream import Stream
@@ -52,7 +53,8 @@ class SpecDriver:
                 context = s.prompt + s.generated
                 k = spec.choose_k(cost, rows, room=s.max_tokens - len(s.generated) - 1,
                                   ready=spec.drafter.ready(context))
-                spec.offer(spec.drafter.propose(context, k, s.params) if k else Proposal([]))
+                spec.offer(within_grammar(s.constraint, spec.drafter.propose(context, k, s.params)) if k
+                           else Proposal([]))
             except Exception as e:  # noqa: BLE001 - a drafter's failure costs its stream the drafts only
                 log.warning("stream %d: no drafts (%s: %s)", s.id, type(e).__name__, e)
                 spec.offer(Proposal([]))

@@ -15,6 +15,7 @@ from itertools import count
 from typing import TYPE_CHECKING
 
 from shardline.config import SamplingParams
+from shardline.decoding.masks import Constraint
 from shardline.pipeline.hidden import HiddenChunk, PromptHidden
 from shardline.pipeline.kv import KvSnapshot
 from shardline.pipeline.plan import Lease, StreamId
@@ -78,6 +79,7 @@ class Stream:
     paced: bool | None = None  # its prompt is paced (not a short one: pacing.py), fixed by its first chunk
     generated: list[int] = field(default_factory=list)  # chosen so far; the last is fed next
     in_flight: bool = False  # a step of it is between submit and outcome
+    constraint: Constraint | None = None  # its grammar's state after `generated` (constrained decoding)
     spec: Speculation | None = None  # its drafter and drafts, when it speculates
     sent: tuple[float, int, int] | None = None  # (when, rows, width) of its decode step in flight
     resumed: int = 0  # generated tokens its prefill feeds after the prompt (since a restart)

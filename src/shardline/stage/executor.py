@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from shardline.decoding.masks import mask_words
 from shardline.decoding.sampler import Choice, choose_at
 from shardline.errors import StepRefused
 from shardline.stage.cache import logits_index
@@ -31,6 +32,7 @@ def run(stages: Sequence[Stage], work: StageWork, hidden: np.ndarray | None,
     hidden states, or on the last stage the logits of the sampled positions. `graph_s` gets
     each stage's graph seconds. Raises StepRefused for a step that does not fit."""
     _check_drafts(stages[-1], work)
+    _check_masks(stages[-1], work)
     compact, inputs = work.prepared()
     out = hidden
     for stage in stages:
@@ -49,7 +51,7 @@ def sample(work: StageWork, logits: np.ndarray) -> list[Choice]:
     """The last stage's choices: one per (row, t) of `sample_at`, in that order."""
     pick = logits_index(work.sample_at, work.inputs.rows)[1]
     return choose_at(logits, work.sample_at, pick, work.inputs.position_ids, list(work.sampling),
-                     work.want_logits, work.drafted)
+                     work.want_logits, work.drafted, work.masks)
 
 
 def _check_drafts(last: Stage, work: StageWork) -> None:
@@ -57,3 +59,18 @@ def _check_drafts(last: Stage, work: StageWork) -> None:
     d = work.drafted
     if vocab and d is not None and d.q_ids.size and int(d.q_ids.max()) >= vocab:
         raise StepRefused(f"draft ids outside the vocabulary of {vocab}")
+
+
+def _check_masks(last: Stage, work: StageWork) -> None:
+    """Masks are as wide as the vocabulary they limit, one entry per sampled position, and each
+    allows some token (checked before any stage runs: a refused step changes no state)."""
+    m = work.masks
+    if m is None:
+        return
+    if m.which.shape[0] != work.sample_at.shape[0]:
+        raise StepRefused(f"{m.which.shape[0]} token masks for {work.sample_at.shape[0]} sampled positions")
+    vocab = last.vocab if last.entry.has_head else None
+    if vocab and m.bits.shape[0] and m.bits.shape[1] != mask_words(vocab):
+        raise StepRefused(f"token masks of {m.bits.shape[1]} words for a vocabulary of {vocab}")
+    if m.bits.shape[0] and not m.bits.any(axis=1).all():
+        raise StepRefused("a token mask that allows no token")

@@ -26,8 +26,9 @@ from shardline.config import MAX_CONTEXT, SamplingParams
 # 8: Hello.context, the longest sequence the sender serves; 9: Hello.device, where its stages run;
 # 10: KvCopy, a lease's slots copied into a new one on the worker (prefix reuse);
 # 11: what a frame may cost bounded (a key opens with one row: a first step, a push; a copy's
-# slots increasing), Ping/Pong on idle links.
-PROTOCOL = 11
+# slots increasing), Ping/Pong on idle links; 12: Forward.allow_bits/allow_of, the tokens a
+# constrained entry may take (issue 40).
+PROTOCOL = 12
 MAX_SUPPORT = 64  # token ids of a draft distribution sent per sampled position
 
 # One row of `hops` per stage a step has run through, appended by the process that ran it:
@@ -47,6 +48,7 @@ MAX_SLOTS = 1 << 20  # attention mask width (physical cache slots + new tokens)
 MAX_HOPS = 1024
 MAX_KV_PARTS = 1 << 12  # state variables of one worker's stages in one KV move (two per layer)
 MAX_NAME = 256  # a state variable's name
+MAX_MASK_WORDS = (1 << 20) // 32  # a token mask's i32 words: a vocabulary of up to 2^20 tokens
 
 
 class Role(StrEnum):
@@ -191,7 +193,8 @@ class Forward:
         "rows": Arr(("i8",), 1), "keep": Arr(("i8",), 1), "merge": Arr(("i8",), 1),
         "hidden": Arr(("f2", "f4"), 3), "mask_runs": Arr(("i4",), 2), "position_ids": Arr(("i8",), 2),
         "sample_at": Arr(("i8",), 2), "drafts": Arr(("i8",), 1, True), "q_ids": Arr(("i8",), 2, True),
-        "q_probs": Arr(("f4",), 2, True), "hops": Arr(("f8",), 2),
+        "q_probs": Arr(("f4",), 2, True), "allow_bits": Arr(("i4",), 2, True), "allow_of": Arr(("i8",), 1, True),
+        "hops": Arr(("f8",), 2),
     }
     key: int  # the key the stages' requests are open under: the stream, or the group's key
     seq: int  # step number, echoed in the reply
@@ -216,6 +219,10 @@ class Forward:
     drafts: np.ndarray | None  # [E] i64
     q_ids: np.ndarray | None  # [E, S] i64
     q_probs: np.ndarray | None  # [E, S] f32
+    # Constrained decoding (decoding/masks.py): per entry the row of allow_bits that limits it
+    # (-1: free); a row is a bitmask over the vocabulary, 32 tokens per i32 word. Both or neither.
+    allow_bits: np.ndarray | None  # [M, W] i32
+    allow_of: np.ndarray | None  # [E] i64
     hops: np.ndarray  # [stages so far, len(HOP_COLUMNS)] f64; must stay the last array field
 
     def __post_init__(self) -> None:
@@ -243,8 +250,21 @@ class Forward:
         _need(_distinct(self.keep) and _distinct(self.merge),
               "a row kept or merged twice")
         check_drafts(self.drafts, self.q_ids, self.q_probs, self.sample_at.shape[0])
+        check_allowed(self.allow_bits, self.allow_of, self.sample_at.shape[0])
         _need(not self.compact or (self.keep.size == 0 and self.merge.size == 0 and not self.first),
               "a step that opens, merges or drops rows cannot also compact")
+
+
+def check_allowed(bits: np.ndarray | None, which: np.ndarray | None, e: int) -> None:
+    """Token masks come with the entries they limit, one per sampled entry, naming rows that exist."""
+    if bits is None and which is None:
+        return
+    _need(bits is not None and which is not None, "allow_bits come with allow_of")
+    assert bits is not None and which is not None
+    _need(which.shape == (e,), f"allow_of {which.shape} for {e} samples")
+    _need(bits.shape[0] <= e and bits.shape[1] <= MAX_MASK_WORDS, f"token masks of shape {bits.shape} for {e} samples")
+    r = _range(which)
+    _need(r is None or (r[0] >= -1 and r[1] < bits.shape[0]), f"allow_of names a mask outside 0-{bits.shape[0] - 1}")
 
 
 def check_drafts(drafts: np.ndarray | None, q_ids: np.ndarray | None, q_probs: np.ndarray | None, e: int) -> None:

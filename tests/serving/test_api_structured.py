@@ -1,0 +1,121 @@
+"""Structured output through a real `shardline serve` and the official `openai` client (issue 40):
+`chat.completions.parse` with a Pydantic model, json_object, json_schema streamed, llama-server's
+`json_schema` and GBNF `grammar` on completions; hostile schemas and grammars are OpenAI 400s
+naming the field, and the server keeps serving; /metrics counts constrained requests."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.serving.test_api import MODEL, Server
+from tests.serving.test_constrained import ASK, PERSON
+
+
+class City(BaseModel):
+    name: str = Field(max_length=30)
+    country: str = Field(max_length=30)
+    population_millions: float
+
+
+@pytest.fixture(scope="module")
+def server(two: Path) -> Iterator[Server]:
+    s = Server(two, "--max-streams", "4")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _ask(content: str) -> list[Any]:
+    return [{"role": "user", "content": content}]
+
+
+def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
+    done = client.chat.completions.parse(model=MODEL, messages=_ask("Tell me about Paris."), response_format=City,
+                                         max_tokens=80, temperature=0)
+    city = done.choices[0].message.parsed
+    assert isinstance(city, City) and done.choices[0].finish_reason == "stop"
+    assert City.model_validate_json(done.choices[0].message.content or "") == city
+
+
+def test_json_object(client: openai.OpenAI) -> None:
+    done = client.chat.completions.create(model=MODEL, messages=_ask("Give me a recipe."), max_tokens=120,
+                                          temperature=0, response_format={"type": "json_object"})
+    if done.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(done.choices[0].message.content or ""), dict)
+    else:  # cut by max_tokens: still the start of an object
+        assert (done.choices[0].message.content or "").startswith("{")
+
+
+def test_json_schema_streamed_equals_whole(client: openai.OpenAI) -> None:
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    whole = client.chat.completions.create(model=MODEL, messages=_ask(ASK), max_tokens=96, temperature=0,
+                                           response_format=fmt)
+    text = whole.choices[0].message.content or ""
+    jsonschema.validate(json.loads(text), PERSON)
+    parts = client.chat.completions.create(model=MODEL, messages=_ask(ASK), max_tokens=96, temperature=0,
+                                           response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == text
+
+
+def test_completions_json_schema_and_gbnf(client: openai.OpenAI) -> None:
+    done = client.completions.create(model=MODEL, prompt="A person:", max_tokens=96, temperature=0,
+                                     extra_body={"json_schema": PERSON})
+    jsonschema.validate(json.loads(done.choices[0].text), PERSON)
+    gbnf = 'root ::= answer "." \nanswer ::= "yes" | "no"'
+    done = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=8, temperature=0.9,
+                                     seed=3, extra_body={"grammar": gbnf})
+    assert done.choices[0].text in ("yes.", "no.")
+
+
+@pytest.mark.parametrize("endpoint,extra,param,message", [
+    ("chat", {"response_format": {"type": "xml"}}, "response_format.type", "must be one of"),
+    ("chat", {"response_format": {"type": "json_schema"}}, "response_format.json_schema", "an object"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema", "must be an object"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format", "cannot be compiled"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes", "schema": {}}}},
+     "response_format.json_schema.strict", "boolean"),
+    ("chat", {"response_format": {"type": "json_schema",
+                                  "json_schema": {"name": "big", "schema": {"enum": ["x" * (1 << 20)]}}}},
+     "response_format", "over the limit"),
+    ("completion", {"grammar": "root ::= missing"}, "grammar", "cannot be compiled"),
+    ("completion", {"grammar": "root ::= \"a\"", "json_schema": {}}, "grammar", "not several"),
+    ("completion", {"json_schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}, "json_schema",
+     "cannot be compiled"),
+])
+def test_hostile_constraints_are_400s_naming_the_field(server: Server, client: openai.OpenAI, endpoint: str,
+                                                       extra: dict[str, Any], param: str, message: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        if endpoint == "chat":
+            client.chat.completions.create(model=MODEL, messages=_ask("hi"), max_tokens=4, extra_body=extra)
+        else:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body=extra)
+    body: Any = e.value.body
+    assert body["param"] == param and message in body["message"], body
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+def test_metrics_count_constrained_requests(server: Server, client: openai.OpenAI) -> None:
+    before = server.metric("shardline_constrained_requests_total")
+    compiles = server.metric("shardline_grammar_compile_seconds_count")
+    schema: Any = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"],
+                   "additionalProperties": False}
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    for _ in range(2):
+        client.chat.completions.create(model=MODEL, messages=_ask("A digit?"), max_tokens=12, response_format=fmt)
+    assert server.metric("shardline_constrained_requests_total") == before + 2
+    assert server.metric("shardline_grammar_compile_seconds_count") == compiles + 1  # the second was cached

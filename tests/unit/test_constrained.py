@@ -1,0 +1,115 @@
+"""Constrained decoding's pure parts (issue 40): token masks as steps carry them, the sampler
+choosing only among allowed tokens, a step's masks from its rows' grammar states, and drafts cut
+where they leave the grammar. The grammar here is a toy: after token t only t + 1 may follow."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shardline.config import SamplingParams
+from shardline.decoding.drafts import Proposal
+from shardline.decoding.masks import TokenMasks, mask_words
+from shardline.decoding.sampler import choose, choose_at
+from shardline.serving.constrained import token_masks, within_grammar
+
+V = 70  # three i32 words, the last one partly used
+
+
+def bits_of(allowed: list[int], vocab: int = V) -> np.ndarray:
+    b = np.zeros(mask_words(vocab) * 32, np.uint8)
+    b[allowed] = 1
+    return np.packbits(b, bitorder="little").view(np.int32)
+
+
+class Counting:
+    """Toy grammar: the next token is the last one plus 1 (from `start`)."""
+
+    def __init__(self, start: int) -> None:
+        self.last = start - 1
+        self.calls = 0
+
+    def masks(self, drafts: list[int]) -> np.ndarray:
+        self.calls += 1
+        return np.stack([bits_of([self.last + 1 + i]) for i in range(len(drafts) + 1)])
+
+    def valid(self, drafts: list[int]) -> int:
+        n = 0
+        for i, d in enumerate(drafts):
+            if d != self.last + 1 + i:
+                break
+            n += 1
+        return n
+
+    def advance(self, token: int) -> None:
+        assert token == self.last + 1
+        self.last = token
+
+    def ends(self, token: int) -> bool:
+        return False
+
+
+def test_bit_layout_is_llguidance_little_endian() -> None:
+    m = TokenMasks(np.stack([bits_of([0, 31, 32, 69])]), np.array([0, -1], np.int64))
+    allowed = m.allowed(0, V)
+    assert allowed is not None and list(np.flatnonzero(allowed)) == [0, 31, 32, 69]
+    assert m.allowed(1, V) is None
+
+
+def test_greedy_and_sampled_choices_stay_inside_the_mask() -> None:
+    logits = np.arange(V, dtype=np.float32)  # the free argmax is V - 1
+    allowed = np.zeros(V, bool)
+    allowed[[3, 7]] = True
+    assert choose(logits, SamplingParams(), 0, allowed=allowed).token == 7
+    drawn = {choose(logits, SamplingParams(temperature=1.0, seed=s), 5, allowed=allowed).token for s in range(40)}
+    assert drawn == {3, 7}
+    c = choose(logits, SamplingParams(), 0, allowed=allowed)
+    own = float(logits[7] - np.log(np.exp(logits.astype(np.float64)).sum()))  # the model's own, unconstrained
+    assert c.logprob == pytest.approx(own)
+
+
+def test_a_mask_allowing_nothing_is_an_error_not_a_token() -> None:
+    with pytest.raises(ValueError, match="allows no token"):
+        choose(np.zeros(V, np.float32), SamplingParams(), 0, allowed=np.zeros(V, bool))
+
+
+def test_choose_at_applies_each_entrys_mask() -> None:
+    logits = np.tile(np.arange(V, dtype=np.float32), (2, 2, 1))  # [B=2, N=2, V]
+    masks = TokenMasks(np.stack([bits_of([5]), bits_of([9])]), np.array([1, -1, 0, -1], np.int64))
+    at = np.array([[0, 0], [0, 1], [1, 0], [1, 1]], np.int64)
+    got = choose_at(logits, at, np.array([0, 1, 0, 1]), np.zeros((2, 2), np.int64), [SamplingParams()] * 2,
+                    masks=masks)
+    assert [c.token for c in got] == [9, V - 1, 5, V - 1]
+
+
+@pytest.mark.parametrize("bits,which,message", [
+    (np.zeros((1, 3), np.int64), np.zeros(1, np.int64), "token masks"),
+    (np.zeros((1, 3), np.int32), np.array([1], np.int64), "outside 0-0"),
+    (np.zeros((1, 3), np.int32), np.array([-2], np.int64), "outside 0-0"),
+    (np.zeros(3, np.int32), np.zeros(1, np.int64), "token masks"),
+])
+def test_bad_masks_are_refused(bits: np.ndarray, which: np.ndarray, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TokenMasks(bits, which)
+
+
+def test_a_steps_masks_follow_its_rows_drafts() -> None:
+    """Row 0 free with 2 drafts, row 1 constrained with 2 drafts, row 2 constrained, none."""
+    a, b = Counting(10), Counting(40)
+    m = token_masks([None, a, b], [[1, 2], [10, 11], []])
+    assert m is not None
+    assert m.which.tolist() == [-1, -1, -1, 0, 1, 2, 3]
+    allowed = [m.allowed(e, V) for e in range(7)]
+    assert [None if x is None else int(np.flatnonzero(x)[0]) for x in allowed] == [None, None, None, 10, 11, 12, 40]
+    assert token_masks([None, None], [[1], []]) is None  # nothing constrained: the step carries nothing
+
+
+def test_drafts_are_cut_where_the_grammar_ends_them() -> None:
+    c = Counting(10)
+    q = np.ones((3, 2), np.float32) / 2
+    cut = within_grammar(c, Proposal([10, 11, 99], np.zeros((3, 2), np.int64), q))
+    assert cut.tokens == [10, 11] and cut.q_ids is not None and cut.q_ids.shape == (2, 2)
+    assert cut.q_probs is not None and cut.q_probs.shape == (2, 2)
+    assert within_grammar(c, Proposal([99])).tokens == []
+    whole = Proposal([10, 11])
+    assert within_grammar(c, whole) is whole and within_grammar(None, whole) is whole
