@@ -11,10 +11,13 @@ Part 2, the default model served: a constrained request against the same request
 (forced to the same number of tokens: ignore_eos, max_tokens = the constrained output's length),
 one at a time, greedy, in process (the default 2-stage export) and through 2 worker processes (a
 3-stage export, stage 0 here: the last stage, which applies the masks, is a worker). Time per
-output token (first to last token) over rounds; the cost is constrained / plain - 1. Target
+output token: the median gap between consecutive tokens over all rounds (interleaved, order
+alternating); the cost is constrained / plain - 1. Beside it, the grammar's own work per token
+(masks, draft checks, advancing: timed around the stream's constraint), as a share of a plain
+step: short answers leave the gap medians within the machine's noise, this share is not. Target
 (issue 40): <= 5% of a decode step, with compilation cached per schema.
 
-    python bench/structured.py              # ~5 min on 2 cores
+    python bench/structured.py              # ~8 min on 2 cores
     python bench/structured.py --rounds 1 --no-workers
 
 The last line on stdout is one JSON object with the figures, ratios first.
@@ -83,7 +86,7 @@ def llguidance_walk(folder: Path, vocab: int, end: int, schema: dict[str, Any], 
     lt = llguidance.LLTokenizer((folder / "tokenizer.json").read_text(), n_vocab=vocab, eos_token=[end])
     grammar = json.dumps(schema)
     compile_s, m = timed(lambda: llguidance.LLMatcher(
-        lt, llguidance.LLMatcher.grammar_from_json_schema(grammar, overrides=JSON_OPTIONS)))  # type: ignore[arg-type]
+        lt, llguidance.LLMatcher.grammar_from_json_schema(grammar, overrides=JSON_OPTIONS)))
     row = np.empty((vocab + 31) // 32, np.int32)
     times = []
     for t in ids:
@@ -151,6 +154,7 @@ def engines(vocabs: dict[str, Path], schemas: dict[str, tuple[dict[str, Any], di
         for sname, (schema, example) in schemas.items():
             ids = chat.tokens(json.dumps(example, separators=(", ", ": ")))
             for name, walk in WALKS.items():
+                got: dict[str, Any]
                 try:
                     got = walk(folder, vocab, chat.eos_id, schema, ids)
                 except Exception as e:  # noqa: BLE001 - an engine that cannot run here is a row that says so
@@ -162,8 +166,9 @@ def engines(vocabs: dict[str, Path], schemas: dict[str, tuple[dict[str, Any], di
 
 # --- part 2: served on the default model ---------------------------------------------------------
 
-def tpot(engine: Any, prompt: list[int], n: int, stop: frozenset[int], constraint: Any) -> tuple[float, list[int]]:
-    """Seconds per output token (first to last) and the tokens."""
+def gaps(engine: Any, prompt: list[int], n: int, stop: frozenset[int],
+         constraint: Any) -> tuple[list[float], list[int]]:
+    """Seconds between consecutive output tokens, and the tokens."""
     import threading
 
     from shardline.config import SamplingConfig
@@ -182,7 +187,28 @@ def tpot(engine: Any, prompt: list[int], n: int, stop: frozenset[int], constrain
 
     engine.submit(Request(prompt, SamplingConfig(max_tokens=n), stop, False, constraint=constraint), on)
     assert done.wait(600)
-    return (times[-1] - times[0]) / max(1, len(times) - 1), tokens
+    return [b - a for a, b in zip(times, times[1:], strict=False)], tokens
+
+
+class Timed:
+    """A stream's constraint that adds the seconds its grammar work takes to `spent` (the
+    coordinator's share of a constrained token: masks, draft checks, advancing)."""
+
+    def __init__(self, inner: Any, spent: list[float]) -> None:
+        self.inner, self.spent = inner, spent
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.inner, name)
+        if not callable(fn):
+            return fn
+
+        def timed_call(*a: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                self.spent.append(time.perf_counter() - start)
+        return timed_call
 
 
 def served(folder: Path, workers: list[str] | None, rounds: int, schema: dict[str, Any], ask: str) -> dict[str, float]:
@@ -200,24 +226,32 @@ def served(folder: Path, workers: list[str] | None, rounds: int, schema: dict[st
     engine, _ = open_engine(folder, RunConfig(), ServeConfig(decode_groups=0), workers,
                             activations="f32" if workers else None)
     try:
-        tpot(engine, prompt, 8, frozenset(), None)  # warm
-        plain, constrained, n = [], [], 0
-        for _ in range(rounds):
-            c, tokens = tpot(engine, prompt, 256, frozenset(tok.stop_ids), grammars.constraint(spec))
+        gaps(engine, prompt, 8, frozenset(), None)  # warm
+        plain: list[float] = []
+        constrained: list[float] = []
+        spent: list[float] = []
+        n = 0
+        for r in range(rounds):  # interleaved, the order alternating: drift hits both alike
+            first_plain = r % 2 == 1 and n > 0
+            if first_plain:
+                plain += gaps(engine, prompt, n, frozenset(), None)[0]
+            g, tokens = gaps(engine, prompt, 256, frozenset(tok.stop_ids), Timed(grammars.constraint(spec), spent))
+            constrained += g
             n = len(tokens)
-            p, _ = tpot(engine, prompt, n, frozenset(), None)
-            constrained.append(c)
-            plain.append(p)
+            if not first_plain:
+                plain += gaps(engine, prompt, n, frozenset(), None)[0]
     finally:
         engine.shutdown()
     cp, pp = statistics.median(constrained), statistics.median(plain)
-    return {"tokens": n, "plain_ms": pp * 1e3, "constrained_ms": cp * 1e3, "cost": cp / pp - 1}
+    grammar = sum(spent) / max(1, len(constrained) + rounds)
+    return {"tokens": n, "plain_ms": pp * 1e3, "constrained_ms": cp * 1e3, "cost": cp / pp - 1,
+            "grammar_ms": grammar * 1e3, "grammar_share": grammar / pp}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=Path("/tmp/shardline-bench"))
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--no-workers", action="store_true")
     args = p.parse_args()
 
@@ -262,11 +296,14 @@ def main() -> None:
             print(f"| {r['vocab']} | {r['schema']} | {r['engine']} | {r['tokens']} | {r['compile_ms']:.2f} | "
                   f"{r['mask_us_p50']:.0f} | {r['mask_us_p99']:.0f} |")
     print()
-    print("| placement, schema | tokens | plain ms/token | constrained ms/token | cost |")
-    print("|---|--:|--:|--:|--:|")
+    print("| placement, schema | tokens | plain ms/token | constrained ms/token | cost | grammar ms/token "
+          "| grammar share |")
+    print("|---|--:|--:|--:|--:|--:|--:|")
     for name, r in runs.items():
-        print(f"| {name} | {r['tokens']} | {r['plain_ms']:.2f} | {r['constrained_ms']:.2f} | {r['cost']:+.1%} |")
+        print(f"| {name} | {r['tokens']} | {r['plain_ms']:.2f} | {r['constrained_ms']:.2f} | {r['cost']:+.1%} | "
+              f"{r['grammar_ms']:.3f} | {r['grammar_share']:.1%} |")
     figures = {"cost": {k: round(v["cost"], 4) for k, v in runs.items()},
+               "grammar_share": {k: round(v["grammar_share"], 4) for k, v in runs.items()},
                "engines": [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()} for r in rows],
                "served": {k: {m: round(x, 3) for m, x in v.items()} for k, v in runs.items()}}
     print(json.dumps(figures))

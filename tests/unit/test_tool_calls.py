@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from shardline.model.tool_calls import Call, Hermes, Llama3, MistralArgs, MistralList, detect
+from shardline.model.tool_calls import Call, Harmony, Hermes, Llama3, MistralArgs, MistralList, Parsed, detect
 
 NONE: frozenset[str] = frozenset()
 
@@ -18,6 +18,7 @@ NONE: frozenset[str] = frozenset()
     ("[AVAILABLE_TOOLS]...[TOOL_CALLS]{{ name }}[ARGS]{{ arguments }}", MistralArgs),
     ('{{- "<|python_tag|>" + tool_call.name }}<|eom_id|>', Llama3),
     ('{"name": function name, "parameters": dictionary of argument name and its value}<|eot_id|>', Llama3),
+    ('{{- "<|start|>assistant to=" }}{{- "functions." + tool_call.name }}...<|call|>', Harmony),
 ])
 def test_the_template_says_which_syntax(template: str, syntax: type) -> None:
     assert type(detect(template, NONE)) is syntax
@@ -73,3 +74,30 @@ def test_grammars_name_each_function_and_its_parameters() -> None:
     assert Hermes(NONE).grammar(tools, parallel=True).startswith('start: "<tool_call>" ')
     schema = json.loads(Llama3(NONE).grammar(tools[:1], parallel=False).removeprefix("start: %json "))
     assert schema["required"] == ["name", "parameters"] and schema["properties"]["name"] == {"const": "weather"}
+
+
+@pytest.mark.parametrize("header", [
+    "<|channel|>commentary to=functions.weather <|constrain|>json",  # the recipient in the channel
+    " to=functions.weather<|channel|>commentary json",  # ... or in the header
+])
+def test_harmony_calls_in_either_header_order(header: str) -> None:
+    raw = "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant" + header + \
+          '<|message|>{"city": "Paris"}<|call|>'
+    assert Harmony(NONE).parse(raw) == Parsed("", (Call("weather", '{"city": "Paris"}'),))
+
+
+def test_harmony_reads_the_final_channel_as_content_and_leaves_broken_calls_as_text() -> None:
+    raw = ('<|channel|>commentary to=functions.a <|constrain|>json<|message|>{"x": 1}<|end|>'
+           "<|start|>assistant<|channel|>final<|message|>Done.<|return|>")
+    parsed = Harmony(NONE).parse(raw)
+    assert parsed.content == "Done." and parsed.calls == (Call("a", '{"x": 1}'),)
+    broken = "<|channel|>commentary to=functions.a <|constrain|>json<|message|>{broken<|call|>"
+    assert Harmony(NONE).parse(broken).calls == ()
+
+
+def test_a_forced_harmony_call_opens_the_commentary_channel() -> None:
+    special = frozenset({"<|channel|>", "<|constrain|>", "<|message|>"})
+    g = Harmony(special).forced([{"name": "a", "parameters": {"type": "object"}}], parallel=True)
+    assert g.startswith('start: <|channel|> "commentary " "to=functions." (("a" " " <|constrain|> "json" '
+                        '<|message|> %json')
+    assert "*" not in g.split("%json")[0]  # one call a turn: <|call|> ends it

@@ -41,10 +41,9 @@ class ToolPlan:
         offered = self.tools if self.choice in ("auto", "required") else [t for t in self.tools
                                                                           if t["name"] == self.choice]
         syntax = type(self.syntax)(grammars.special(MARKERS))  # the engine's own view of the markers
-        spec = GrammarSpec("lark", syntax.grammar(offered, self.parallel))
         if self.choice == "auto":
-            return grammars.lazy(spec, syntax.trigger)
-        return grammars.constraint(spec)
+            return grammars.lazy(GrammarSpec("lark", syntax.grammar(offered, self.parallel)), syntax.trigger)
+        return grammars.constraint(GrammarSpec("lark", syntax.forced(offered, self.parallel)))
 
 
 def tool_plan(body: ChatRequest, tok: ChatTokenizer) -> ToolPlan | None:

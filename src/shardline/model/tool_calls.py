@@ -7,6 +7,10 @@ text (never the model's name), as a grammar for the call and a parser for what t
   after `<|python_tag|>`).
 - Mistral: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}` (v3 templates), or
   `[TOOL_CALLS]name[ARGS]{...}` per call (templates that know `[ARGS]`).
+- Harmony (gpt-oss): a call is a commentary message addressed to the function,
+  `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}` (or the recipient in
+  the header: ` to=functions.NAME<|channel|>commentary json<|message|>`), and the turn ends at
+  `<|call|>`, a stop token: one call per turn.
 
 Each syntax gives a Lark grammar (llguidance's, with `%json` for the arguments' schemas) of one
 call or several, what starts a call (its trigger: `auto` constrains only once the model writes
@@ -54,7 +58,8 @@ def _args_schema(tool: dict[str, Any]) -> dict[str, Any]:
     return {**(tool.get("parameters") or {"type": "object"}), "x-guidance": _X_GUIDANCE}
 
 
-MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]")  # written bare in a grammar when special
+# Written bare in a grammar where the vocabulary has them as special tokens.
+MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|channel|>", "<|constrain|>", "<|message|>")
 
 
 class ToolSyntax:
@@ -69,6 +74,10 @@ class ToolSyntax:
         `auto` the grammar starts once the model has written the trigger: it is fed the trigger
         first, model/grammar.py.)"""
         raise NotImplementedError
+
+    def forced(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        """Lark: the answer of `required` or a named function, a call from the first token."""
+        return self.grammar(tools, parallel)
 
     def parse(self, raw: str) -> Parsed:
         raise NotImplementedError
@@ -149,6 +158,33 @@ class MistralArgs(ToolSyntax):
         return Parsed(parts[0].strip(), tuple(calls)) if calls else Parsed(raw, ())
 
 
+class Harmony(ToolSyntax):
+    name = "harmony"
+    trigger = "to=functions."
+    _CALL = re.compile(r"to=functions\.([A-Za-z0-9_.-]+)(.*?)<\|message\|>(.*?)(?=<\|call\|>|<\|end\|>|$)", re.S)
+    _FINAL = re.compile(r"<\|channel\|>final<\|message\|>(.*?)(?=<\|return\|>|<\|end\|>|$)", re.S)
+
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        constrain, message = _literal("<|constrain|>", self.special), _literal("<|message|>", self.special)
+        one = " | ".join(f'({json.dumps(t["name"])} " " {constrain} "json" {message} '
+                         f"%json {json.dumps(_args_schema(t))})" for t in tools)
+        return f'start: "to=functions." ({one})\n'  # `parallel` or not: <|call|> ends the turn
+
+    def forced(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        channel = _literal("<|channel|>", self.special)
+        return self.grammar(tools, parallel).replace("start: ", f'start: {channel} "commentary " ', 1)
+
+    def parse(self, raw: str) -> Parsed:
+        calls = []
+        for m in self._CALL.finditer(raw):
+            if _is_object(m.group(3).strip()):
+                calls.append(Call(m.group(1), json.dumps(json.loads(m.group(3).strip()))))
+        if not calls:
+            return Parsed(raw, ())
+        final = self._FINAL.search(raw)
+        return Parsed(final.group(1).strip() if final else "", tuple(calls))
+
+
 def _is_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
@@ -173,6 +209,8 @@ def detect(template: str, special: frozenset[str]) -> ToolSyntax | None:
         return Hermes(special)
     if "[TOOL_CALLS]" in template:
         return MistralArgs(special) if "[ARGS]" in template else MistralList(special)
+    if "<|call|>" in template and "functions." in template:
+        return Harmony(special)
     if "<|python_tag|>" in template or ('"parameters"' in template and "<|eot_id|>" in template):
         return Llama3(special)
     return None
