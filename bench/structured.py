@@ -40,6 +40,7 @@ SMALL: dict[str, Any] = {
     "type": "object", "additionalProperties": False, "required": ["name", "age", "languages"],
     "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0},
                    "languages": {"type": "array", "items": {"type": "string"}, "maxItems": 3}}}
+MIN_GAPS = 600  # per side, in part 2
 SMALL_EXAMPLE = {"name": "Ada Lovelace", "age": 36, "languages": ["Python", "C"]}
 
 
@@ -231,7 +232,10 @@ def served(folder: Path, workers: list[str] | None, rounds: int, schema: dict[st
         constrained: list[float] = []
         spent: list[float] = []
         n = 0
-        for r in range(rounds):  # interleaved, the order alternating: drift hits both alike
+        r = 0
+        # interleaved, the order alternating: drift hits both alike; short answers get more rounds
+        # (up to 10x) until each side has MIN_GAPS gaps: their medians are otherwise within noise
+        while r < rounds or (len(constrained) < MIN_GAPS and r < 10 * rounds):
             first_plain = r % 2 == 1 and n > 0
             if first_plain:
                 plain += gaps(engine, prompt, n, frozenset(), None)[0]
@@ -240,10 +244,11 @@ def served(folder: Path, workers: list[str] | None, rounds: int, schema: dict[st
             n = len(tokens)
             if not first_plain:
                 plain += gaps(engine, prompt, n, frozenset(), None)[0]
+            r += 1
     finally:
         engine.shutdown()
     cp, pp = statistics.median(constrained), statistics.median(plain)
-    grammar = sum(spent) / max(1, len(constrained) + rounds)
+    grammar = sum(spent) / max(1, len(constrained) + r)
     return {"tokens": n, "plain_ms": pp * 1e3, "constrained_ms": cp * 1e3, "cost": cp / pp - 1,
             "grammar_ms": grammar * 1e3, "grammar_share": grammar / pp}
 
