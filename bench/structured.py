@@ -14,7 +14,8 @@ one at a time, greedy, in process (the default 2-stage export) and through 2 wor
 output token: the median gap between consecutive tokens over all rounds (interleaved, order
 alternating); the cost is constrained / plain - 1. Beside it, the grammar's own work per token
 (masks, draft checks, advancing: timed around the stream's constraint), as a share of a plain
-step: short answers leave the gap medians within the machine's noise, this share is not. Target
+step. Masks are computed while the step runs (decoding/masks.LateMasks), so that time overlaps
+the forward pass rather than adding to it; it is longer than alone, sharing the 2 cores. Target
 (issue 40): <= 5% of a decode step, with compilation cached per schema.
 
     python bench/structured.py              # ~8 min on 2 cores

@@ -113,3 +113,57 @@ def test_drafts_are_cut_where_the_grammar_ends_them() -> None:
     assert within_grammar(c, Proposal([99])).tokens == []
     whole = Proposal([10, 11])
     assert within_grammar(c, whole) is whole and within_grammar(None, whole) is whole
+
+
+def test_late_masks_are_computed_once_by_whoever_asks_first() -> None:
+    import threading
+
+    from shardline.decoding.masks import LateMasks
+    from shardline.serving.constrained import late_masks
+
+    assert late_masks([None, None], [[], []]) is None  # free rows carry nothing
+    grammar = Counting(5)
+    late = late_masks([grammar, None], [[], [1]])
+    assert isinstance(late, LateMasks) and grammar.calls == 0  # not at planning: later, beside the step
+    got: list[TokenMasks | None] = []
+    threads = [threading.Thread(target=lambda: got.append(late.get())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    late.prepare()
+    for t in threads:
+        t.join()
+    assert grammar.calls == 1 and all(g is got[0] for g in got)
+    assert got[0] is not None and got[0].which.tolist() == [0, -1, -1]
+
+
+def test_a_late_mask_that_fails_fails_where_the_step_samples() -> None:
+    from shardline.decoding.masks import LateMasks
+
+    def broken() -> TokenMasks | None:
+        raise ValueError("the grammar is in an error state")
+
+    late = LateMasks(broken)
+    late.prepare()  # the engine's call: nothing raised there
+    with pytest.raises(ValueError, match="error state"):
+        late.get()  # the sampler's: the step's rows fail with the reason
+
+
+def test_late_masks_are_checked_at_sampling() -> None:
+    from shardline.decoding.masks import LateMasks
+    from shardline.errors import StepRefused
+    from shardline.stage.cache import StepInputs
+    from shardline.stage.executor import sample
+    from shardline.stage.work import StageWork
+
+    inputs = StepInputs(np.zeros((1, 1), np.int64), np.ones((1, 3), np.int64), np.array([[2]]))
+    logits = np.zeros((1, 1, V), np.float32)
+
+    def work(bits: np.ndarray) -> StageWork:
+        late = LateMasks(lambda: TokenMasks(bits, np.array([0])))
+        return StageWork(0, inputs, np.array([[0, 0]]), [SamplingParams()], masks=late)
+
+    assert [c.token for c in sample(work(bits_of([42])[None]), logits)] == [42]
+    with pytest.raises(StepRefused, match="allows no token"):
+        sample(work(np.zeros((1, mask_words(V)), np.int32)), logits)
+    with pytest.raises(StepRefused, match="token masks of 2 words for a vocabulary of 70"):
+        sample(work(np.full((1, 2), -1, np.int32)), logits)

@@ -13,6 +13,8 @@ Layout: llguidance's, bit j of int32 word w allows token 32 * w + j (little-endi
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,6 +47,41 @@ class TokenMasks:
             return None
         bits = np.unpackbits(self.bits[m].view(np.uint8), bitorder="little")
         return bits[:vocab].astype(bool)
+
+
+class LateMasks:
+    """A step's masks, computed once by whoever needs them first. The engine asks right after
+    handing the step to the pipeline (pipeline/plan.execute), so in process the grammar's work
+    runs while the step's stages do; the last stage asks when it samples and a remote pipeline
+    when it sends the step past its first stage, and either waits for the other. A step's
+    streams have no other step in flight, so their grammar states cannot move in between."""
+
+    def __init__(self, compute: Callable[[], TokenMasks | None]) -> None:
+        self._compute: Callable[[], TokenMasks | None] | None = compute
+        self._lock = threading.Lock()
+        self._value: TokenMasks | None = None
+        self._error: Exception | None = None
+
+    def prepare(self) -> None:
+        """Compute them now if no one has (what computing raises is kept for `get`)."""
+        with self._lock:
+            if self._compute is not None:
+                compute, self._compute = self._compute, None
+                try:
+                    self._value = compute()
+                except Exception as e:  # noqa: BLE001 - kept for whoever samples: the step's rows fail with it
+                    self._error = e
+
+    def get(self) -> TokenMasks | None:
+        """The masks (None: no row constrained yet); raises what computing them raised."""
+        self.prepare()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def resolved(masks: TokenMasks | LateMasks | None) -> TokenMasks | None:
+    return masks.get() if isinstance(masks, LateMasks) else masks
 
 
 def check_masks(bits: np.ndarray, which: np.ndarray) -> None:

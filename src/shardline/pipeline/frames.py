@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from shardline.decoding.masks import resolved
 from shardline.decoding.sampler import Choice
 from shardline.pipeline.plan import DecodeStep, PrefillStep, Step
 from shardline.wire.hops import no_hops, with_rows
@@ -20,7 +21,7 @@ def forward(step: Step, seq: int, hidden: np.ndarray, graph_s: float, started: f
     hops = with_rows(no_hops(), [0], [graph_s], 0.0, time.perf_counter() - started - graph_s)
     compact = isinstance(step, DecodeStep) and step.compact
     d = step.drafted if isinstance(step, DecodeStep) else None
-    m = step.masks
+    m = resolved(step.masks)  # waits for the engine's, if it is computing them
     return Forward(step.key, seq, step.phase, isinstance(step, PrefillStep) and step.first,
                    int(inputs.attention_mask.shape[1]), step.want_logits, compact, list(step.sampling),
                    np.asarray(step.streams, np.int64), np.asarray(keep, np.int64), np.asarray(merge, np.int64),

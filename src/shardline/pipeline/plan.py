@@ -25,7 +25,7 @@ from typing import Any, ClassVar, NewType, Protocol
 import numpy as np
 
 from shardline.config import SamplingParams
-from shardline.decoding.masks import TokenMasks
+from shardline.decoding.masks import LateMasks, TokenMasks
 from shardline.decoding.sampler import Choice
 from shardline.decoding.speculative import Drafted
 from shardline.errors import ShardlineError
@@ -52,7 +52,7 @@ class Step:
     sample_at: np.ndarray  # [E, 2] i64: (row, t) whose next token is wanted, rows in order
     want_logits: bool = False
     made: float = field(default_factory=time.perf_counter, compare=False)  # when it was planned
-    masks: TokenMasks | None = None  # allowed tokens per sampled entry (constrained rows only)
+    masks: TokenMasks | LateMasks | None = None  # allowed tokens per sampled entry (constrained rows only)
     phase: ClassVar[Phase]
 
     def __post_init__(self) -> None:
@@ -201,6 +201,9 @@ def execute(pipe: Pipeline, plan: Plan, failed: Callable[[Step, str], None]) -> 
             pipe.submit(step)
         except Exception as e:  # noqa: BLE001 - a step that cannot start fails its streams
             failed(step, f"{type(e).__name__}: {e}")
+    for step in plan.steps:  # the grammars' masks, while the steps run (decoding/masks.LateMasks)
+        if isinstance(step.masks, LateMasks):
+            step.masks.prepare()
 
 
 def _move(pipe: Pipeline, item: KvMove) -> None:
@@ -289,7 +292,7 @@ def reserve(step: Step, books: Sequence[KVBook]) -> None:
 
 def prefill_step(stream: int, book: KVBook, tokens: list[int], params: SamplingParams, *, first: bool,
                  last: bool, want_logits: bool = False, key: int | None = None,
-                 masks: TokenMasks | None = None) -> PrefillStep:
+                 masks: TokenMasks | LateMasks | None = None) -> PrefillStep:
     """A prompt chunk of `stream` on its lease `key` (None: the stream's id), over its book as
     it is (not committed: `reserve`); the last chunk samples the token after its last position."""
     at = np.array([[0, len(tokens) - 1]] if last else np.zeros((0, 2)), np.int64)
@@ -299,7 +302,7 @@ def prefill_step(stream: int, book: KVBook, tokens: list[int], params: SamplingP
 
 def decode_step(stream: int, book: KVBook, tokens: list[int], params: SamplingParams, *, sample_all: bool = False,
                 want_logits: bool = False, compact: bool = False, drafted: Drafted | None = None,
-                key: int | None = None, masks: TokenMasks | None = None) -> DecodeStep:
+                key: int | None = None, masks: TokenMasks | LateMasks | None = None) -> DecodeStep:
     """`tokens` fed to one stream on its own state (lease `key`; None: the stream's id), over
     its book as it is (not committed: `reserve`): the next token after the last (or, with
     `sample_all`, after each of them, as a verify step needs); `compact` first drops the cache's

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from shardline.decoding.drafts import Proposal
-from shardline.decoding.masks import Constraint, TokenMasks
+from shardline.decoding.masks import Constraint, LateMasks, TokenMasks
 
 
 def token_masks(constraints: Sequence[Constraint | None], drafts: Sequence[Sequence[int]]) -> TokenMasks | None:
@@ -28,6 +28,15 @@ def token_masks(constraints: Sequence[Constraint | None], drafts: Sequence[Seque
         which += range(sum(len(b) for b in rows), sum(len(b) for b in rows) + len(bits))
         rows.append(bits)
     return TokenMasks(np.concatenate(rows), np.asarray(which, np.int64)) if rows else None
+
+
+def late_masks(constraints: Sequence[Constraint | None], drafts: Sequence[Sequence[int]]) -> LateMasks | None:
+    """`token_masks` of a step, computed when first asked (decoding/masks.LateMasks: in process,
+    while the step runs); None at once when no row has a constraint."""
+    if all(c is None for c in constraints):
+        return None
+    held, fed = list(constraints), [list(d) for d in drafts]
+    return LateMasks(lambda: token_masks(held, fed))
 
 
 def within_grammar(constraint: Constraint | None, proposal: Proposal) -> Proposal:

@@ -27,7 +27,7 @@ import numpy as np
 
 from shardline.decoding.drafts import NO_DRAFTS, Proposal, drafted
 from shardline.pipeline.plan import DecodeStep
-from shardline.serving.constrained import token_masks
+from shardline.serving.constrained import late_masks
 from shardline.serving.kv_table import group_lease
 from shardline.serving.speculation import GroupPace
 from shardline.serving.stream import Stream
@@ -85,7 +85,7 @@ class Group:
                           any(m.want_logits for m in members),
                           keep=tuple(keep) if (joiners or drops) else (), merge=tuple(streams[j].key for j in joiners),
                           compact=compact, drafted=drafted(proposals),
-                          masks=token_masks([m.constraint for m in members], [p.tokens for p in proposals]))
+                          masks=late_masks([m.constraint for m in members], [p.tokens for p in proposals]))
 
 
 def wasted(members: list[Stream]) -> int:

@@ -36,7 +36,7 @@ from shardline.decoding.drafts import NO_DRAFTS, Proposal, drafted
 from shardline.errors import ShardlineError
 from shardline.pipeline.plan import Lease, Plan, Step, decode_step, prefill_step, reserve
 from shardline.pipeline.timing import Timing
-from shardline.serving.constrained import token_masks
+from shardline.serving.constrained import late_masks
 from shardline.serving.groups import MAX_ROWS, Groups
 from shardline.serving.kv_table import KvTable
 from shardline.serving.pacing import Pacing
@@ -171,7 +171,7 @@ class Scheduler:
         """A decode step of `s` on its own request: its token and drafts, each position sampled."""
         return decode_step(s.id, s.book, s.feed(proposal.tokens), s.params, sample_all=True,
                            want_logits=s.want_logits, compact=s.book.masked >= self.cfg.compact_at,
-                           drafted=drafted([proposal]), key=s.key, masks=token_masks([s.constraint], [proposal.tokens]))
+                           drafted=drafted([proposal]), key=s.key, masks=late_masks([s.constraint], [proposal.tokens]))
 
     def _prefills(self) -> list[Step]:
         """The next chunk of each prompt that may go now. Short prompts (pacing.py) and long ones
@@ -214,7 +214,7 @@ class Scheduler:
         last = not s.prefilling
         return prefill_step(s.id, s.book, source[start : s.prefilled], s.params, first=start == 0, last=last,
                             want_logits=s.want_logits, key=s.key,
-                            masks=token_masks([s.constraint], [[]]) if last else None)
+                            masks=late_masks([s.constraint], [[]]) if last else None)
 
     def observe(self, stream: Stream, timing: Timing) -> None:
         """What one step of `stream` cost (its graph seconds over every stage), for the pacing."""

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from shardline.decoding.masks import mask_words
+from shardline.decoding.masks import LateMasks, TokenMasks, mask_words, resolved
 from shardline.decoding.sampler import Choice, choose_at
 from shardline.errors import StepRefused
 from shardline.stage.cache import logits_index
@@ -32,7 +32,8 @@ def run(stages: Sequence[Stage], work: StageWork, hidden: np.ndarray | None,
     hidden states, or on the last stage the logits of the sampled positions. `graph_s` gets
     each stage's graph seconds. Raises StepRefused for a step that does not fit."""
     _check_drafts(stages[-1], work)
-    _check_masks(stages[-1], work)
+    if not isinstance(work.masks, LateMasks):  # late ones are checked when they come, at sampling
+        _check_masks(work.masks, work, stages[-1].vocab if stages[-1].entry.has_head else None)
     compact, inputs = work.prepared()
     out = hidden
     for stage in stages:
@@ -50,8 +51,11 @@ def run(stages: Sequence[Stage], work: StageWork, hidden: np.ndarray | None,
 def sample(work: StageWork, logits: np.ndarray) -> list[Choice]:
     """The last stage's choices: one per (row, t) of `sample_at`, in that order."""
     pick = logits_index(work.sample_at, work.inputs.rows)[1]
+    masks = resolved(work.masks)
+    if isinstance(work.masks, LateMasks):
+        _check_masks(masks, work, int(logits.shape[-1]))
     return choose_at(logits, work.sample_at, pick, work.inputs.position_ids, list(work.sampling),
-                     work.want_logits, work.drafted, work.masks)
+                     work.want_logits, work.drafted, masks)
 
 
 def _check_drafts(last: Stage, work: StageWork) -> None:
@@ -61,15 +65,15 @@ def _check_drafts(last: Stage, work: StageWork) -> None:
         raise StepRefused(f"draft ids outside the vocabulary of {vocab}")
 
 
-def _check_masks(last: Stage, work: StageWork) -> None:
+def _check_masks(m: TokenMasks | None, work: StageWork, vocab: int | None) -> None:
     """Masks are as wide as the vocabulary they limit, one entry per sampled position, and each
-    allows some token (checked before any stage runs: a refused step changes no state)."""
-    m = work.masks
+    allows some token. Masks that came with the step (a worker's, from the wire) are checked
+    before any stage runs: a refused step changes no state. The coordinator's own late masks
+    (LateMasks, in process) are checked when they come, before sampling."""
     if m is None:
         return
     if m.which.shape[0] != work.sample_at.shape[0]:
         raise StepRefused(f"{m.which.shape[0]} token masks for {work.sample_at.shape[0]} sampled positions")
-    vocab = last.vocab if last.entry.has_head else None
     if vocab and m.bits.shape[0] and m.bits.shape[1] != mask_words(vocab):
         raise StepRefused(f"token masks of {m.bits.shape[1]} words for a vocabulary of {vocab}")
     if m.bits.shape[0] and not m.bits.any(axis=1).all():

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardline.config import SamplingParams
-from shardline.decoding.masks import TokenMasks
+from shardline.decoding.masks import LateMasks, TokenMasks
 from shardline.decoding.speculative import Drafted
 from shardline.stage.cache import StepInputs
 
@@ -37,7 +37,7 @@ class StageWork:
     compact: bool = False  # drop the slots the mask never attends again, then run
     want_logits: bool = False
     drafted: Drafted | None = None  # drafts drawn from distributions, per sampled entry
-    masks: TokenMasks | None = None  # allowed tokens per sampled entry (constrained decoding)
+    masks: TokenMasks | LateMasks | None = None  # allowed tokens per sampled entry (constrained decoding)
 
     def prepared(self) -> tuple[tuple[np.ndarray, int] | None, StepInputs]:
         """What each stage compacts before this step (None: nothing) and the inputs it runs."""
