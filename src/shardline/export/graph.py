@@ -27,7 +27,9 @@ import numpy as np
 import openvino as ov
 import openvino.opset15 as ops
 
+from shardline.errors import ShardlineError
 from shardline.export.experts import oai_experts, routed_experts
+from shardline.export.paged import PAGED_INPUTS, paged_attention
 from shardline.export.plan import StagePlan
 from shardline.export.weights import EMBEDDING, Linear, Weights
 from shardline.model.arch import Arch
@@ -82,9 +84,11 @@ def _yarn_mix(y: dict[str, float], d: int, theta: float) -> np.ndarray:
 class _Builder:
     """Builds a stage; implements the LayerOps an architecture's layer is written in."""
 
-    def __init__(self, arch: Arch, plan: StagePlan, w: Weights, new_kv_only: bool = False) -> None:
+    def __init__(self, arch: Arch, plan: StagePlan, w: Weights, new_kv_only: bool = False,
+                 paged: bool = False) -> None:
         self.a, self.plan, self.w = arch, plan, w
-        self.new_kv_only = new_kv_only
+        self.new_kv_only, self.paged = new_kv_only, paged
+        self.paged_plan: dict[str, ov.Output] = {}  # a paged stage's batch layout (export/paged.py)
         self.params: list[ov.Node] = []
         self.results: list[ov.Node] = []
         # Shared by the layers of the stage that attend alike (made by build before the layers):
@@ -236,6 +240,8 @@ class _Builder:
     def attention(self, q: ov.Output, k: ov.Output, v: ov.Output, i: int) -> ov.Output:
         """Rotary positions, layer i's past/present KV, SDPA: [B, T, heads * D]."""
         a = self.a
+        if self.paged:
+            return self.paged_layer(q, k, v, i)
         mask = self.masks[a.window(i)]
         kv_shape = [-1, a.n_kv_heads, -1, a.head_dim]
         past_k = self.param(f"past.{i}.key", ov.Type.f32, kv_shape)
@@ -264,6 +270,23 @@ class _Builder:
                 scale = None if a.query_scale is None else ops.constant(np.float32(a.query_scale))
                 attn = ops.scaled_dot_product_attention(q, self.expand_kv(k_all), self.expand_kv(v_all), mask, scale)
         return ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, a.n_heads * a.head_dim), True).output(0)
+
+    def paged_layer(self, q: ov.Output, k: ov.Output, v: ov.Output, i: int) -> ov.Output:
+        """Layer i's attention over its block pool (export/paged.py): [1, T, heads * D]."""
+        a = self.a
+        if a.spec.sinks:
+            raise ShardlineError(f"a paged stage of a {a.family} model: its attention sinks are not built paged")
+        q, k, v = self.heads(q, a.n_heads), self.heads(k, a.n_kv_heads), self.heads(v, a.n_kv_heads)
+        if i not in a.unrotated_layers:
+            cos, sin = self.layer_rotary(i)
+            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        if a.query_temperature is not None:
+            q = ops.multiply(q, self.temperature()).output(0)
+        caches = (self.param(f"key_cache.{i}", ov.Type.dynamic, [-1, -1, -1, -1]).output(0),
+                  self.param(f"value_cache.{i}", ov.Type.dynamic, [-1, -1, -1, -1]).output(0))
+        out = paged_attention(q, k, v, caches, self.paged_plan, (a.n_heads, a.n_kv_heads, a.head_dim),
+                              self.query_scale, a.window(i))
+        return ops.unsqueeze(out, _i64(0)).output(0)
 
     def sink_attention(self, q: ov.Output, k: ov.Output, v: ov.Output, mask: ov.Output, i: int) -> ov.Output:
         """Attention whose softmax has one more logit per head, the layer's learned sink, which
@@ -298,16 +321,28 @@ class _Builder:
 
     def build(self) -> ov.Model:
         a, plan = self.a, self.plan
+        # A paged stage takes one flat batch ([T] tokens of several sequences end to end), run as
+        # one sequence of T ([1, T]) by everything but attention, which the plan splits.
+        flat = [-1] if self.paged else [-1, -1]
         if plan.has_embedding:
-            ids = self.param("input_ids", ov.Type.i64, [-1, -1])
+            ids = self.param("input_ids", ov.Type.i64, flat).output(0)
+            if self.paged:
+                ids = ops.unsqueeze(ids, _i64(0)).output(0)
             x = ops.gather(self.w.embedding(EMBEDDING), ids, _i64(0)).output(0)
             if a.spec.scaled_embedding:
                 x = ops.multiply(x, np.float32(np.sqrt(a.hidden))).output(0)
         else:
-            x = self.param("hidden_states", ov.Type.f32, [-1, -1, a.hidden]).output(0)
-        attention_mask = self.param("attention_mask", ov.Type.i64, [-1, -1]).output(0)
-        position_ids = self.param("position_ids", ov.Type.i64, [-1, -1]).output(0)
-        self.build_masks(attention_mask, position_ids)
+            x = self.param("hidden_states", ov.Type.f32, [*flat, a.hidden]).output(0)
+            if self.paged:
+                x = ops.unsqueeze(x, _i64(0)).output(0)
+        if self.paged:
+            position_ids = ops.unsqueeze(self.param("position_ids", ov.Type.i64, [-1]), _i64(0)).output(0)
+            self.paged_plan = {n: self.param(n, ov.Type.i32, [-1]).output(0) for n in PAGED_INPUTS}
+            self.paged_plan["max_context_len"] = self.param("max_context_len", ov.Type.i32, []).output(0)
+        else:
+            attention_mask = self.param("attention_mask", ov.Type.i64, [-1, -1]).output(0)
+            position_ids = self.param("position_ids", ov.Type.i64, [-1, -1]).output(0)
+            self.build_masks(attention_mask, position_ids)
         self.position_ids = position_ids
         layer = a.spec.layer
         for i in plan.layers:
@@ -317,23 +352,29 @@ class _Builder:
             # position) runs on the positions `logits_index` names ([B, N], indices into T: the
             # last of a prompt, the K+1 of a verify step, none for a prompt chunk that is not
             # the last), not on every position of a prompt.
-            index = self.param("logits_index", ov.Type.i64, [-1, -1]).output(0)
-            x = ops.gather(x, index, np.int64(1), batch_dims=1).output(0)
+            if self.paged:  # [N] positions of the flat batch
+                index = self.param("logits_index", ov.Type.i64, [-1]).output(0)
+                x = ops.gather(x, index, np.int64(1)).output(0)
+            else:
+                index = self.param("logits_index", ov.Type.i64, [-1, -1]).output(0)
+                x = ops.gather(x, index, np.int64(1), batch_dims=1).output(0)
             head = EMBEDDING if a.tied_embeddings else "lm_head.weight"
             x = self.project(self.rms(x, "model.norm.weight"), self.w.one(head))
             if a.logit_softcap is not None:
                 cap = np.float32(a.logit_softcap)
                 x = ops.multiply(ops.tanh(ops.divide(x, cap)), cap).output(0)
-            self.result(x, "logits")
+            self.result(ops.squeeze(x, _i64(0)).output(0) if self.paged else x, "logits")
         else:
-            self.result(x, "out_hidden")
+            self.result(ops.squeeze(x, _i64(0)).output(0) if self.paged else x, "out_hidden")
         # Outputs first (logits / hidden), then the present KV pairs in layer order.
         self.results.insert(0, self.results.pop())
         return ov.Model(self.results, self.params, plan.name)
 
 
-def build_stage(arch: Arch, plan: StagePlan, weights: Weights, new_kv_only: bool = False) -> ov.Model:
-    return _Builder(arch, plan, weights, new_kv_only).build()
+def build_stage(arch: Arch, plan: StagePlan, weights: Weights, new_kv_only: bool = False,
+                paged: bool = False) -> ov.Model:
+    """`paged`: attention over block pools, one flat ragged batch per call (export/paged.py)."""
+    return _Builder(arch, plan, weights, new_kv_only, paged).build()
 
 
 def stage_tensor_names(arch: Arch, plan: StagePlan) -> list[str]:

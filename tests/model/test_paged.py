@@ -1,0 +1,129 @@
+"""The paged stage graph (issue 41, export/paged.py) against the stateful one, on the default
+model's two stages: PagedAttention over block pools the caller owns, one flat ragged batch per
+call. Same greedy tokens, logits within float noise: a prompt over non-contiguous blocks, a
+decode token and another stream's prompt in one call, two streams decoding together, and a
+batch's rows each equal to the row run alone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import openvino as ov
+import pytest
+
+from shardline.config import RunConfig
+from shardline.export.graph import build_stage
+from shardline.export.plan import even_split
+from shardline.export.stateful import make_stateful
+from shardline.export.weights import Weights
+from shardline.model.source import open_source
+
+BLOCKS = 16
+Seq = tuple[Sequence[int], int, Sequence[int]]  # new tokens, past length, block table
+
+
+class Stateful:
+    """One stream through the stateful stages (the reference)."""
+
+    def __init__(self, stages: list[ov.CompiledModel]) -> None:
+        self.requests = [c.create_infer_request() for c in stages]
+        self.past = 0
+
+    def step(self, ids: Sequence[int]) -> np.ndarray:
+        t, p = len(ids), self.past
+        common = {"attention_mask": np.ones((1, p + t), np.int64), "position_ids": np.arange(p, p + t)[None],
+                  "beam_idx": np.zeros(1, np.int32)}
+        hidden = self.requests[0].infer({**common, "input_ids": np.array([ids], np.int64)})[0].copy()
+        self.past += t
+        out = self.requests[1].infer({**common, "hidden_states": hidden, "logits_index": np.array([[t - 1]])})
+        return np.asarray(out[0]).reshape(-1).copy()
+
+
+class Paged:
+    """The paged stages over their own block pools (zeroed: a block's content is whatever the op
+    wrote there)."""
+
+    def __init__(self, stages: list[ov.CompiledModel]) -> None:
+        self.requests = [c.create_infer_request() for c in stages]
+        for c, r in zip(stages, self.requests, strict=True):
+            for i in c.inputs:
+                if "_cache." in i.get_any_name():
+                    shape = [BLOCKS] + [d.get_length() for d in list(i.get_partial_shape())[1:]]
+                    r.set_tensor(i.get_any_name(), ov.Tensor(np.zeros(shape, i.get_element_type().to_dtype())))
+
+    def step(self, seqs: Sequence[Seq]) -> np.ndarray:
+        """The logits of each sequence's last new token, [S, V]."""
+        begins = np.cumsum([0] + [len(ids) for ids, _, _ in seqs]).astype(np.int32)
+        plan = {"position_ids": np.concatenate([np.arange(p, p + len(ids)) for ids, p, _ in seqs]).astype(np.int64),
+                "past_lens": np.array([p for _, p, _ in seqs], np.int32), "subsequence_begins": begins,
+                "block_indices": np.concatenate([np.asarray(b, np.int32) for _, _, b in seqs]),
+                "block_indices_begins": np.cumsum([0] + [len(b) for _, _, b in seqs]).astype(np.int32),
+                "max_context_len": np.array(max(p + len(ids) for ids, p, _ in seqs), np.int32)}
+        ids = np.concatenate([np.asarray(ids, np.int64) for ids, _, _ in seqs])
+        hidden = self.requests[0].infer({**plan, "input_ids": ids})[0].copy()
+        last = (begins[1:] - 1).astype(np.int64)
+        out = self.requests[1].infer({**plan, "hidden_states": hidden, "logits_index": last})
+        return np.asarray(out[0]).copy()
+
+
+@pytest.fixture(scope="module")
+def stages() -> Iterator[tuple[list[ov.CompiledModel], list[ov.CompiledModel]]]:
+    source = open_source(None)
+    plans = even_split(source.arch.n_layers, 2)
+    w, core, props = Weights(source, "gguf"), ov.Core(), RunConfig().ov_properties()
+    stateful = [core.compile_model(make_stateful(build_stage(source.arch, p, w)), "CPU", props) for p in plans]
+    paged = [core.compile_model(build_stage(source.arch, p, w, paged=True), "CPU", props) for p in plans]
+    # The graphs' constants share the weights' numpy buffers: `w` lives as long as the stages.
+    yield stateful, paged
+    del stateful, paged, w, source
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 49152, n).tolist()
+
+
+def test_the_pool_is_blocks_of_the_plugins_choosing(stages: tuple[list[ov.CompiledModel], ...]) -> None:
+    key = next(i for i in stages[1][0].inputs if i.get_any_name() == "key_cache.0")
+    shape = key.get_partial_shape()
+    assert shape[1].get_length() == 3 and shape[3].get_length() == 64  # SmolLM2's KV heads, head size
+    assert shape[2].get_length() == 32  # this plugin's CPU block
+    assert {i.get_any_name() for i in stages[1][0].inputs} >= {"input_ids", "position_ids", "past_lens",
+                                                              "subsequence_begins", "block_indices",
+                                                              "block_indices_begins", "max_context_len"}
+
+
+def test_a_ragged_batch_gives_the_stateful_tokens(stages: tuple[list[ov.CompiledModel], ...]) -> None:
+    stateful, paged = stages
+    a, b, pool = Stateful(stateful), Stateful(stateful), Paged(paged)
+    prompt_a, prompt_b = _prompt(0, 40), _prompt(1, 15)
+    want = a.step(prompt_a)
+    got = pool.step([(prompt_a, 0, [3, 1])])  # 40 tokens over two blocks, out of order
+    assert np.abs(got[0] - want).max() < 1e-3 and int(got[0].argmax()) == int(want.argmax())
+    # a decode token of A and B's whole prompt, one call
+    token = int(want.argmax())
+    want_a, want_b = a.step([token]), b.step(prompt_b)
+    got = pool.step([([token], 40, [3, 1]), (prompt_b, 0, [5])])
+    assert np.abs(got[0] - want_a).max() < 1e-3 and np.abs(got[1] - want_b).max() < 1e-3
+    # both decode together, A's table growing into a third block, B's into a second
+    tokens_a, tokens_b, past_a, past_b = [int(want_a.argmax())], [int(want_b.argmax())], 41, 15
+    for _ in range(24):
+        want_a, want_b = a.step(tokens_a[-1:]), b.step(tokens_b[-1:])
+        # Each table covers its past and new token: PagedAttention itself checks nothing (a table
+        # one block short writes past the pool: a crash, seen here), the paged runner must.
+        table_a, table_b = [3, 1, 7][: -(-(past_a + 1) // 32)], [5, 2][: -(-(past_b + 1) // 32)]
+        got = pool.step([(tokens_a[-1:], past_a, table_a), (tokens_b[-1:], past_b, table_b)])
+        assert [int(got[0].argmax()), int(got[1].argmax())] == [int(want_a.argmax()), int(want_b.argmax())]
+        tokens_a.append(int(want_a.argmax()))
+        tokens_b.append(int(want_b.argmax()))
+        past_a, past_b = past_a + 1, past_b + 1
+
+
+def test_a_fused_batch_equals_its_rows_alone(stages: tuple[list[ov.CompiledModel], ...]) -> None:
+    _, paged = stages
+    fused, alone = Paged(paged), Paged(paged)
+    p, q = _prompt(2, 33), _prompt(3, 7)
+    both = fused.step([(p, 0, [0, 1]), (q, 0, [2])])
+    first, second = alone.step([(p, 0, [0, 1])]), alone.step([(q, 0, [2])])
+    assert np.array_equal(both.argmax(-1), np.concatenate([first, second]).argmax(-1))
+    assert np.abs(both - np.concatenate([first, second])).max() < 1e-3
