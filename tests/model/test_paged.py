@@ -18,6 +18,8 @@ from shardline.export.plan import even_split
 from shardline.export.stateful import make_stateful
 from shardline.export.weights import Weights
 from shardline.model.source import open_source
+from shardline.stage.paged_batch import PagedBatch
+from shardline.stage.paged_runner import PagedRunner
 
 BLOCKS = 16
 Seq = tuple[Sequence[int], int, Sequence[int]]  # new tokens, past length, block table
@@ -41,39 +43,27 @@ class Stateful:
 
 
 class Paged:
-    """The paged stages over their own block pools (zeroed: a block's content is whatever the op
-    wrote there)."""
+    """The paged stages (stage/paged_runner.py), each over its own block pool."""
 
-    def __init__(self, stages: list[ov.CompiledModel]) -> None:
-        self.requests = [c.create_infer_request() for c in stages]
-        for c, r in zip(stages, self.requests, strict=True):
-            for i in c.inputs:
-                if "_cache." in i.get_any_name():
-                    shape = [BLOCKS] + [d.get_length() for d in list(i.get_partial_shape())[1:]]
-                    r.set_tensor(i.get_any_name(), ov.Tensor(np.zeros(shape, i.get_element_type().to_dtype())))
+    def __init__(self, stages: list[ov.Model]) -> None:
+        props = RunConfig().ov_properties()
+        self.runners = [PagedRunner(m, "CPU", props, BLOCKS, vocab=49152) for m in stages]
 
     def step(self, seqs: Sequence[Seq]) -> np.ndarray:
         """The logits of each sequence's last new token, [S, V]."""
-        begins = np.cumsum([0] + [len(ids) for ids, _, _ in seqs]).astype(np.int32)
-        plan = {"position_ids": np.concatenate([np.arange(p, p + len(ids)) for ids, p, _ in seqs]).astype(np.int64),
-                "past_lens": np.array([p for _, p, _ in seqs], np.int32), "subsequence_begins": begins,
-                "block_indices": np.concatenate([np.asarray(b, np.int32) for _, _, b in seqs]),
-                "block_indices_begins": np.cumsum([0] + [len(b) for _, _, b in seqs]).astype(np.int32),
-                "max_context_len": np.array(max(p + len(ids) for ids, p, _ in seqs), np.int32)}
-        ids = np.concatenate([np.asarray(ids, np.int64) for ids, _, _ in seqs])
-        hidden = self.requests[0].infer({**plan, "input_ids": ids})[0].copy()
-        last = (begins[1:] - 1).astype(np.int64)
-        out = self.requests[1].infer({**plan, "hidden_states": hidden, "logits_index": last})
-        return np.asarray(out[0]).copy()
+        ends = np.cumsum([len(ids) for ids, _, _ in seqs])
+        batch = PagedBatch.of([(len(ids), p, b) for ids, p, b in seqs], logits_at=(ends - 1).tolist())
+        hidden = self.runners[0].run(batch, np.concatenate([np.asarray(ids, np.int64) for ids, _, _ in seqs])).copy()
+        return self.runners[1].run(batch, hidden).copy()
 
 
 @pytest.fixture(scope="module")
-def stages() -> Iterator[tuple[list[ov.CompiledModel], list[ov.CompiledModel]]]:
+def stages() -> Iterator[tuple[list[ov.CompiledModel], list[ov.Model]]]:
     source = open_source(None)
     plans = even_split(source.arch.n_layers, 2)
     w, core, props = Weights(source, "gguf"), ov.Core(), RunConfig().ov_properties()
     stateful = [core.compile_model(make_stateful(build_stage(source.arch, p, w)), "CPU", props) for p in plans]
-    paged = [core.compile_model(build_stage(source.arch, p, w, paged=True), "CPU", props) for p in plans]
+    paged = [build_stage(source.arch, p, w, paged=True) for p in plans]
     # The graphs' constants share the weights' numpy buffers: `w` lives as long as the stages.
     yield stateful, paged
     del stateful, paged, w, source
@@ -83,17 +73,19 @@ def _prompt(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, 49152, n).tolist()
 
 
-def test_the_pool_is_blocks_of_the_plugins_choosing(stages: tuple[list[ov.CompiledModel], ...]) -> None:
-    key = next(i for i in stages[1][0].inputs if i.get_any_name() == "key_cache.0")
+def test_the_pool_is_blocks_of_the_plugins_choosing(stages: tuple[list[ov.CompiledModel], list[ov.Model]]) -> None:
+    runner = Paged(stages[1]).runners[0]
+    key = next(i for i in runner.compiled.inputs if i.get_any_name() == "key_cache.0")
     shape = key.get_partial_shape()
     assert shape[1].get_length() == 3 and shape[3].get_length() == 64  # SmolLM2's KV heads, head size
     assert shape[2].get_length() == 32  # this plugin's CPU block
-    assert {i.get_any_name() for i in stages[1][0].inputs} >= {"input_ids", "position_ids", "past_lens",
+    assert runner.block_size == 32 and runner.pool_bytes() == 15 * 2 * BLOCKS * 3 * 32 * 64 * 4  # f32 KV
+    assert {i.get_any_name() for i in runner.compiled.inputs} >= {"input_ids", "position_ids", "past_lens",
                                                               "subsequence_begins", "block_indices",
                                                               "block_indices_begins", "max_context_len"}
 
 
-def test_a_ragged_batch_gives_the_stateful_tokens(stages: tuple[list[ov.CompiledModel], ...]) -> None:
+def test_a_ragged_batch_gives_the_stateful_tokens(stages: tuple[list[ov.CompiledModel], list[ov.Model]]) -> None:
     stateful, paged = stages
     a, b, pool = Stateful(stateful), Stateful(stateful), Paged(paged)
     prompt_a, prompt_b = _prompt(0, 40), _prompt(1, 15)
@@ -119,7 +111,7 @@ def test_a_ragged_batch_gives_the_stateful_tokens(stages: tuple[list[ov.Compiled
         past_a, past_b = past_a + 1, past_b + 1
 
 
-def test_a_fused_batch_equals_its_rows_alone(stages: tuple[list[ov.CompiledModel], ...]) -> None:
+def test_a_fused_batch_equals_its_rows_alone(stages: tuple[list[ov.CompiledModel], list[ov.Model]]) -> None:
     _, paged = stages
     fused, alone = Paged(paged), Paged(paged)
     p, q = _prompt(2, 33), _prompt(3, 7)
@@ -127,3 +119,30 @@ def test_a_fused_batch_equals_its_rows_alone(stages: tuple[list[ov.CompiledModel
     first, second = alone.step([(p, 0, [0, 1])]), alone.step([(q, 0, [2])])
     assert np.array_equal(both.argmax(-1), np.concatenate([first, second]).argmax(-1))
     assert np.abs(both - np.concatenate([first, second])).max() < 1e-3
+
+
+def test_a_hostile_batch_is_refused_and_the_pool_left_as_it_was(
+        stages: tuple[list[ov.CompiledModel], list[ov.Model]]) -> None:
+    from shardline.errors import StepRefused
+
+    stateful, paged = stages
+    ref, pool = Stateful(stateful), Paged(paged)
+    prompt = _prompt(4, 40)
+    ref.step(prompt)
+    pool.step([(prompt, 0, [3, 1])])
+    caches = [next(i for i in r.compiled.inputs if "key_cache." in i.get_any_name()) for r in pool.runners]
+    before = [r.request.get_tensor(c).data.copy() for r, c in zip(pool.runners, caches, strict=True)]
+    hostile = {
+        "need 2 blocks, its table has 1": [([7], 40, [3])],  # unchecked, the op writes past the table
+        "outside the pool": [([7], 40, [3, BLOCKS])],
+        "written by sequences 0 and 1": [([7], 40, [3, 1]), ([8], 40, [3, 1])],
+    }
+    for reason, seqs in hostile.items():
+        with pytest.raises(StepRefused, match=reason):
+            pool.step(seqs)
+    with pytest.raises(StepRefused, match="outside the vocabulary"):
+        pool.step([([49152], 40, [3, 1])])
+    after = [r.request.get_tensor(c).data for r, c in zip(pool.runners, caches, strict=True)]
+    assert all(np.array_equal(x, y) for x, y in zip(before, after, strict=True))
+    want = ref.step([7])  # and the stream goes on as if nothing had been asked
+    assert int(pool.step([([7], 40, [3, 1])])[0].argmax()) == int(want.argmax())
