@@ -146,3 +146,41 @@ def test_a_hostile_batch_is_refused_and_the_pool_left_as_it_was(
     assert all(np.array_equal(x, y) for x, y in zip(before, after, strict=True))
     want = ref.step([7])  # and the stream goes on as if nothing had been asked
     assert int(pool.step([([7], 40, [3, 1])])[0].argmax()) == int(want.argmax())
+
+
+def test_a_prefix_hit_reads_shared_blocks_with_no_copy(stages: tuple[list[ov.CompiledModel], list[ov.Model]]) -> None:
+    """The block pool (serving/kv_blocks.py) and the paged stages together: a second prompt that
+    starts with the first's full blocks maps them into its table and computes only its own tail."""
+    from shardline.serving.kv_blocks import BlockPool
+
+    stateful, paged = stages
+    shared = _prompt(5, 64)  # two full blocks
+    first, second = shared + _prompt(6, 9), shared + _prompt(7, 5)
+    pool, runner = BlockPool(BLOCKS, 32), Paged(paged)
+    a = pool.match(first, "key")
+    pool.grow(a, len(first))
+    runner.step([(first, 0, a.blocks)])
+    pool.wrote(a, first, "key")
+    b = pool.match(second, "key")
+    assert b.blocks == a.blocks[:2] and b.written == 64  # the hit: a's blocks, referenced
+    pool.grow(b, len(second))
+    got = runner.step([(second[b.written :], b.written, b.blocks)])  # only the 5 new tokens run
+    want = Stateful(stateful).step(second)
+    assert np.abs(got[0] - want).max() < 1e-3 and int(got[0].argmax()) == int(want.argmax())
+
+
+def test_rejected_drafts_are_trimmed_by_the_past_length(stages: tuple[list[ov.CompiledModel], list[ov.Model]]) -> None:
+    """Speculation on blocks: a verify step writes 4 positions; the 2 rejected ones are undone by
+    a shorter past length alone (the next token overwrites their slots), no mask, no compaction."""
+    stateful, paged = stages
+    prompt = _prompt(8, 30)
+    ref, runner = Stateful(stateful), Paged(paged)
+    first = int(ref.step(prompt).argmax())
+    runner.step([(prompt, 0, [0])])
+    drafts = [first, 11, 12, 13]  # the model's token, then drafts that are mostly wrong
+    runner.step([(drafts, 30, [0, 1])])  # verify: positions 30-33 written into blocks 0 and 1
+    kept = drafts[:2]  # say two stood: the past is now 32, the slots of 32-33 are stale
+    ref.step(kept)
+    want = ref.step([5])
+    got = runner.step([([5], 32, [0, 1])])
+    assert np.abs(got[0] - want).max() < 1e-3 and int(got[0].argmax()) == int(want.argmax())
