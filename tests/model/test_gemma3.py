@@ -313,3 +313,37 @@ def test_attention_sinks_with_windowed_layers_are_refused(gemma3: Path, tmp_path
         export(ExportConfig(out=out, model=gemma3, stages=1, static=frozenset({0}), context=64, sinks=4,
                             isolate=False, progress=False))
     assert not out.exists()
+
+
+def test_a_paged_stage_keeps_the_windows(gemma3: Path, plain: list[list[int]]) -> None:
+    """Issue 41: Gemma 3 built paged (export/paged.py: each local layer's window given to its
+    PagedAttention node) gives the stateful tokens for a prompt longer than the window, with
+    decode tokens and the other prompt's chunk riding in one call."""
+    from shardline.export.graph import build_stage
+    from shardline.export.plan import even_split
+    from shardline.export.weights import Weights
+    from shardline.stage.paged_batch import PagedBatch
+    from shardline.stage.paged_runner import PagedRunner
+
+    source = GGUFSource(gemma3)
+    weights = Weights(source, "gguf")
+    graph = build_stage(source.arch, even_split(source.arch.n_layers, 1)[0], weights, paged=True)
+    runner = PagedRunner(graph, "CPU", EXACT.ov_properties(), 8, vocab=source.arch.vocab)
+    a, b = CASE.prompt(), OTHER
+    logits = runner.run(PagedBatch.of([(len(a), 0, [0, 1])], [len(a) - 1]), np.asarray(a, np.int64))
+    mine_a, mine_b = [int(logits[0].argmax())], []
+    for i in range(STEPS - 1):  # A decodes; B's prompt comes in the first call, then B decodes beside A
+        past_a = len(a) + i
+        table_a = [0, 1, 2][: -(-(past_a + 1) // 32)]
+        if i == 0:
+            batch = PagedBatch.of([(1, past_a, table_a), (len(b), 0, [3, 4])], [0, len(b)])
+            ids = [mine_a[-1], *b]
+        else:
+            past_b = len(b) + i - 1
+            batch = PagedBatch.of([(1, past_a, table_a), (1, past_b, [3, 4, 5][: -(-(past_b + 1) // 32)])], [0, 1])
+            ids = [mine_a[-1], mine_b[-1]]
+        logits = runner.run(batch, np.asarray(ids, np.int64))
+        mine_a.append(int(logits[0].argmax()))
+        mine_b.append(int(logits[1].argmax()))
+    assert mine_a == plain[0]
+    assert mine_b == plain[1][: len(mine_b)]
