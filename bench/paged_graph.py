@@ -9,6 +9,15 @@ export/paged.py), on the CPU plugin, nothing else between the calls.
    rides with the decode tokens, Sarathi-style). Stateful: the group's decode call, then the
    chunk's own call on the stream's own request (today's two calls a round).
 
+3. Interference: 2 streams decode (past `--past-long` tokens) while a `--prompt`-token prompt
+   arrives. Paged: each step packs both decode tokens and the prompt's next chunk under a token
+   budget (serving/ragged.py), one call. Stateful: each round the group's decode call, then a
+   chunk of the budget's size on the prompt's own request. Per budget: the longest gap between
+   the streams' tokens over the steady gap (decoding alone), their rate while the prompt fills
+   over the steady rate, and the prompt's time to its last chunk over that time alone (chunks
+   of 512 back to back, nothing else running). The interference issue's targets, at graph
+   level: <= 4x, >= 50%, <= 2x.
+
 This measures the graphs alone; the paged runner, scheduler and KV table that serve with them
 are issue 41's next parts, and bench/serving.py, interference.py and prefix.py will then measure
 `serve`.
@@ -31,6 +40,7 @@ import numpy as np
 import openvino as ov
 
 BLOCK = 32  # the CPU plugin's block (it says so in the compiled key_cache shapes)
+IDLE_CHUNK = 512  # the prompt alone goes in chunks this long: its best time, the TTFT reference
 
 
 def compiled() -> tuple[ov.CompiledModel, ov.CompiledModel, Any]:
@@ -121,14 +131,73 @@ def fused(stateful: ov.CompiledModel, paged: ov.CompiledModel, chunk: int, past:
     return {"chunk": chunk, "stateful_ms": sm * 1e3, "paged_ms": pm * 1e3, "paged_speed": sm / pm}
 
 
+def interference(stateful: ov.CompiledModel, paged: ov.CompiledModel, prompt_len: int, past: int,
+                 budget: int) -> dict[str, float]:
+    from shardline.serving.ragged import Budget, Want, pack
+
+    b, rng = 2, np.random.default_rng(budget)
+    per, new_blocks = -(-(past + 400) // BLOCK), -(-prompt_len // BLOCK)
+    tables = [list(range(r * per, (r + 1) * per)) for r in range(b)]
+    new_table = list(range(b * per, b * per + new_blocks))
+    prompt = rng.integers(0, 49152, prompt_len)
+    group, flat = stateful.create_infer_request(), pool(paged, b * per + new_blocks)
+    ids = rng.integers(0, 49152, (b, past))
+    group.infer(stateful_feed(ids, 0))
+    flat.infer(paged_feed([(ids[r], 0, tables[r]) for r in range(b)]))
+    one = np.zeros((b, 1), np.int64)
+    at = [past]  # the streams' past, advanced by every step of either kind (both graphs alike)
+
+    def decode_alone() -> tuple[float, float]:
+        s = timed(lambda: group.infer(stateful_feed(one, at[0])))
+        p = timed(lambda: flat.infer(paged_feed([(one[r], at[0], tables[r]) for r in range(b)])))
+        at[0] += 1
+        return s, p
+    steady = [decode_alone() for _ in range(12)]
+    steady_s, steady_p = statistics.median(x for x, _ in steady), statistics.median(y for _, y in steady)
+    # the prompt alone (its chunks back to back), both kinds, on scratch requests / blocks
+    alone = stateful.create_infer_request()
+    idle_s = sum(timed(lambda: alone.infer(stateful_feed(prompt[None, k : k + IDLE_CHUNK], k)))  # noqa: B023
+                 for k in range(0, prompt_len, IDLE_CHUNK))
+    scratch = pool(paged, new_blocks)
+    idle_p = sum(timed(lambda: scratch.infer(paged_feed([(prompt[k : k + IDLE_CHUNK], k, list(range(new_blocks)))])))  # noqa: B023
+                 for k in range(0, prompt_len, IDLE_CHUNK))
+    # loaded: stateful two calls a round; paged one packed call a step
+    request = stateful.create_infer_request()
+    gaps_s, done = [], 0
+    while done < prompt_len:
+        n = min(budget, prompt_len - done)
+        gaps_s.append(timed(lambda: (group.infer(stateful_feed(one, at[0])),  # noqa: B023
+                                     request.infer(stateful_feed(prompt[None, done : done + n], done)))))  # noqa: B023
+        done += n
+        at[0] += 1
+    gaps_p, done = [], 0
+    while done < prompt_len:
+        plan = pack([Want(0, 1, True), Want(1, 1, True), Want(2, prompt_len - done, False)], Budget(budget + b))
+        n = dict(plan).get(2, 0)
+        seqs = [(one[r], at[0], tables[r]) for r in range(b)] + [(prompt[done : done + n], done, new_table)]
+        gaps_p.append(timed(lambda: flat.infer(paged_feed(seqs))))  # noqa: B023
+        done += n
+        at[0] += 1
+    return {"budget": budget,
+            "stateful_max_gap": max(gaps_s) / steady_s, "paged_max_gap": max(gaps_p) / steady_p,
+            "stateful_rate": steady_s / statistics.mean(gaps_s), "paged_rate": steady_p / statistics.mean(gaps_p),
+            "stateful_ttft": sum(gaps_s) / idle_s, "paged_ttft": sum(gaps_p) / idle_p,
+            "steady_ms_stateful": steady_s * 1e3, "steady_ms_paged": steady_p * 1e3,
+            "idle_s_stateful": idle_s, "idle_s_paged": idle_p}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--past", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--past-long", type=int, default=600)
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--budgets", default="16,32,64")
     args = ap.parse_args()
     stateful, paged, _weights = compiled()
     dec = [decode(stateful, paged, b, args.past, args.steps) for b in (1, 4, 8)]
     fus = [fused(stateful, paged, c, args.past, 8) for c in (64, 256, 512)]
+    inter = [interference(stateful, paged, args.prompt, args.past_long, int(x)) for x in args.budgets.split(",")]
     print("| streams decoding | stateful ms/call | paged ms/call | stateful tok/s | paged tok/s | paged speed |")
     print("|--:|--:|--:|--:|--:|--:|")
     for r in dec:
@@ -140,7 +209,17 @@ def main() -> None:
     print("|--:|--:|--:|--:|")
     for r in fus:
         print(f"| {r['chunk']:.0f} | {r['stateful_ms']:.1f} | {r['paged_ms']:.1f} | {r['paged_speed']:.2f}x |")
-    print(json.dumps({"decode_speed": {str(int(r["streams"])): round(r["paged_speed"], 3) for r in dec},
+    print()
+    print(f"| prompt of {args.prompt} while 2 streams decode: budget (chunk) | longest gap / steady: stateful | paged "
+          "| rate during it / steady: stateful | paged | TTFT / alone: stateful | paged |")
+    print("|--:|--:|--:|--:|--:|--:|--:|")
+    for r in inter:
+        print(f"| {r['budget']:.0f} | {r['stateful_max_gap']:.1f}x | {r['paged_max_gap']:.1f}x | "
+              f"{r['stateful_rate']:.0%} | {r['paged_rate']:.0%} | {r['stateful_ttft']:.2f}x | "
+              f"{r['paged_ttft']:.2f}x |")
+    print(json.dumps({"interference": {str(int(r["budget"])): {k: round(v, 3) for k, v in r.items() if k != "budget"}
+                                       for r in inter},
+                      "decode_speed": {str(int(r["streams"])): round(r["paged_speed"], 3) for r in dec},
                       "fused_speed": {str(int(r["chunk"])): round(r["paged_speed"], 3) for r in fus},
                       "decode": dec, "fused": fus}))
 
