@@ -186,9 +186,13 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
                                       flip=FlipConfig() if cfg.flip else None))
     predict, summarize = length_prediction(cfg.length_predictor, manifest)
 
+    # A prefill instance's chunks fit the stages' limits as a decode instance's do (a static
+    # stage's prefill graph takes no wider chunk than it was exported for).
+    chunk = scheduling(cfg, manifest, bool(workers)).chunk
+
     def prefill_on(pipe: Pipeline) -> PrefillRole:
         # every instance has stage 0 here and may flip to prefill: each gets 1/(P+D) of the budget
-        return prefill_instance(pipe, limits, context, cfg.prefill_chunk, front.dispatch, predict,
+        return prefill_instance(pipe, limits, context, chunk, front.dispatch, predict,
                                 PrefillPolicy(cfg.prefill_policy), replays=replays,
                                 chunked_kv=cfg.kv_transfer == "chunk",
                                 prefix=prefix_cache(cfg, pipe, n_prefill + n_decode))

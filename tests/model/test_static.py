@@ -265,3 +265,19 @@ def test_static_takes_every_stage_or_those_listed() -> None:
     assert static_stages("1", 2, None) == {1} and static_stages("0,1", 2, None) == {0, 1}
     with pytest.raises(ShardlineError, match=r"--static takes stage numbers separated by commas \(e.g. 1,2\), got 'x'"):
         static_stages("x", 2, None)
+
+
+def test_a_disaggregated_prefill_instance_keeps_to_the_static_width(static: Callable[[str], Path],
+                                                                      prompts: list[list[int]]) -> None:
+    """Static stages served 1:1 disaggregated with --prefill-chunk wider than their prefill graph:
+    the prefill instance cuts prompts to the graph's width, as one engine does (it used to take
+    --prefill-chunk as given, and every prompt longer than the width failed at the static stage)."""
+    from shardline.server import open_disaggregated
+
+    want = _tokens(static("2"), prompts[:1])
+    front, _ = open_disaggregated(static("2"), EXACT, ServeConfig(disaggregate=(1, 1), prefill_chunk=256))
+    try:
+        got = [ev.token for ev in generate(front, prompts[0], GREEDY_24, ())]  # type: ignore[arg-type]
+    finally:
+        front.shutdown()
+    assert got == want[0]
