@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -15,7 +14,6 @@ import pytest
 from shardline.config import SamplingConfig, SamplingParams
 from shardline.decoding.drafts import Proposal
 from shardline.model.grammar import Grammars, GrammarSpec
-from shardline.model.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.serving.admission import Limits
@@ -30,16 +28,6 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "languages": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}}}
 ASK = "Describe a programmer as JSON with their name, age and languages."
 N = 96
-
-
-@pytest.fixture(scope="module")
-def tok(two: Path) -> ChatTokenizer:
-    return ChatTokenizer(two)
-
-
-@pytest.fixture(scope="module")
-def grammars(two: Path, tok: ChatTokenizer) -> Grammars:
-    return Grammars((two / "tokenizer.json").read_text(), load_manifest(two).arch.vocab, tok.stop_ids)
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 import threading
-from pathlib import Path
 
 import jsonschema
 import pytest
 
 from shardline.config import SamplingConfig
 from shardline.model.grammar import Grammars, GrammarSpec
-from shardline.model.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.model.tool_calls import MARKERS, Harmony, Hermes, Llama3, MistralArgs, MistralList, ToolSyntax
 from shardline.pipeline.local import LocalPipeline
@@ -44,16 +42,6 @@ WRITTEN = [
     (Harmony, "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary ",
      "to=functions.weather <|constrain|>json<|message|>" + ARGS),
 ]
-
-
-@pytest.fixture(scope="module")
-def tok(two: Path) -> ChatTokenizer:
-    return ChatTokenizer(two)
-
-
-@pytest.fixture(scope="module")
-def grammars(two: Path, tok: ChatTokenizer) -> Grammars:
-    return Grammars((two / "tokenizer.json").read_text(), load_manifest(two).arch.vocab, tok.stop_ids)
 
 
 def _allowed(bits: object, token: int) -> bool:

@@ -246,12 +246,7 @@ class _Builder:
         kv_shape = [-1, a.n_kv_heads, -1, a.head_dim]
         past_k = self.param(f"past.{i}.key", ov.Type.f32, kv_shape)
         past_v = self.param(f"past.{i}.value", ov.Type.f32, kv_shape)
-        q, k, v = self.heads(q, a.n_heads), self.heads(k, a.n_kv_heads), self.heads(v, a.n_kv_heads)
-        if i not in a.unrotated_layers:
-            cos, sin = self.layer_rotary(i)
-            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
-        if a.query_temperature is not None:
-            q = ops.multiply(q, self.temperature()).output(0)
+        q, k, v = self.positioned(q, k, v, i)
         if self.new_kv_only:
             # A host-kept cache takes only the new tokens' KV out (past + new would copy the
             # whole context out of the graph every token), and attends without concatenating.
@@ -271,17 +266,24 @@ class _Builder:
                 attn = ops.scaled_dot_product_attention(q, self.expand_kv(k_all), self.expand_kv(v_all), mask, scale)
         return ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, a.n_heads * a.head_dim), True).output(0)
 
-    def paged_layer(self, q: ov.Output, k: ov.Output, v: ov.Output, i: int) -> ov.Output:
-        """Layer i's attention over its block pool (export/paged.py): [1, T, heads * D]."""
+    def positioned(self, q: ov.Output, k: ov.Output, v: ov.Output, i: int) -> tuple[ov.Output, ov.Output, ov.Output]:
+        """Layer i's q, k, v as heads [B, n, T, D], q and k rotated to their positions (but in
+        NoPE layers), q scaled by the attention temperature where the model has one."""
         a = self.a
-        if a.spec.sinks:
-            raise ShardlineError(f"a paged stage of a {a.family} model: its attention sinks are not built paged")
         q, k, v = self.heads(q, a.n_heads), self.heads(k, a.n_kv_heads), self.heads(v, a.n_kv_heads)
         if i not in a.unrotated_layers:
             cos, sin = self.layer_rotary(i)
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         if a.query_temperature is not None:
             q = ops.multiply(q, self.temperature()).output(0)
+        return q, k, v
+
+    def paged_layer(self, q: ov.Output, k: ov.Output, v: ov.Output, i: int) -> ov.Output:
+        """Layer i's attention over its block pool (export/paged.py): [1, T, heads * D]."""
+        a = self.a
+        if a.spec.sinks:
+            raise ShardlineError(f"a paged stage of a {a.family} model: its attention sinks are not built paged")
+        q, k, v = self.positioned(q, k, v, i)
         caches = (self.param(f"key_cache.{i}", ov.Type.dynamic, [-1, -1, -1, -1]).output(0),
                   self.param(f"value_cache.{i}", ov.Type.dynamic, [-1, -1, -1, -1]).output(0))
         out = paged_attention(q, k, v, caches, self.paged_plan, (a.n_heads, a.n_kv_heads, a.head_dim),
