@@ -76,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--sinks", type=int, metavar="S",
                    help="with --static: past the ring the first S slots stay (attention sinks) and the rest slide, "
                         "so a stream goes on past --context (without: it ends there)")
+    e.add_argument("--paged", action="store_true",
+                   help="paged stages: attention as OpenVINO's PagedAttention over KV blocks, every stream's tokens "
+                        "in one batch a step (prompt chunks beside decode tokens), prefixes shared by block; in one "
+                        "process, without speculation or --disaggregate for now")
     e.add_argument("--out", type=Path, required=True)
 
     i = sub.add_parser("inspect", help="print a shard folder's manifest and verify every checksum")
@@ -414,7 +418,7 @@ def _export(args: argparse.Namespace) -> int:
         memory=args.memory, weights=args.weights,
         group_size=args.group_size, isolate=not args.no_isolate, truncate=args.truncate, context=args.context,
         reblock=args.reblock, static=static_stages(args.static, args.stages, args.layers),
-        prefill_chunk=args.prefill_chunk, sinks=args.sinks,
+        prefill_chunk=args.prefill_chunk, sinks=args.sinks, paged=args.paged,
     )
     out = export(cfg)
     print(out)

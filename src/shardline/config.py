@@ -53,6 +53,9 @@ class ExportConfig:
     # Past the ring, the first `sinks` slots stay (attention sinks) and the rest slide; None: a
     # static export serves no more than its ring. Every stage must then be static.
     sinks: int | None = None
+    # Every stage paged (export/paged.py): attention as OpenVINO's PagedAttention over KV block
+    # pools, one ragged batch of every stream's tokens a step (issue 41). Not with --static.
+    paged: bool = False
 
     @property
     def ring(self) -> int:
@@ -87,6 +90,8 @@ class ExportConfig:
         if self.static and self.prefill_chunk is not None and not 2 <= self.prefill_chunk <= self.ring:
             raise ShardlineError(f"--prefill-chunk must be in 2-{self.ring} (the ring) tokens, "
                                  f"got {self.prefill_chunk}")
+        if self.paged and self.static:
+            raise ShardlineError("--paged and --static are two runner kinds: a stage is one or the other")
         if self.reblock is not None:
             if self.weights != "gguf":
                 raise ShardlineError(f"--reblock re-quantizes a GGUF's own blocks: it needs --weights gguf, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -16,10 +17,13 @@ from shardline.host import available_memory
 from shardline.model.context import run_context
 from shardline.model.manifest import Manifest, load_manifest
 from shardline.pipeline.kv import StageLayout
+from shardline.pipeline.paged_local import is_paged
 from shardline.pipeline.plan import Pipeline, Placed
 from shardline.serving.admission import Limits, max_streams_for_memory, per_stream_bytes
 from shardline.serving.drafters import LOOKUP_PRIOR, LookupDrafter
 from shardline.serving.engine import Engine, Serving
+from shardline.serving.kv_blocks import BlockPool
+from shardline.serving.paged_scheduler import PagedScheduler
 from shardline.serving.prefix import PrefixCache
 from shardline.serving.replay import Replays
 from shardline.serving.scheduler import SchedulerConfig
@@ -30,6 +34,8 @@ from shardline.wire.tls import Credentials
 if TYPE_CHECKING:
     from shardline.disagg.front import Disaggregated
     from shardline.disagg.prefill import Predict
+
+log = logging.getLogger("shardline.server")
 
 # The predicted decode length's bucket width (tools/shardline_tools/lengths/length_train.py chose 64 for this model).
 DISAGG_G = 64
@@ -124,6 +130,8 @@ def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[st
                 credentials: Credentials | None = None) -> tuple[Engine, Manifest]:
     """Pipeline, scheduler and engine: what `serve` and `generate` both run requests through."""
     manifest = load_manifest(folder)
+    if is_paged(manifest):
+        return open_paged_engine(folder, manifest, run, cfg, workers, spec), manifest
     spec = spec or SpeculationConfig()
     drafts, draft = open_drafts(spec, manifest, run)
     pipe, local_layers = open_pipeline(folder, run, workers, activations, topology, credentials, cfg.recovery)
@@ -132,6 +140,30 @@ def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[st
     engine = Engine(pipe, limits, pipe.context,
                     scheduling(cfg, manifest, bool(workers), spec), drafts, replays, prefix=prefix_cache(cfg, pipe))
     return engine, manifest
+
+
+def open_paged_engine(folder: Path, manifest: Manifest, run: RunConfig, cfg: ServeConfig,
+                      workers: list[str] | None = None, spec: SpeculationConfig | None = None) -> Engine:
+    """A paged export's engine: every stage here, their block pools sized by the memory budget
+    (up to STREAM_CAP streams at the full context), streams admitted by the blocks they hold."""
+    if workers:
+        raise ShardlineError("a paged export runs every stage in this process for now: serve it without --worker")
+    if cfg.disaggregate:
+        raise ShardlineError("a paged export does not serve --disaggregate yet")
+    if spec is not None and spec.kind != "off":
+        log.warning("speculative decoding does not run on a paged export yet: serving without it")
+    from shardline.pipeline.paged_local import PagedPipeline
+
+    budget = int(available_memory() * cfg.memory_fraction)
+    context = run_context(manifest.arch, run.context)
+    pipe = PagedPipeline(folder, run, budget, max_blocks=STREAM_CAP * -(-context // 16))
+    limits = Limits(cfg.max_streams or STREAM_CAP, cfg.max_queue)
+    replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
+    pool = BlockPool(pipe.blocks, pipe.block_size)
+    log.info("paged KV: %d blocks of %d tokens (%.0f MiB over %d stages)", pipe.blocks, pipe.block_size,
+             pipe.pool_bytes / 2**20, len(manifest.stages))
+    scheduler = PagedScheduler(scheduling(cfg, manifest, False), pool, prefix=cfg.prefix_cache_mb != 0)
+    return Engine(pipe, limits, pipe.context, replays=replays, scheduler=scheduler)
 
 
 def prefix_cache(cfg: ServeConfig, pipe: Pipeline, instances: int = 1) -> PrefixCache | None:

@@ -24,6 +24,7 @@ from shardline.config import ExportConfig
 from shardline.errors import ShardlineError
 from shardline.export.compress import check_group_size, compress
 from shardline.export.graph import build_stage, stage_tensor_names
+from shardline.export.paged import cut
 from shardline.export.plan import StageCosts, StagePlan, balanced_split, even_split, fitted_split, parse_layers
 from shardline.export.stateful import make_stateful
 from shardline.export.static import make_static
@@ -204,7 +205,8 @@ def _export_stages(cfg: ExportConfig, model: Path, arch: Arch, plans: list[Stage
     from tqdm import tqdm
 
     jobs = [(model, arch, plan, cfg.precision, cfg.group_size, cfg.reblock, tmp,
-             (cfg.ring, cfg.prefill_chunk, cfg.sinks) if plan.index in cfg.static else None) for plan in plans]
+             (cfg.ring, cfg.prefill_chunk, cfg.sinks) if plan.index in cfg.static else None, cfg.paged)
+            for plan in plans]
     entries = []
     with tqdm(total=len(plans), desc="export", unit="stage", disable=not cfg.progress, file=sys.stderr) as bar:
         if cfg.isolate:
@@ -222,27 +224,27 @@ def _export_stages(cfg: ExportConfig, model: Path, arch: Arch, plans: list[Stage
 
 
 def _export_one(model: Path, arch: Arch, plan: StagePlan, weights: str, group_size: int, reblock: int | None,
-                tmp: Path, static: tuple[int, int | None, int | None] | None = None) -> StageEntry:
+                tmp: Path, static: tuple[int, int | None, int | None] | None = None, paged: bool = False) -> StageEntry:
     """`arch` is the exported model's (the source's, or its first layers with --truncate);
-    `static`: (ring, prefill width, sinks) for static graphs (export/static.py)."""
+    `static`: (ring, prefill width, sinks) for static graphs (export/static.py); `paged`: a
+    paged graph (export/paged.py)."""
     source = open_source(model)
     base = _rss("VmRSS")  # the process before it reads a weight (interpreter, OpenVINO, the header)
     w = Weights(source, weights, reblock)
-    saved = [_save(plan.name + suffix, g, weights, group_size, tmp, static is not None)
-             for suffix, g in _graphs(arch, plan, w, static)]
+    graphs = [("", cut(build_stage(arch, plan, w, paged=True)))] if paged else _graphs(arch, plan, w, static)
+    saved = [_save(plan.name + suffix, g, weights, group_size, tmp, static is not None) for suffix, g in graphs]
     (xml, graph), prefill = saved[0], saved[1][0] if len(saved) > 1 else None
     entry = StageEntry(
         index=plan.index, first_layer=plan.first, last_layer=plan.last,
         has_embedding=plan.has_embedding, has_head=plan.has_head,
         xml=xml.name, bin=xml.with_suffix(".bin").name,
         inputs=[_port(p) for p in graph.inputs], outputs=[_port(p) for p in graph.outputs],
-        state=sorted(s.get_variable_id() for s in graph.get_sinks()) if static is None else
-        sorted(n for p in graph.inputs if (n := p.get_any_name()).startswith("past.")),
+        state=_state(graph, static is not None, paged),
         export_peak_rss_mb=round(_rss("VmHWM") / 2**20, 1),
         export_base_rss_mb=round(base / 2**20, 1),
         weights_kept=dict(sorted(w.kept.items())),
         weights_bytes=dict(sorted(w.kept_bytes.items())),
-        runner="stateful" if static is None else "static",
+        runner="paged" if paged else "stateful" if static is None else "static",
         ring=None if static is None else static[0],
         prefill_xml=prefill.name if prefill else None,
         prefill_bin=prefill.with_suffix(".bin").name if prefill else None,
@@ -252,6 +254,16 @@ def _export_one(model: Path, arch: Arch, plan: StagePlan, weights: str, group_si
     del graph, source, w, saved
     gc.collect()
     return entry
+
+
+def _state(graph: ov.Model, static: bool, paged: bool) -> list[str]:
+    """What holds the stage's KV: its state variables, a static graph's past inputs, or a paged
+    graph's block pools."""
+    if paged:
+        return sorted(n for p in graph.inputs if (n := p.get_any_name()).startswith(("key_cache.", "value_cache.")))
+    if static:
+        return sorted(n for p in graph.inputs if (n := p.get_any_name()).startswith("past."))
+    return sorted(s.get_variable_id() for s in graph.get_sinks())
 
 
 def _graphs(arch: Arch, plan: StagePlan, w: Weights,

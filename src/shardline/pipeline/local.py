@@ -34,6 +34,7 @@ from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import KvSnapshot, StageKv, StageLayout, export_identity, frozen, snapshot
 from shardline.pipeline.plan import (
+    AnyStep,
     KvCopy,
     KvExport,
     KvImport,
@@ -45,6 +46,7 @@ from shardline.pipeline.plan import (
     Step,
     unfit,
 )
+from shardline.pipeline.ragged_step import RaggedStep
 from shardline.pipeline.timing import Timing
 from shardline.stage import executor as stage_work
 from shardline.stage.runners import Stage, copy_kv, open_stage
@@ -129,8 +131,10 @@ class LocalPipeline:
         self.identity = export_identity(self.manifest)  # what a KV snapshot of this pipeline names
         self._layout: list[StageLayout] | None = None  # what an import must fit, made on the first
 
-    def submit(self, step: Step) -> None:
+    def submit(self, step: AnyStep) -> None:
         """Start `step`; one outcome per row comes out of `outcomes`."""
+        if isinstance(step, RaggedStep):
+            raise ShardlineError("a ragged step needs a paged export's pipeline (pipeline/paged_local.py)")
         self._start_threads()
         self._inboxes[0].put((step, step.work(), None, _Trace(step.phase.value)))
 

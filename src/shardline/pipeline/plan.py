@@ -31,6 +31,7 @@ from shardline.decoding.speculative import Drafted
 from shardline.errors import ShardlineError
 from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.kv import KvSnapshot, StageLayout, check
+from shardline.pipeline.ragged_step import RaggedStep
 from shardline.pipeline.timing import Timing
 from shardline.stage.cache import KVBook, StepInputs
 from shardline.stage.work import StageWork
@@ -155,6 +156,9 @@ class KvCopy:
 
 
 KvMove = KvExport | KvImport | KvCopy
+# What a pipeline runs: a keyed step (stateful and static stages), or a paged pipeline's ragged
+# step (pipeline/ragged_step.py: every stream's tokens in one flat batch over block tables).
+AnyStep = Step | RaggedStep
 
 
 def unfit(item: KvMove, identity: str, layout: Callable[[], list[StageLayout]]) -> bool:
@@ -179,13 +183,13 @@ class Plan:
     an imported or copied lease is open before any step runs on it.)"""
 
     releases: tuple[int, ...] = ()
-    steps: tuple[Step, ...] = ()
+    steps: tuple[AnyStep, ...] = ()
     exports: tuple[KvExport, ...] = ()
     imports: tuple[KvImport, ...] = ()
     copies: tuple[KvCopy, ...] = ()
 
 
-def execute(pipe: Pipeline, plan: Plan, failed: Callable[[Step, str], None]) -> None:
+def execute(pipe: Pipeline, plan: Plan, failed: Callable[[AnyStep, str], None]) -> None:
     """Hand `plan` to `pipe` in its order; a step that cannot start fails its rows (`failed`),
     a KV move that cannot start fails its `done`."""
     for x in plan.exports:
@@ -267,7 +271,7 @@ class Pipeline(Protocol):
 
     # The plan's items, each in order with the others (pipeline/kv.py for what a KV move holds);
     # a move's result or error lands in its `done`.
-    def submit(self, step: Step) -> None: ...
+    def submit(self, step: AnyStep) -> None: ...
     def release(self, key: int) -> None: ...
     def move(self, item: KvMove) -> None: ...
     def outcomes(self, timeout: float | None = None) -> list[Outcome]: ...

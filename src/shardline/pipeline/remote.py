@@ -49,6 +49,7 @@ from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import StageLayout
 from shardline.pipeline.life import ChainLife, Down, Lost, Sent
 from shardline.pipeline.plan import (
+    AnyStep,
     KvCopy,
     KvExport,
     KvImport,
@@ -60,6 +61,7 @@ from shardline.pipeline.plan import (
     Step,
     unfit,
 )
+from shardline.pipeline.ragged_step import RaggedStep
 from shardline.pipeline.remote_kv import KV_S, KvMoves, WireMove
 from shardline.pipeline.star import StarRefused, relay
 from shardline.pipeline.timing import breakdown
@@ -169,7 +171,9 @@ class RemotePipeline:
 
     # --- executing plans -----------------------------------------------------------------------
 
-    def submit(self, step: Step) -> None:
+    def submit(self, step: AnyStep) -> None:
+        if isinstance(step, RaggedStep):
+            raise ShardlineError("ragged steps run on a paged pipeline in one process (not yet over workers)")
         with self.life.lock:
             self._local += 1
         self._inbox.put(step)

@@ -35,9 +35,10 @@ from shardline.decoding.masks import Constraint
 from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
 from shardline.host import trim_memory_every
-from shardline.pipeline.plan import DecodeStep, Lease, Outcome, Pipeline, Plan, Step, execute
+from shardline.pipeline.plan import AnyStep, DecodeStep, Lease, Outcome, Pipeline, Plan, execute
 from shardline.serving.admission import Limits, accepts, to_admit
 from shardline.serving.engine_spec import SpecDriver
+from shardline.serving.paged_scheduler import PagedScheduler
 from shardline.serving.prefix import PrefixCache, PrefixStats
 from shardline.serving.replay import Replays, refusal
 from shardline.serving.roles import Coupled, Role
@@ -136,16 +137,20 @@ class Serving(Protocol):
 class Engine:
     def __init__(self, pipe: Pipeline, limits: Limits, max_context: int,
                  scheduling: SchedulerConfig | None = None, drafts: Drafts | None = None,
-                 replays: Replays | None = None, role: Role | None = None, prefix: PrefixCache | None = None) -> None:
+                 replays: Replays | None = None, role: Role | None = None, prefix: PrefixCache | None = None,
+                 scheduler: PagedScheduler | None = None) -> None:
         """`role`: what this engine serves in disaggregated serving (disagg/: a prefill or a
         decode instance); None: coupled, every request prefills and decodes here. `prefix`:
-        ended streams' KV kept and reused by later prompts (None: off)."""
+        ended streams' KV kept and reused by later prompts (None: off). `scheduler`: a paged
+        pipeline's (serving/paged_scheduler.py: its blocks, its prefix reuse), else the keyed one."""
         self.pipe = pipe
         self.role: Role = role or Coupled()
         self.replays = replays or Replays()  # how often and how long a lost stream is replayed
         self.limits = limits
         self.max_context = max_context
-        self.scheduler = Scheduler(scheduling, self.role.handoffs, prefix)
+        if scheduler is not None and (drafts is not None or role is not None):
+            raise ShardlineError("a paged pipeline's engine does not speculate or serve a disaggregated role yet")
+        self.scheduler = scheduler or Scheduler(scheduling, self.role.handoffs, prefix)
         self.spec = SpecDriver(drafts, self.scheduler, pipe)
         self._waiting: deque[Ticket] = deque()
         self._cancels: deque[Ticket] = deque()
@@ -296,7 +301,7 @@ class Engine:
         if left := self.scheduler.take_left():
             self.role.left(left)
 
-    def _step_failed(self, step: Step, why: str) -> None:
+    def _step_failed(self, step: AnyStep, why: str) -> None:
         for s in step.streams:
             stream = self.scheduler.streams.get(s)
             if stream is not None:

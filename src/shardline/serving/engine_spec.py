@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from shardline.decoding.drafts import Proposal
 from shardline.decoding.sampler import Choice
 from shardline.pipeline.plan import DecodeStep, Outcome, Pipeline
 from shardline.serving.constrained import within_grammar
 from shardline.serving.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from shardline.serving.paged_scheduler import PagedScheduler
 from shardline.serving.speculation import Drafts, SpecStats, Speculation, StepCost
 from shardline.serving.stream import Stream
 
@@ -26,7 +30,7 @@ log = logging.getLogger("shardline.engine")
 
 
 class SpecDriver:
-    def __init__(self, drafts: Drafts | None, scheduler: Scheduler, pipe: Pipeline) -> None:
+    def __init__(self, drafts: Drafts | None, scheduler: Scheduler | PagedScheduler, pipe: Pipeline) -> None:
         self.drafts = drafts  # where speculating streams' drafts come from (None: no speculation)
         self.scheduler = scheduler
         self.pipe = pipe

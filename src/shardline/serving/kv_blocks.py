@@ -120,12 +120,18 @@ class BlockPool:
         table.written = tokens
 
     def free(self, table: BlockTable) -> None:
-        """The stream is done with its table: its hashed blocks stay cached for later hits."""
+        """The stream is done with its table: its hashed blocks stay cached for later hits (only
+        blocks whose KV was written by steps that came back are hashed: `wrote`)."""
         for block in reversed(table.blocks):  # the tail is evicted first
             self._release(block)
         table.blocks.clear()
         table.hashes.clear()
         table.written = 0
+
+    @property
+    def held(self) -> int:
+        """Blocks in some table now."""
+        return sum(1 for r in self.ref if r > 0)
 
     def writable(self, table: BlockTable) -> list[int]:
         """The blocks a step of this stream may write: those at or past its written tokens."""

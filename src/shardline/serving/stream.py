@@ -19,6 +19,7 @@ from shardline.decoding.masks import Constraint
 from shardline.pipeline.hidden import HiddenChunk, PromptHidden
 from shardline.pipeline.kv import KvSnapshot
 from shardline.pipeline.plan import Lease, StreamId
+from shardline.serving.kv_blocks import BlockTable
 from shardline.serving.speculation import Speculation
 from shardline.stage.cache import KVBook
 
@@ -89,6 +90,9 @@ class Stream:
     # The lease of its own state on every stage (while it is not a group's row); a replay or a
     # move to another instance takes a new one. Unset at construction: its id.
     key: Lease = _UNSET
+    # On a paged pipeline: its KV's blocks (serving/kv_blocks.py), apart from its identity and
+    # lease; None until its first prompt chunk is planned (and again after a restart).
+    blocks: BlockTable | None = None
 
     def __post_init__(self) -> None:
         if self.key == _UNSET:

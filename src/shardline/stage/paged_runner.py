@@ -3,24 +3,29 @@ one per attention input, each `blocks` blocks of the size the device chose. It h
 state: which blocks a stream uses is the coordinator's (serving/kv_blocks.py), and every call
 says so in its batch (stage/paged_batch.py), checked against the pool first.
 
-Not yet a `Stage` (stage/runners.py): the engine's plans still name keys and rows. What serves
-with it is issue 41's next part; today tests and bench/paged_graph.py drive it.
+Not a `Stage` (stage/runners.py): it holds no keys, so nothing keyed (merges, KV moves) applies.
+A paged pipeline (pipeline/paged_local.py) runs ragged steps through these.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import openvino as ov
 
+from shardline.config import RunConfig
 from shardline.errors import ShardlineError, StepRefused
+from shardline.export.paged import joined
+from shardline.model.manifest import StageEntry
 from shardline.stage.paged_batch import PagedBatch
+from shardline.stage.resident import released_while
+from shardline.stage.runner import precision_properties
 
 
 class PagedRunner:
     def __init__(self, model: ov.Model, device: str, properties: dict[str, str], blocks: int,
                  core: ov.Core | None = None, vocab: int | None = None, context: int | None = None) -> None:
-        if blocks < 1:
-            raise ShardlineError(f"a paged stage needs a pool of at least 1 block, not {blocks}")
         self.compiled = (core or ov.Core()).compile_model(model, device, properties)
         names = {i.get_any_name() for i in self.compiled.inputs}
         self._input = "input_ids" if "input_ids" in names else "hidden_states"
@@ -28,20 +33,50 @@ class PagedRunner:
         width = self.compiled.input(self._input).partial_shape
         self.hidden = None if self._input == "input_ids" else int(width[1].get_length())
         self.vocab, self.context, self.blocks = vocab, context, blocks
+        self.entry: StageEntry | None = None  # the manifest's, when loaded from an export
         self.request = self.compiled.create_infer_request()
-        self.block_size = 0
-        for i in self.compiled.inputs:  # [blocks, kv_heads, block, head_dim] as the device laid them out
-            if "_cache." in i.get_any_name():
-                dims = [d.get_length() for d in list(i.get_partial_shape())[1:]]
-                self.block_size = self.block_size or int(dims[1])
-                zeros = np.zeros([blocks, *dims], i.get_element_type().to_dtype())
-                self.request.set_tensor(i.get_any_name(), ov.Tensor(zeros))
-        if not self.block_size:
+        self._pools = [i for i in self.compiled.inputs if "_cache." in i.get_any_name()]
+        if not self._pools:
             raise ShardlineError("not a paged stage: its graph has no key_cache/value_cache inputs")
+        # [blocks, kv_heads, block, head_dim] as the device laid them out
+        self._dims = [[d.get_length() for d in list(i.get_partial_shape())[1:]] for i in self._pools]
+        self.block_size = int(self._dims[0][1])
+        self.allocate(blocks)
+
+    def block_bytes(self) -> int:
+        """What one block costs this stage: its layers' keys and values for `block_size` tokens."""
+        return sum(int(np.prod(d)) * i.get_element_type().size for i, d in zip(self._pools, self._dims, strict=True))
+
+    def allocate(self, blocks: int) -> None:
+        """Pools of `blocks` blocks (zeros: the OS commits their pages as blocks are written)."""
+        if blocks < 1:
+            raise ShardlineError(f"a paged stage needs a pool of at least 1 block, not {blocks}")
+        for i, dims in zip(self._pools, self._dims, strict=True):
+            zeros = np.zeros([blocks, *dims], i.get_element_type().to_dtype())
+            self.request.set_tensor(i.get_any_name(), ov.Tensor(zeros))
+        self.blocks = blocks
+
+    @staticmethod
+    def load(folder: Path, entry: StageEntry, run: RunConfig, blocks: int, core: ov.Core | None = None,
+             vocab: int | None = None, context: int | None = None) -> PagedRunner:
+        """`entry` (a manifest's "paged" stage) compiled on `run`'s one device with a pool of
+        `blocks` blocks; a clear error for another kind or a graph the device refuses."""
+        if entry.runner != "paged":
+            raise ShardlineError(f"{entry.name} of {folder} is a {entry.runner!r} stage, not a paged one")
+        core = core or ov.Core()
+        try:
+            model = joined(core.read_model(folder / entry.xml))
+            with released_while(folder / entry.bin):  # resident.py: why
+                runner = PagedRunner(model, run.device, precision_properties(model, run), blocks, core, vocab, context)
+        except (RuntimeError, ValueError, KeyError) as e:
+            lines = [x for x in str(e).strip().splitlines() if not x.startswith("Exception from")]
+            why = lines[0] if lines else type(e).__name__
+            raise ShardlineError(f"cannot load {entry.name} from {folder} on {run.device}: {why}") from None
+        runner.entry = entry
+        return runner
 
     def pool_bytes(self) -> int:
-        pools = [i for i in self.compiled.inputs if "_cache." in i.get_any_name()]
-        return sum(self.request.get_tensor(i).data.nbytes for i in pools)
+        return sum(self.request.get_tensor(i).data.nbytes for i in self._pools)
 
     def run(self, batch: PagedBatch, x: np.ndarray) -> np.ndarray:
         """The batch's hidden states [T, H], or on the last stage the logits [N, V] at

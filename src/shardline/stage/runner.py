@@ -59,14 +59,7 @@ class StageRunner(Keyed[_Held]):
         core = core or ov.Core()
         try:
             model = core.read_model(folder / entry.xml)
-            props = run.ov_properties()
-            if run.device.upper().startswith("CPU") and run.precision in ("fast", "rounded"):
-                # fractional zero points apart (or rounded) so that activations may be int8,
-                # quantized in groups of the weights' own when they all share one (zero_points.py)
-                (split_zero_points if run.precision == "fast" else round_zero_points)(model)
-                if (group := uniform_group(model)) is not None:
-                    props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = str(group)
-            self.compiled = core.compile_model(model, run.device, props)
+            self.compiled = core.compile_model(model, run.device, precision_properties(model, run))
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             kv = f" with a {run.kv} KV cache" if run.kv_precision else ""
@@ -217,3 +210,15 @@ def states_of(compiled: ov.CompiledModel) -> dict[str, tuple[np.dtype, int, int]
     """A stateful graph's KV variables as an empty request reports them: (dtype, kv_heads, head_dim)."""
     return {s.name: (s.state.data.dtype, int(s.state.shape[1]), int(s.state.shape[3]))
             for s in compiled.create_infer_request().query_state()}
+
+
+def precision_properties(model: ov.Model, run: RunConfig) -> dict[str, str]:
+    """The compile properties of `run`'s precision for `model`, which `fast` and `rounded`
+    rewrite on a CPU: fractional zero points apart (or rounded) so that activations may be
+    int8, quantized in groups of the weights' own when they all share one (zero_points.py)."""
+    props = run.ov_properties()
+    if run.device.upper().startswith("CPU") and run.precision in ("fast", "rounded"):
+        (split_zero_points if run.precision == "fast" else round_zero_points)(model)
+        if (group := uniform_group(model)) is not None:
+            props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = str(group)
+    return props

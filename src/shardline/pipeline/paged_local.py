@@ -1,0 +1,167 @@
+"""Every stage of a paged export (runner "paged") in this process, each on its own thread: the
+ragged steps (pipeline/ragged_step.py) the paged scheduler plans go through the stages in the
+order submitted, and the last stage samples. The stages hold pools of KV blocks and nothing per
+stream: which blocks a stream uses is the coordinator's (serving/kv_blocks.py), so there is
+nothing to open, merge, compact or release here, and a released lease is a no-op.
+
+Every stage's pool has the same number of blocks, so one block table serves all stages. The pool
+is sized by a byte budget over every stage here, and holds at least one stream at the full
+context: a request the engine accepts always fits once the others are done.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+
+from shardline.config import RunConfig
+from shardline.errors import ShardlineError, StepRefused
+from shardline.model.context import run_context
+from shardline.model.manifest import Manifest, load_manifest, verify
+from shardline.pipeline import metrics
+from shardline.pipeline.inflight import Outbox
+from shardline.pipeline.kv import StageLayout
+from shardline.pipeline.plan import AnyStep, KvMove, Outcome, Placed
+from shardline.pipeline.ragged_step import RaggedStep, sample
+from shardline.pipeline.timing import Timing
+from shardline.serving.kv_blocks import blocks_for
+from shardline.stage.paged_runner import PagedRunner
+
+_Item = tuple[RaggedStep, "np.ndarray", dict[int, float], float] | None  # None stops the thread
+
+
+def is_paged(manifest: Manifest) -> bool:
+    """Whether `manifest`'s stages are paged; a mix with other kinds is refused (one pipeline
+    is planned one way)."""
+    kinds = {e.runner for e in manifest.stages}
+    if "paged" in kinds and len(kinds) > 1:
+        raise ShardlineError(f"an export mixes paged stages with {', '.join(sorted(kinds - {'paged'}))} ones")
+    return kinds == {"paged"}
+
+
+class PagedPipeline:
+    def __init__(self, folder: Path, run: RunConfig | None, kv_bytes: int, max_blocks: int | None = None,
+                 check: bool = True) -> None:
+        """Pools of as many blocks as `kv_bytes` holds over every stage (at most `max_blocks`)."""
+        run = run or RunConfig()
+        self.manifest = load_manifest(folder)
+        if not is_paged(self.manifest):
+            raise ShardlineError(f"{folder} is not a paged export (shardline export --paged)")
+        if check:
+            verify(folder, self.manifest)
+        core, n = ov.Core(), len(self.manifest.stages)
+        self.context = run_context(self.manifest.arch, run.context)
+        self.devices = [run.for_stage(k, n).device for k in range(n)]
+        self.stages = [PagedRunner.load(folder, e, run.for_stage(k, n), 1, core, self.manifest.arch.vocab, self.context)
+                       for k, e in enumerate(self.manifest.stages)]
+        self.block_size = self.stages[0].block_size
+        if any(s.block_size != self.block_size for s in self.stages):
+            raise ShardlineError("the stages' devices chose different KV block sizes: one block table cannot "
+                                 "serve them")
+        self.blocks = self._pool(kv_bytes, max_blocks)
+        for s in self.stages:
+            s.allocate(self.blocks)
+        self.n_stages = n
+        self.outbox = Outbox()
+        self._inboxes: list[queue.Queue[_Item]] = [queue.Queue() for _ in self.stages]
+        self._threads: list[threading.Thread] = []
+
+    def _pool(self, kv_bytes: int, max_blocks: int | None) -> int:
+        per_block = sum(s.block_bytes() for s in self.stages)
+        least = blocks_for(self.context, self.block_size)
+        blocks = min(kv_bytes // per_block, max_blocks or 1 << 30)
+        if blocks < least:
+            raise ShardlineError(f"a KV budget of {kv_bytes / 2**20:.0f} MiB holds {blocks} blocks of "
+                                 f"{self.block_size} tokens; one stream at the context of {self.context} needs {least}")
+        return int(blocks)
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(s.pool_bytes() for s in self.stages)
+
+    def submit(self, step: AnyStep) -> None:
+        if not isinstance(step, RaggedStep):
+            raise ShardlineError("a paged pipeline runs ragged steps only")
+        self._start_threads()
+        self._inboxes[0].put((step, step.ids, {}, time.perf_counter()))
+
+    def release(self, key: int) -> None:
+        """Nothing: the stages hold no state per lease (the blocks are the scheduler's)."""
+
+    def move(self, item: KvMove) -> None:
+        why = "a paged pipeline moves no KV by lease (its blocks are the scheduler's)"
+        item.done.set_exception(ShardlineError(why))
+
+    def layout(self) -> list[StageLayout]:
+        return []
+
+    def outcomes(self, timeout: float | None = None) -> list[Outcome]:
+        return self.outbox.take(timeout)
+
+    def wake(self) -> None:
+        self.outbox.wake()
+
+    def idle(self) -> bool:
+        return False
+
+    def placement(self) -> list[Placed]:
+        return [Placed(e.first_layer, e.last_layer, "this process", device=d)
+                for e, d in zip(self.manifest.stages, self.devices, strict=True)]
+
+    def shutdown(self) -> None:
+        self._inboxes[0].put(None)
+        threads, self._threads = self._threads, []
+        for t in threads:
+            t.join(timeout=30)
+
+    def __enter__(self) -> PagedPipeline:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.shutdown()
+
+    def _start_threads(self) -> None:
+        if self._threads:
+            return
+        for k, stage in enumerate(self.stages):
+            nxt = self._inboxes[k + 1] if k + 1 < len(self.stages) else None
+            t = threading.Thread(target=_stage_loop, args=(k, stage, self._inboxes[k], nxt, self.outbox),
+                                 daemon=True, name=f"paged-stage-{k}")
+            t.start()
+            self._threads.append(t)
+
+
+def _stage_loop(k: int, stage: PagedRunner, inbox: queue.Queue[_Item], nxt: queue.Queue[_Item] | None,
+                outbox: Outbox) -> None:
+    """Stage k's thread: run each step on what the stage before gave; the last one samples. A
+    step that fails fails its streams alone; the stage goes on with the next."""
+    while (item := inbox.get()) is not None:
+        step, x, graph_s, start = item
+        try:
+            began = time.perf_counter()
+            out = stage.run(step.batch, x)
+            graph_s[k] = time.perf_counter() - began
+            if nxt is not None:
+                nxt.put((step, out.copy(), graph_s, start))  # the output is the request's: reused next call
+            else:
+                _finish(outbox, step, sample(step, out), graph_s, start)
+        except Exception as e:  # noqa: BLE001 - the streams fail (with the reason); the stage goes on
+            why = str(e) if isinstance(e, StepRefused | ShardlineError) else f"{type(e).__name__}: {e}"
+            for s in step.streams:
+                outbox.put(Outcome(s, error=f"stage {k}: {why}"))
+    if nxt is not None:
+        nxt.put(None)
+
+
+def _finish(outbox: Outbox, step: RaggedStep, choices: list, graph_s: dict[int, float], start: float) -> None:
+    total = time.perf_counter() - start
+    timing = Timing(step.phase.value, total, dict(graph_s), 0.0, 0.0, 0.0, total - sum(graph_s.values()), 0.0)
+    metrics.observe(timing, len(step.streams))
+    rows = step.sample_at[:, 0].tolist()
+    for q, stream in enumerate(step.streams):
+        outbox.put(Outcome(stream, tuple(c for c, r in zip(choices, rows, strict=True) if r == q), timing=timing))

@@ -1,0 +1,96 @@
+"""One step of a paged pipeline (issue 41): every sequence's new tokens end to end in one flat
+batch, decode tokens and prompt chunks fused, each sequence over its own block table, and the
+positions whose next token is wanted. A third kind of plan item beside PrefillStep and
+DecodeStep (pipeline/plan.py): it names no key, since the KV's blocks are in the batch.
+
+Invariants: one sequence per stream, in the order of `streams`; `sample_at` holds (sequence, t)
+pairs in that order, and `batch.logits_at` the same positions flattened, so the last stage's
+logits row e is the one entry e samples from.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from shardline.config import SamplingParams
+from shardline.decoding.masks import LateMasks, TokenMasks, mask_words, resolved
+from shardline.decoding.sampler import Choice, choose
+from shardline.errors import ShardlineError, StepRefused
+from shardline.stage.paged_batch import PagedBatch
+from shardline.wire.messages import Phase
+
+
+@dataclass(frozen=True)
+class Part:
+    """One stream's part of a ragged step: its new tokens over its block table."""
+
+    stream: int
+    tokens: tuple[int, ...]
+    past: int  # tokens its blocks hold already
+    blocks: tuple[int, ...]
+    sampling: SamplingParams
+    sample: bool  # its last new token's next token is wanted (a decode step, a prompt's last chunk)
+    prompt: bool  # a prompt chunk (else decode tokens)
+
+
+@dataclass(frozen=True)
+class RaggedStep:
+    streams: tuple[int, ...]  # the stream of each sequence
+    sampling: tuple[SamplingParams, ...]  # per sequence
+    ids: np.ndarray  # [T] i64: every new token, sequence after sequence
+    batch: PagedBatch
+    sample_at: np.ndarray  # [E, 2] i64: (sequence, t) whose next token is wanted
+    prompt_tokens: int  # of the T, those of prompt chunks (the rest decode)
+    want_logits: bool = False
+    masks: TokenMasks | LateMasks | None = None  # per sampled entry (constrained streams only)
+    made: float = field(default_factory=time.perf_counter, compare=False)
+    kind: ClassVar[str] = "ragged"
+
+    @staticmethod
+    def of(seqs: list[Part], want_logits: bool = False,
+           masks: TokenMasks | LateMasks | None = None) -> RaggedStep:
+        if not seqs or any(not s.tokens for s in seqs):
+            raise ShardlineError("a ragged step needs sequences, each with a new token")
+        at = np.array([[q, len(s.tokens) - 1] for q, s in enumerate(seqs) if s.sample], np.int64).reshape(-1, 2)
+        ends = np.cumsum([len(s.tokens) for s in seqs])
+        # a step of prompt chunks alone samples nothing, but the head's graph needs a row: the
+        # first token's logits are computed and dropped (one row of [T, H] x [H, V])
+        batch = PagedBatch.of([(len(s.tokens), s.past, s.blocks) for s in seqs],
+                              logits_at=[int(ends[q]) - 1 for q, _ in at.tolist()] or [0])
+        ids = np.array([t for s in seqs for t in s.tokens], np.int64)
+        prompt = sum(len(s.tokens) for s in seqs if s.prompt)
+        return RaggedStep(tuple(s.stream for s in seqs), tuple(s.sampling for s in seqs), ids, batch, at, prompt,
+                          want_logits, masks)
+
+    @property
+    def phase(self) -> Phase:
+        """Prefill when it carries prompt tokens (its cost is mostly theirs), else decode."""
+        return Phase.PREFILL if self.prompt_tokens else Phase.DECODE
+
+    @property
+    def tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+
+def sample(step: RaggedStep, logits: np.ndarray) -> list[Choice]:
+    """The last stage's choices, one per entry of `sample_at`: logits row e for entry e, the
+    token at the position after the sampled one (seeded by (seed, position) as every path is)."""
+    if not step.sample_at.size:
+        return []
+    if logits.ndim != 2 or logits.shape[0] != step.sample_at.shape[0]:
+        raise StepRefused(f"logits {logits.shape} for {step.sample_at.shape[0]} sampled entries")
+    masks = resolved(step.masks)
+    if masks is not None and (masks.which.shape[0] != logits.shape[0] or
+                              (masks.bits.shape[0] and masks.bits.shape[1] != mask_words(int(logits.shape[1])))):
+        raise StepRefused(f"token masks do not fit {logits.shape[0]} entries of a vocabulary of {logits.shape[1]}")
+    begins = step.batch.begins
+    out = []
+    for e, (q, t) in enumerate(step.sample_at.tolist()):
+        position = int(step.batch.positions[int(begins[q]) + t]) + 1
+        allowed = masks.allowed(e, int(logits.shape[1])) if masks is not None else None
+        out.append(choose(logits[e], step.sampling[q], position, step.want_logits, allowed))
+    return out

@@ -1,0 +1,217 @@
+"""The scheduler of a paged pipeline (issue 41), pure: each round, one ragged step of every idle
+stream's decode token and the prompt chunks that fit the token budget (serving/ragged.py), each
+over its block table (serving/kv_blocks.py), fused into one call of every stage.
+
+- Decode tokens go first and whole: a running stream never waits for a prompt. Prompt chunks
+  fill the budget left, oldest first. While streams decode, a long prompt's chunk is sized by
+  the same learned pacing as the stateful scheduler's (pacing.py: a time budget per step, and
+  prefill's share), learnt from fused steps by taking the decode part out of their time.
+- Blocks are taken as tokens are planned: admission counts what a stream holds and needs now,
+  never its worst case. A decode token that finds the pool empty preempts the youngest idle
+  stream (its blocks freed, its tokens prefilled again later), as vLLM's recompute does.
+- Prefix reuse is by shared blocks: a prompt's first chunk starts from the longest run of
+  cached full blocks that hash like its own prefix (in its scope), referenced, not copied. A
+  block is hashed only once the step that wrote it came back (the stream is idle again), so no
+  stream ever reads a block still being written.
+
+No groups, no merges, no compaction, nothing to release on the stages: a stream's state is its
+block table. No processes, no I/O: tested as plain objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from shardline.decoding.drafts import Proposal
+from shardline.errors import ShardlineError
+from shardline.pipeline.plan import Lease, Plan
+from shardline.pipeline.ragged_step import Part, RaggedStep
+from shardline.pipeline.timing import Timing
+from shardline.serving.constrained import late_masks
+from shardline.serving.groups import Groups
+from shardline.serving.kv_blocks import BlockPool, BlockTable
+from shardline.serving.kv_table import KvTable
+from shardline.serving.pacing import Pacing
+from shardline.serving.ragged import Budget, Want, pack
+from shardline.serving.scheduler import SchedulerConfig
+from shardline.serving.stream import Stream
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """What a stream's step in flight carried, for learning costs when it comes back."""
+
+    decode_tokens: int
+    chunks: tuple[tuple[int, int, bool], ...]  # each prompt chunk: (tokens, cached before it, paced)
+
+
+class PagedScheduler:
+    def __init__(self, cfg: SchedulerConfig | None, pool: BlockPool, prefix: bool = False) -> None:
+        self.cfg = cfg or SchedulerConfig()
+        self.pool = pool
+        self.prefix = prefix  # reuse by shared blocks
+        self.pacing = Pacing(self.cfg.pacing, self.cfg.chunk) if self.cfg.pacing else None
+        self.budget = Budget(max(self.cfg.chunk, self.cfg.short_chunk))  # prompt tokens a step may add
+        self.streams: dict[int, Stream] = {}  # running, by id, in admission order
+        self.kv = KvTable()  # leases (a stream's identity on the stages is its blocks: nothing to release)
+        self.groups = Groups(0, 1)  # none on this runner (the engine's speculation asks)
+        self.reuse = None
+        self.preempted = 0
+        self.hit_tokens = 0  # prompt tokens found in shared blocks
+        self._sent: dict[int, _Sent] = {}
+
+    def add(self, stream: Stream) -> None:
+        self.streams[stream.id] = stream
+
+    def remove(self, stream: Stream, keep: bool = False) -> None:
+        """`stream` ended (nothing in flight): its blocks go back; with `keep` (it ended well)
+        its written full blocks are hashed first, so later prompts may find them."""
+        if stream.in_flight:
+            raise ShardlineError(f"stream {stream.id} still has a step in flight")
+        self.streams.pop(stream.id, None)
+        self._sent.pop(stream.id, None)
+        if stream.blocks is not None:
+            if keep:
+                self._wrote(stream)
+            self.pool.free(stream.blocks)
+            stream.blocks = None
+        self.kv.free(stream.key)
+
+    def replay(self, stream: Stream, key: Lease) -> None:
+        """`stream` starts again on lease `key` from no blocks (its old ones freed)."""
+        if stream.blocks is not None:
+            self.pool.free(stream.blocks)
+            stream.blocks = None
+        old = stream.key
+        stream.restart(key, self.kv.books.get(key))
+        self.kv.free(old)
+
+    def releases(self) -> list[int]:
+        return list(self.kv.take_freed())
+
+    def take_left(self) -> list[Stream]:
+        return []
+
+    def plan(self, drafts: Mapping[int, Proposal] | None = None) -> Plan:
+        """This round's plan: at most one ragged step. `drafts` are not taken on this runner."""
+        if drafts:
+            raise ShardlineError("speculative decoding does not run on a paged pipeline yet")
+        idle = [s for s in self.streams.values() if not s.in_flight]
+        for s in idle:
+            self._wrote(s)
+        parts = self._parts(idle)
+        steps = (self._step(parts),) if parts else ()
+        return Plan(tuple(self.releases()), steps)
+
+    def _parts(self, idle: list[Stream]) -> list[tuple[Stream, int]]:
+        """(stream, new tokens) of this round's step, each with the blocks for them."""
+        decoding = [s for s in idle if s.idle_decoder()]
+        prompts = [s for s in idle if s.prefilling][: self.cfg.max_prefills]
+        for s in prompts:
+            self._start(s)
+        sizes = self._sizes(prompts, bool(decoding))
+        wants = [Want(s.id, 1, True) for s in decoding]
+        wants += [Want(s.id, n, False) for s, n in zip(prompts, sizes, strict=True)]
+        packed = pack(wants, Budget(len(decoding) + self.budget.tokens))
+        out: list[tuple[Stream, int]] = []
+        for sid, n in packed:
+            s = self.streams[sid]
+            if s.blocks is None:  # preempted by an earlier entry this round: it starts over next round
+                continue
+            if self._room(s, n, {p.id for p, _ in out}):
+                out.append((s, n))
+        return out
+
+    def _sizes(self, prompts: list[Stream], decoding: bool) -> list[int]:
+        """Each prompt's chunk: a short prompt whole (up to the budget), a long one paced while
+        streams decode (pacing.py), else up to `chunk`."""
+        left = [len(s.prefix()) - s.prefilled for s in prompts]
+        if self.pacing is None:
+            return [min(n, self.cfg.chunk) for n in left]
+        for s, n in zip(prompts, left, strict=True):
+            if s.paced is None:
+                s.paced = not self.pacing.short(n)
+        long = [(n, s.prefilled) for s, n in zip(prompts, left, strict=True) if s.paced]
+        paced = iter(self.pacing.sizes(long, decoding, prefilling=bool(long)))
+        return [next(paced) if s.paced else min(n, self.budget.tokens) for s, n in zip(prompts, left, strict=True)]
+
+    def _start(self, s: Stream) -> None:
+        """A prompt's first chunk is next: its table, from shared blocks if a prefix matches."""
+        if s.blocks is not None:
+            return
+        if self.prefix and s.prefix_scope is not None:
+            s.blocks = self.pool.match(s.prefix(), s.prefix_scope)
+            s.prefilled = s.blocks.written
+            self.hit_tokens += s.blocks.written
+        else:
+            s.blocks = BlockTable()
+
+    def _room(self, s: Stream, n: int, planned: set[int]) -> bool:
+        """Blocks for `s`'s next `n` tokens; a decode token preempts the youngest idle stream
+        not planned this round while the pool is short (a prompt waits instead)."""
+        assert s.blocks is not None
+        need = _fed(s) + n
+        while not self.pool.fits([(s.blocks, need)]):
+            victim = next((v for v in reversed(self.streams.values()) if v is not s and not v.in_flight
+                           and v.id not in planned and v.blocks is not None and v.blocks.blocks), None)
+            if s.prefilling or victim is None:
+                return False
+            self.replay(victim, self.kv.lease())
+            self.preempted += 1
+        self.pool.grow(s.blocks, need)
+        return True
+
+    def _step(self, parts: list[tuple[Stream, int]]) -> RaggedStep:
+        made: list[Part] = []
+        for s, n in parts:
+            assert s.blocks is not None
+            past = _fed(s)
+            if s.prefilling:
+                source = s.prefix()
+                s.prefilled = past + n
+                s.chunk = (n, past)
+                tokens, prompt = source[past : past + n], True
+            else:
+                tokens, prompt = [s.generated[-1]], False
+            made.append(Part(s.id, tuple(tokens), past, tuple(s.blocks.blocks), s.params,
+                             sample=not s.prefilling, prompt=prompt))
+            s.in_flight = True
+        sent = _Sent(sum(len(p.tokens) for p in made if not p.prompt),
+                     tuple((len(p.tokens), p.past, bool(self.streams[p.stream].paced)) for p in made if p.prompt))
+        for p in made:
+            self._sent[p.stream] = sent
+        sampled = [self.streams[p.stream] for p in made if p.sample]
+        masks = late_masks([s.constraint for s in sampled], [[] for _ in sampled])
+        return RaggedStep.of(made, any(s.want_logits for s in sampled), masks)
+
+    def _wrote(self, s: Stream) -> None:
+        """`s`'s steps came back: its written full blocks hashed (when its prefixes may be reused)."""
+        if s.blocks is None:
+            return
+        fed = _fed(s)
+        if self.prefix and s.prefix_scope is not None:
+            self.pool.wrote(s.blocks, (s.prompt + s.generated)[:fed], s.prefix_scope)
+        else:
+            s.blocks.written = fed
+
+    def observe(self, stream: Stream, timing: Timing) -> None:
+        """What a step that carried `stream` cost: its decode part teaches the step time, its
+        prompt chunks (the rest) the chunk costs (pacing.py)."""
+        sent = self._sent.pop(stream.id, None)
+        if self.pacing is None or sent is None:
+            return
+        seconds = sum(timing.graph_s.values())
+        if not sent.chunks:
+            self.pacing.decode_step(seconds)
+            return
+        chunk_s = seconds - (self.pacing.step_s or 0.0 if sent.decode_tokens else 0.0)
+        tokens = sum(n for n, _, _ in sent.chunks)
+        for n, cached, paced in sent.chunks:  # the chunks' time shared by their tokens
+            self.pacing.chunk_done(n, cached, max(chunk_s, 1e-6) * n / tokens, learn=cached > 0, counted=paced)
+
+
+def _fed(s: Stream) -> int:
+    """Tokens of `s` whose KV its planned steps write: what is prefilled, or once decoding all
+    but the last generated token (fed by its next step)."""
+    return s.prefilled if s.prefilling else len(s.prompt) + len(s.generated) - 1

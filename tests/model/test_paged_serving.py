@@ -1,0 +1,149 @@
+"""A paged export served (issue 41): `export --paged`, PagedPipeline and the paged scheduler give
+exactly the stateful export's greedy tokens, with streams joining and leaving, prompts fused
+beside decode tokens or not (a small budget against a large one), prompts sharing a kept
+prefix by block, and a pool so small that streams are preempted and prefilled again."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from shardline.config import ExportConfig, RunConfig, SamplingConfig, ServeConfig
+from shardline.errors import ShardlineError
+from shardline.export.exporter import export
+from shardline.model.manifest import load_manifest
+from shardline.model.tokenizer import ChatTokenizer
+from shardline.pipeline.local import LocalPipeline
+from shardline.pipeline.paged_local import PagedPipeline
+from shardline.server import open_engine
+from shardline.serving.admission import Limits
+from shardline.serving.engine import Engine, Event, Request
+from shardline.serving.kv_blocks import BlockPool
+from shardline.serving.paged_scheduler import PagedScheduler
+from shardline.serving.scheduler import SchedulerConfig
+from tests.conftest import CHAT_PROMPTS, DEFAULT_SPLIT
+from tests.helpers import greedy_ours, staggered
+
+LENGTHS = [20, 24, 6, 16, 9]
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def paged(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("paged") / "shards"
+    return export(ExportConfig(out=out, layers=DEFAULT_SPLIT, paged=True, isolate=False, progress=False))
+
+
+@pytest.fixture(scope="module")
+def prompts(paged: Path) -> list[list[int]]:
+    tok = ChatTokenizer(paged)
+    return [tok.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[:5]]
+
+
+@pytest.fixture(scope="module")
+def alone(shards: Callable[..., Path], prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt alone through the stateful export of the same split: the reference."""
+    with LocalPipeline(shards("gguf", layers=DEFAULT_SPLIT), RunConfig()) as pipe:
+        return [greedy_ours(pipe, p, n)[0] for p, n in zip(prompts, LENGTHS, strict=True)]
+
+
+@contextmanager
+def _engine(folder: Path, chunk: int, kv_mib: int = 512, prefix: bool = False,
+            pacing: bool = False) -> Iterator[Engine]:
+    pipe = PagedPipeline(folder, RunConfig(), kv_mib * MiB)
+    cfg = SchedulerConfig(chunk=chunk, pacing=ServeConfig().pacing if pacing else None)
+    scheduler = PagedScheduler(cfg, BlockPool(pipe.blocks, pipe.block_size), prefix=prefix)
+    engine = Engine(pipe, Limits(8, 8), pipe.context, scheduler=scheduler)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def test_the_export_is_paged(paged: Path) -> None:
+    m = load_manifest(paged)
+    assert [e.runner for e in m.stages] == ["paged", "paged"]
+    assert m.stages[0].state == sorted(f"{k}_cache.{i}" for k in ("key", "value") for i in range(19))
+
+
+@pytest.mark.parametrize("chunk", [512, 7], ids=["fused-whole", "small-chunks"])
+def test_streams_equal_the_stateful_tokens(paged: Path, prompts: list[list[int]], alone: list[list[int]],
+                                           chunk: int) -> None:
+    """Streams join while others decode (their prompts ride in the same calls as the decode
+    tokens) and leave at different steps: each gets its tokens alone on the stateful stages."""
+    with _engine(paged, chunk) as engine:
+        assert staggered(engine, prompts, LENGTHS) == alone
+        sched = engine.scheduler
+        assert isinstance(sched, PagedScheduler) and sched.pool.held == 0  # every block back
+
+
+def test_paced_prompts_equal_too(paged: Path, prompts: list[list[int]], alone: list[list[int]]) -> None:
+    with _engine(paged, 128, pacing=True) as engine:
+        assert staggered(engine, prompts, LENGTHS) == alone
+
+
+def test_a_small_pool_preempts_and_stays_exact(paged: Path, prompts: list[list[int]],
+                                                alone: list[list[int]]) -> None:
+    """A pool that holds little more than one stream at the full context: decode tokens that
+    find it empty preempt the youngest idle stream, which prefills again; tokens are unchanged."""
+    m = load_manifest(paged)
+    per_block = 2 * m.arch.n_layers * m.arch.n_kv_heads * m.arch.head_dim * 4 * 32  # f32 keys and values
+    pipe_blocks = -(-8192 // 32) + 3
+    with _engine(paged, 64, kv_mib=-(-pipe_blocks * per_block // MiB)) as engine:
+        sched = engine.scheduler
+        assert isinstance(sched, PagedScheduler)
+        prompt = list(range(1, 8150))  # nearly the whole pool, beside the chat streams
+        done = threading.Event()
+        engine.submit(Request(prompt, SamplingConfig(max_tokens=30), frozenset()),
+                      lambda ev: done.set() if ev.finish else None)
+        assert staggered(engine, prompts, LENGTHS) == alone
+        assert done.wait(300)
+        assert sched.preempted > 0 and sched.pool.held == 0
+
+
+def test_a_kept_prefix_is_shared_by_block(paged: Path, prompts: list[list[int]]) -> None:
+    """A prompt that starts with an ended stream's prompt takes its full blocks without a copy
+    (no prompt token of theirs runs again) and gets the tokens it gets cold."""
+    system = list(range(100, 300))  # 200 tokens, then the chat template's own start
+    first, second = system + prompts[0], system + prompts[1]
+    with _engine(paged, 512) as engine:
+        cold = _tokens(engine, second, 12)
+    with _engine(paged, 512, prefix=True) as engine:
+        sched = engine.scheduler
+        assert isinstance(sched, PagedScheduler)
+        _tokens(engine, first, 4)
+        assert sched.hit_tokens == 0
+        assert _tokens(engine, second, 12) == cold
+        common = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+        assert common > 200 and sched.hit_tokens == common // 32 * 32  # every full block shared, no more
+
+
+def test_a_paged_export_refuses_what_it_does_not_run(paged: Path, shards: Callable[..., Path]) -> None:
+    with pytest.raises(ShardlineError, match="without --worker"):
+        open_engine(paged, RunConfig(), ServeConfig(), workers=["127.0.0.1:1"])
+    with pytest.raises(ShardlineError, match="blocks of 32 tokens; one stream at the context of 8192 needs 256"):
+        PagedPipeline(paged, RunConfig(), 1 * MiB)
+    with pytest.raises(ShardlineError, match="is not a paged export"):
+        PagedPipeline(shards("gguf", layers=DEFAULT_SPLIT), RunConfig(), 256 * MiB)
+    with pytest.raises(ShardlineError, match="--paged and --static"):
+        ExportConfig(out=paged, stages=2, paged=True, static=frozenset({0}))
+
+
+def _tokens(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    got: list[int] = []
+    done = threading.Event()
+
+    def on(ev: Event) -> None:
+        if ev.token is not None:
+            got.append(ev.token)
+        else:
+            assert ev.finish == "length", ev
+            done.set()
+
+    engine.submit(Request(prompt, SamplingConfig(max_tokens=n), frozenset()), on)
+    assert done.wait(300)
+    return got
