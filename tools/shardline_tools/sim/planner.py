@@ -78,7 +78,9 @@ class Planner:
 
     def plan(self) -> list[Step]:
         """The next round's steps, in the order the engine submits them."""
-        return [self._charged(step) for step in self.scheduler.plan().steps]
+        steps = self.scheduler.plan().steps
+        assert all(isinstance(s, PlannedStep) for s in steps)  # the keyed scheduler plans no ragged steps
+        return [self._charged(step) for step in steps if isinstance(step, PlannedStep)]
 
     def _charged(self, step: PlannedStep) -> Step:
         def start() -> tuple[float, Finish]:

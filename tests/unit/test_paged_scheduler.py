@@ -1,0 +1,143 @@
+"""The paged scheduler's decisions, as plain objects (issue 41): one ragged step a round with
+decode tokens first and prompt chunks in the budget, blocks taken as tokens are planned (a
+prompt waits for them, a decode token preempts the youngest idle stream), prefixes shared by
+block only once the steps that wrote them came back."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardline.config import SamplingParams
+from shardline.decoding.drafts import Proposal
+from shardline.errors import ShardlineError
+from shardline.pipeline.ragged_step import RaggedStep
+from shardline.serving.kv_blocks import BlockPool
+from shardline.serving.paged_scheduler import PagedScheduler
+from shardline.serving.scheduler import SchedulerConfig
+from shardline.serving.stream import Stream, new_stream_id
+
+
+def _stream(prompt: list[int], max_tokens: int = 50, scope: str | None = None) -> Stream:
+    return Stream(new_stream_id(), prompt, SamplingParams(), max_tokens, prefix_scope=scope)
+
+
+def _sched(blocks: int = 64, chunk: int = 8, prefix: bool = False) -> PagedScheduler:
+    return PagedScheduler(SchedulerConfig(chunk=chunk, pacing=None), BlockPool(blocks, 4), prefix=prefix)
+
+
+def _step(sched: PagedScheduler) -> RaggedStep | None:
+    steps = sched.plan().steps
+    assert len(steps) <= 1
+    if not steps:
+        return None
+    assert isinstance(steps[0], RaggedStep)
+    return steps[0]
+
+
+def _complete(sched: PagedScheduler, step: RaggedStep, token: int = 7) -> None:
+    """What the engine does with the outcomes: each sampled sequence gets a token."""
+    sampled = set(step.sample_at[:, 0].tolist())
+    for q, sid in enumerate(step.streams):
+        s = sched.streams[sid]
+        s.in_flight = False
+        if q in sampled:
+            s.generated.append(token)
+
+
+def _run(sched: PagedScheduler, rounds: int) -> list[RaggedStep]:
+    out = []
+    for _ in range(rounds):
+        step = _step(sched)
+        if step is None:
+            break
+        _complete(sched, step)
+        out.append(step)
+    return out
+
+
+def test_decode_tokens_go_first_and_prompts_fill_the_budget() -> None:
+    sched = _sched(chunk=8)
+    a, b = _stream(list(range(10, 15))), _stream(list(range(20, 25)))
+    sched.add(a)
+    sched.add(b)
+    _run(sched, 1)  # both prompts (5 + 5 tokens): the first whole, the second's first 3 (budget 8)
+    assert (a.prefilled, b.prefilled, a.generated, b.generated) == (5, 3, [7], [])
+    c = _stream(list(range(100, 130)))
+    sched.add(c)
+    step = _step(sched)
+    assert step is not None
+    # a's decode token first, then b's last 2 prompt tokens, then 6 of c's 30 (2 + 6 = the budget of 8)
+    assert step.streams == (a.id, b.id, c.id)
+    assert step.batch.begins.tolist() == [0, 1, 3, 9]
+    assert step.batch.past_lens.tolist() == [5, 3, 0]
+    assert step.sample_at.tolist() == [[0, 0], [1, 1]]  # a's next token, and b's first (its prompt is in)
+    assert step.ids.tolist() == [7, 23, 24, *range(100, 106)]
+    assert step.prompt_tokens == 8
+    assert _step(sched) is None  # every stream has a step in flight
+
+
+def test_a_stream_holds_the_blocks_of_its_tokens_not_its_worst_case() -> None:
+    sched = _sched(blocks=64, chunk=64)
+    s = _stream(list(range(10, 20)), max_tokens=1000)
+    sched.add(s)
+    _run(sched, 3)  # the prompt, then 2 decode steps: 12 tokens' KV planned
+    assert s.blocks is not None and len(s.blocks.blocks) == 3 and sched.pool.held == 3
+    sched.remove(s)
+    assert sched.pool.held == 0 and sched.pool.available == 64
+
+
+def test_a_prompt_waits_for_blocks() -> None:
+    sched = _sched(blocks=4, chunk=64)  # 16 tokens in all
+    a, b = _stream(list(range(10, 22))), _stream(list(range(30, 40)))  # 12 tokens (3 blocks), 10 (3 blocks)
+    sched.add(a)
+    sched.add(b)
+    step = _step(sched)
+    assert step is not None and step.streams == (a.id,)  # b's 3 blocks are not there: it waits
+    _complete(sched, step)
+    sched.remove(a)
+    step = _step(sched)
+    assert step is not None and step.streams == (b.id,)
+
+
+def test_a_decode_token_preempts_the_youngest_idle_stream() -> None:
+    sched = _sched(blocks=4, chunk=64)
+    a, b = _stream(list(range(10, 18))), _stream(list(range(30, 37)))  # 8 tokens (2 blocks), 7 (2 blocks)
+    sched.add(a)
+    sched.add(b)
+    _run(sched, 1)
+    assert sched.pool.held == 4
+    step = _step(sched)  # a's decode token needs a third block: b (younger, idle) gives its blocks back
+    assert step is not None and step.streams == (a.id,) and sched.preempted == 1
+    assert b.blocks is None and b.prefilled == 0 and b.resumed == 1  # b prefills its prompt and its token again
+    _complete(sched, step)
+    sched.remove(a)
+    step = _step(sched)
+    assert step is not None and step.streams == (b.id,) and step.ids.tolist() == [*range(30, 37), 7]
+
+
+def test_a_prefix_is_shared_by_block_once_written() -> None:
+    sched = _sched(blocks=64, chunk=64, prefix=True)
+    system = list(range(200, 213))  # 13 tokens: 3 full blocks of 4
+    a = _stream([*system, 1, 2], scope="k")
+    sched.add(a)
+    step = _step(sched)
+    assert step is not None
+    early = _stream([*system, 3, 4], scope="k")
+    sched.add(early)
+    assert _step(sched) is not None and sched.hit_tokens == 0  # a's blocks are being written: nothing shared
+    _complete(sched, step)
+    late, other = _stream([*system, 5, 6], scope="k"), _stream([*system, 5, 6], scope="another key")
+    sched.add(late)
+    sched.add(other)
+    _step(sched)  # a's step came back: its 3 full blocks are found (by the stream in its scope only)
+    assert a.blocks is not None and late.blocks is not None
+    assert late.blocks.blocks[:3] == a.blocks.blocks[:3] and sched.hit_tokens == 12
+    assert other.blocks is not None and not set(other.blocks.blocks) & set(a.blocks.blocks)
+
+
+def test_drafts_are_refused() -> None:
+    sched = _sched()
+    s = _stream([1, 2, 3])
+    sched.add(s)
+    with pytest.raises(ShardlineError, match="speculative decoding does not run on a paged pipeline"):
+        sched.plan({s.id: Proposal([4, 5])})
