@@ -14,7 +14,9 @@ Systems, each built by the composition root (server.py) as `shardline serve` bui
 - old: fixed 128-token chunks beside every decode step (`pacing=None`, the policy before issue 23);
 - new: chunks sized to the time budget, prefill's share of the time (serving/pacing.py, defaults);
 - disagg: 1 prefill + 1 decode instance (TetriInfer): the running streams decode on the decode
-  instance while the prompts prefill on the other.
+  instance while the prompts prefill on the other;
+- paged: the default model's paged export (issue 41: every stream's decode token and the prompt's
+  chunk fused in one call of each stage, sized by the same pacing), in this process only.
 Placements: in this process, and with 2 workers (`shardline worker` on loopback, stage 1 each
 instance's; stage 0 here). Targets (coupled, new, defaults): the longest gap <= 4x the steady
 median, >= 50% of the steady rate in the window, TTFT <= 2x idle.
@@ -44,7 +46,7 @@ from kit import TEXT, Proc  # bench/ is on sys.path when this script runs
 from trackers import Tracker, wait_for
 
 from shardline.config import PacingConfig, RunConfig, SamplingConfig, ServeConfig
-from shardline.export.defaults import default_shards
+from shardline.export.defaults import default_paged_shards, default_shards
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.server import open_disaggregated, open_engine
 from shardline.serving.engine import Request, Serving
@@ -52,7 +54,7 @@ from shardline.serving.engine import Request, Serving
 CHATS = ["Write a long story about a lighthouse keeper who finds a message in a bottle.",
          "Explain in detail how a bicycle stays upright.", "Describe every planet of the solar system.",
          "Write a long letter to a friend about a trip to the mountains."]
-SYSTEMS = ("old", "new", "disagg")
+SYSTEMS = ("old", "new", "disagg", "paged")
 
 
 @dataclass
@@ -142,14 +144,17 @@ def measure(runners: list[Tracker], steady: tuple[float, float], c: Case, idle: 
 @contextmanager
 def system(name: str, folder: Path, placement: str, pacing: PacingConfig) -> Iterator[Serving]:
     """A server's engine (or front) for `name`, its stages in this process or on workers."""
-    base = ServeConfig(max_streams=8, pacing=None if name == "old" else pacing)
+    # prefix reuse off: each case's long prompt is the idle run's, which a kept prefix would answer
+    base = ServeConfig(max_streams=8, pacing=None if name == "old" else pacing, prefix_cache_mb=0)
     instances = 2 if name == "disagg" else 1
     workers = [Proc(["worker", "--shards", str(folder), "--stage", "1", "--listen", "127.0.0.1:0", "--insecure"],
                     "listening on ") for _ in range(instances if placement == "workers" else 0)]
     addrs = [w.addr for w in workers] or None
     serving: Serving
     try:
-        if name == "disagg":
+        if name == "paged":
+            serving, _ = open_engine(default_paged_shards(False), RunConfig(), base, addrs)
+        elif name == "disagg":
             cfg = replace(base, disaggregate=(1, 1), length_predictor="max-tokens")
             serving, _ = open_disaggregated(folder, RunConfig(), cfg, addrs)
         else:
@@ -237,6 +242,8 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
     for placement in args.placements.split(","):
         for name in args.systems.split(","):
+            if name == "paged" and placement == "workers":
+                continue  # a paged export runs every stage in one process for now
             with system(name, folder, placement, PacingConfig(args.budget, args.share)) as serving:
                 first_tokens(serving, [chats[0]])  # warm-up
                 results[f"{name} {placement}"] = scenario(serving, chats, longs, args.steady, not args.quick)

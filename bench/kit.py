@@ -139,17 +139,18 @@ def relays(addrs: Sequence[str], delay_ms: float, rate_mbit: float | None = None
 
 
 def shard_folder(work: Path, stages: int, weights: str = "gguf", balance: bool = False,
-                 model: Path | None = None) -> Path:
+                 model: Path | None = None, paged: bool = False) -> Path:
     """A model's export (default: the embedded one), made once under `work` and named alike by every
     script, so each reuses the others'. The name carries the manifest format (an export of an older
     shardline is never picked up: it would be refused). `weights` "gguf-rbG": the GGUF's blocks
-    re-blocked into groups of G (`export --reblock G`)."""
+    re-blocked into groups of G (`export --reblock G`); `paged`: paged stages (`export --paged`)."""
     from shardline.config import ExportConfig
     from shardline.export.exporter import export
     from shardline.model.manifest import EXPORT_TAG
 
     name = "smollm2-135m" if model is None else model.stem
-    folder = work / f"{name}-{weights}-{stages}stages{'-balanced' if balance else ''}-{EXPORT_TAG}"
+    kind = ("-balanced" if balance else "") + ("-paged" if paged else "")
+    folder = work / f"{name}-{weights}-{stages}stages{kind}-{EXPORT_TAG}"
     if not (folder / "manifest.json").is_file():
         print(f"exporting {folder} ...", file=sys.stderr)
         work.mkdir(parents=True, exist_ok=True)
@@ -158,6 +159,8 @@ def shard_folder(work: Path, stages: int, weights: str = "gguf", balance: bool =
         extra: dict[str, Any] = {"reblock": int(group)} if group else {}
         if model is not None:
             extra["model"] = model
+        if paged:
+            extra["paged"] = True
         export(ExportConfig(out=folder, stages=stages, balance=balance, weights=base, isolate=False, progress=False,
                             **extra))
     return folder

@@ -17,6 +17,7 @@ llama-cpp-python sdist vendors (bench/llama_cpp_tools.sh), `--parallel 8`, 2 thr
     python bench/prefix.py --quick
     python bench/prefix.py [--llama-server PATH] [--rounds 3]
     python bench/prefix.py --disaggregate   # instead: serve --disaggregate 1:1, cache off and on
+    python bench/prefix.py --paged          # instead: the paged export against the stateful one, in process
 
 The last line on stdout is one JSON object with the figures, ratios first.
 """
@@ -201,6 +202,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--llama-server", type=Path, help="the llama-server binary (default: bench/llama_cpp_tools.sh's)")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "shardline-bench")
+    p.add_argument("--paged", action="store_true",
+                   help="instead: the paged export (issue 41: kept prefixes shared by block) against the stateful "
+                        "one (prefixes copied), cache off and on, in process")
     p.add_argument("--disaggregate", action="store_true",
                    help="instead: shardline --disaggregate 1:1 (a prefill and a decode instance), cache off and on")
     args = p.parse_args()
@@ -225,6 +229,13 @@ def main() -> int:
                       f"{' '.join(f'{a.ttft:.2f}' for a in system.chat[-1])} s", file=sys.stderr, flush=True)
             systems[system.name] = system
 
+    if args.paged:
+        paged = shard_folder(args.work, 2, balance=True, paged=True)
+        measure(shardline("shardline, cache off", two, 0))
+        measure(shardline("shardline", two, 512))
+        measure(shardline("shardline paged, cache off", paged, 0))
+        measure(shardline("shardline paged", paged, 512))
+        return report(systems, rounds, quiet, load)
     if args.disaggregate:
         split = ("--disaggregate", "1:1")
         measure(shardline("shardline 1:1, cache off", two, 0, extra=split))
@@ -261,7 +272,12 @@ def report(systems: dict[str, System], rounds: int, quiet: bool, load: float) ->
         figures[f"{name} later turn ttft s"] = round(later[name], 3)
         figures[f"{name} shared ttft s"] = round(shared, 3)
     ratios = {}
-    if "shardline 1:1" in later:
+    if "shardline paged" in later:
+        ratios["ratio_later_turn_ttft_paged_vs_copied"] = round(later["shardline paged"] / later["shardline"], 3)
+        ratios["ratio_later_turn_ttft_paged_vs_cache_off"] = round(
+            later["shardline paged"] / later["shardline paged, cache off"], 3)
+        ratios["ratio_later_turn_ttft_vs_cache_off"] = round(later["shardline"] / later["shardline, cache off"], 3)
+    elif "shardline 1:1" in later:
         ratios["ratio_later_turn_ttft_1to1_vs_cache_off"] = round(
             later["shardline 1:1"] / later["shardline 1:1, cache off"], 3)
     else:

@@ -99,15 +99,18 @@ def open_pipeline(folder: Path, run: RunConfig, workers: list[str] | None = None
 
 def scheduling(cfg: ServeConfig, manifest: Manifest, remote: bool,
                spec: SpeculationConfig | None = None) -> SchedulerConfig:
-    """The scheduler's config for `manifest`'s stages. A static stage (export/static.py) runs one
-    row at a time, so no decode groups then, and no prompt chunk wider than its prefill graph."""
-    static = [e for e in manifest.stages if e.runner == "static"]
-    groups = 0 if static else decode_groups(cfg.decode_groups, len(manifest.stages), remote)
-    chunk = min([cfg.prefill_chunk, *(e.prefill_width for e in static if e.prefill_width)])
-    # a short prompt in one call (pacing.py), except through static stages: their graphs' width binds
-    whole = chunk if static or cfg.pacing is None else max(chunk, cfg.pacing.short)
-    # a cache that slid past a ring is no longer whole: it is never compacted (masked drafts stay)
-    compact_at = 1 << 30 if any(e.sinks for e in static) else (spec or SpeculationConfig()).compact_at
+    """The scheduler's config from `manifest`'s stages' limits (StageEntry.limits): a stage that
+    runs one row at a time (a static one, export/static.py) means no decode groups, and no prompt
+    chunk wider than the narrowest stage takes (nor a short prompt whole past it); a cache that
+    slides past a ring is no longer whole, so it is never compacted (masked drafts stay)."""
+    limits = [e.limits() for e in manifest.stages]
+    one_row = any(x.rows == 1 for x in limits)
+    groups = 0 if one_row else decode_groups(cfg.decode_groups, len(manifest.stages), remote)
+    widths = [x.chunk for x in limits if x.chunk]
+    chunk = min([cfg.prefill_chunk, *widths])
+    # a short prompt in one call (pacing.py), except where a stage's width binds
+    whole = chunk if one_row or cfg.pacing is None else max(chunk, cfg.pacing.short)
+    compact_at = 1 << 30 if any(x.slides for x in limits) else (spec or SpeculationConfig()).compact_at
     return SchedulerConfig(chunk=chunk, short_chunk=whole, groups=groups, max_prefills=cfg.max_prefills,
                            compact_at=compact_at, pacing=cfg.pacing)
 
@@ -150,9 +153,9 @@ def open_paged_engine(folder: Path, manifest: Manifest, run: RunConfig, cfg: Ser
         raise ShardlineError("a paged export runs every stage in this process for now: serve it without --worker")
     if cfg.disaggregate:
         raise ShardlineError("a paged export does not serve --disaggregate yet")
-    if spec is not None and spec.kind != "off":
-        log.warning("speculative decoding does not run on a paged export yet: serving without it")
     from shardline.pipeline.paged_local import PagedPipeline
+
+    drafts, _ = open_drafts(spec or SpeculationConfig(), manifest, run)
 
     budget = int(available_memory() * cfg.memory_fraction)
     context = run_context(manifest.arch, run.context)
@@ -163,7 +166,7 @@ def open_paged_engine(folder: Path, manifest: Manifest, run: RunConfig, cfg: Ser
     log.info("paged KV: %d blocks of %d tokens (%.0f MiB over %d stages)", pipe.blocks, pipe.block_size,
              pipe.pool_bytes / 2**20, len(manifest.stages))
     scheduler = PagedScheduler(scheduling(cfg, manifest, False), pool, prefix=cfg.prefix_cache_mb != 0)
-    return Engine(pipe, limits, pipe.context, replays=replays, scheduler=scheduler)
+    return Engine(pipe, limits, pipe.context, drafts=drafts, replays=replays, scheduler=scheduler)
 
 
 def prefix_cache(cfg: ServeConfig, pipe: Pipeline, instances: int = 1) -> PrefixCache | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.config import ExportConfig, RunConfig, SamplingConfig, ServeConfig
+from shardline.config import ExportConfig, RunConfig, SamplingConfig, ServeConfig, SpeculationConfig
 from shardline.errors import ShardlineError
 from shardline.export.exporter import export
 from shardline.model.manifest import load_manifest
@@ -25,6 +25,7 @@ from shardline.serving.engine import Engine, Event, Request
 from shardline.serving.kv_blocks import BlockPool
 from shardline.serving.paged_scheduler import PagedScheduler
 from shardline.serving.scheduler import SchedulerConfig
+from shardline.serving.speculation import SpecStats
 from tests.conftest import CHAT_PROMPTS, DEFAULT_SPLIT
 from tests.helpers import greedy_ours, staggered
 
@@ -111,15 +112,42 @@ def test_a_kept_prefix_is_shared_by_block(paged: Path, prompts: list[list[int]])
     system = list(range(100, 300))  # 200 tokens, then the chat template's own start
     first, second = system + prompts[0], system + prompts[1]
     with _engine(paged, 512) as engine:
-        cold = _tokens(engine, second, 12)
+        cold = _tokens(engine, second, 12)[0]
     with _engine(paged, 512, prefix=True) as engine:
         sched = engine.scheduler
         assert isinstance(sched, PagedScheduler)
         _tokens(engine, first, 4)
         assert sched.hit_tokens == 0
-        assert _tokens(engine, second, 12) == cold
+        assert _tokens(engine, second, 12)[0] == cold
         common = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
         assert common > 200 and sched.hit_tokens == common // 32 * 32  # every full block shared, no more
+
+
+def test_speculation_on_paged_gives_the_plain_tokens(paged: Path, shards: Callable[..., Path]) -> None:
+    """Prompt-lookup drafts ride after each stream's token in the fused step and are verified
+    there; the rejected ones go by a shorter past (their blocks freed). Greedy and seeded
+    sampling both give what the stateful export gives without speculation."""
+    tok = ChatTokenizer(paged)
+    text = "The cat sat on the mat. The dog sat on the log. " * 6
+    prompts = [tok.encode_chat([{"role": "user", "content": f"Repeat this text exactly: {text}"}]),
+               tok.encode_chat([{"role": "user", "content": f"Copy: {text} {text}"}])]
+    samplings = [SamplingConfig(max_tokens=40), SamplingConfig(max_tokens=40, temperature=0.8, seed=5)]
+    plain = {}
+    engine, _ = open_engine(shards("gguf", layers=DEFAULT_SPLIT), RunConfig(), ServeConfig(max_streams=4))
+    try:
+        for i, (p, sc) in enumerate(zip(prompts, samplings, strict=True)):
+            plain[i] = _tokens(engine, p, 40, sc)[0]
+    finally:
+        engine.shutdown()
+    engine, _ = open_engine(paged, RunConfig(), ServeConfig(max_streams=4), spec=SpeculationConfig(draft="ngram", k=4))
+    try:
+        got = {i: _tokens(engine, p, 40, sc) for i, (p, sc) in enumerate(zip(prompts, samplings, strict=True))}
+        sched = engine.scheduler
+        assert isinstance(sched, PagedScheduler) and sched.pool.held == 0
+    finally:
+        engine.shutdown()
+    assert {i: t for i, (t, _) in got.items()} == plain
+    assert all(stats is not None and stats.accepted > 5 for _, stats in got.values())  # drafts did stand
 
 
 def test_a_paged_export_refuses_what_it_does_not_run(paged: Path, shards: Callable[..., Path]) -> None:
@@ -133,17 +161,21 @@ def test_a_paged_export_refuses_what_it_does_not_run(paged: Path, shards: Callab
         ExportConfig(out=paged, stages=2, paged=True, static=frozenset({0}))
 
 
-def _tokens(engine: Engine, prompt: list[int], n: int) -> list[int]:
+def _tokens(engine: Engine, prompt: list[int], n: int,
+            sampling: SamplingConfig | None = None) -> tuple[list[int], SpecStats | None]:
+    """`n` tokens (stop tokens ignored) and the request's speculation figures."""
     got: list[int] = []
     done = threading.Event()
+    stats: list[SpecStats | None] = []
 
     def on(ev: Event) -> None:
         if ev.token is not None:
             got.append(ev.token)
         else:
             assert ev.finish == "length", ev
+            stats.append(ev.spec)
             done.set()
 
-    engine.submit(Request(prompt, SamplingConfig(max_tokens=n), frozenset()), on)
+    engine.submit(Request(prompt, sampling or SamplingConfig(max_tokens=n), frozenset()), on)
     assert done.wait(300)
-    return got
+    return got, stats[0]

@@ -5,11 +5,8 @@ block only once the steps that wrote them came back."""
 
 from __future__ import annotations
 
-import pytest
-
 from shardline.config import SamplingParams
 from shardline.decoding.drafts import Proposal
-from shardline.errors import ShardlineError
 from shardline.pipeline.ragged_step import RaggedStep
 from shardline.serving.kv_blocks import BlockPool
 from shardline.serving.paged_scheduler import PagedScheduler
@@ -21,8 +18,9 @@ def _stream(prompt: list[int], max_tokens: int = 50, scope: str | None = None) -
     return Stream(new_stream_id(), prompt, SamplingParams(), max_tokens, prefix_scope=scope)
 
 
-def _sched(blocks: int = 64, chunk: int = 8, prefix: bool = False) -> PagedScheduler:
-    return PagedScheduler(SchedulerConfig(chunk=chunk, pacing=None), BlockPool(blocks, 4), prefix=prefix)
+def _sched(blocks: int = 64, chunk: int = 8, prefix: bool = False, in_flight: int = 1) -> PagedScheduler:
+    return PagedScheduler(SchedulerConfig(chunk=chunk, pacing=None), BlockPool(blocks, 4), prefix=prefix,
+                          in_flight=in_flight)
 
 
 def _step(sched: PagedScheduler) -> RaggedStep | None:
@@ -76,6 +74,20 @@ def test_decode_tokens_go_first_and_prompts_fill_the_budget() -> None:
     assert _step(sched) is None  # every stream has a step in flight
 
 
+def test_one_step_in_flight_so_that_a_new_prompt_rides_with_the_decode_tokens() -> None:
+    sched = _sched(chunk=8)
+    a = _stream(list(range(10, 15)))
+    sched.add(a)
+    first = _step(sched)
+    assert first is not None
+    b = _stream(list(range(20, 25)))
+    sched.add(b)
+    assert _step(sched) is None  # b's prompt waits for a's step, rather than running alone beside it
+    _complete(sched, first)
+    step = _step(sched)
+    assert step is not None and step.streams == (a.id, b.id)
+
+
 def test_a_stream_holds_the_blocks_of_its_tokens_not_its_worst_case() -> None:
     sched = _sched(blocks=64, chunk=64)
     s = _stream(list(range(10, 20)), max_tokens=1000)
@@ -116,7 +128,7 @@ def test_a_decode_token_preempts_the_youngest_idle_stream() -> None:
 
 
 def test_a_prefix_is_shared_by_block_once_written() -> None:
-    sched = _sched(blocks=64, chunk=64, prefix=True)
+    sched = _sched(blocks=64, chunk=64, prefix=True, in_flight=2)
     system = list(range(200, 213))  # 13 tokens: 3 full blocks of 4
     a = _stream([*system, 1, 2], scope="k")
     sched.add(a)
@@ -135,9 +147,18 @@ def test_a_prefix_is_shared_by_block_once_written() -> None:
     assert other.blocks is not None and not set(other.blocks.blocks) & set(a.blocks.blocks)
 
 
-def test_drafts_are_refused() -> None:
-    sched = _sched()
-    s = _stream([1, 2, 3])
+def test_drafts_ride_after_the_token_and_rejected_ones_give_their_blocks_back() -> None:
+    sched = _sched(blocks=64, chunk=64)
+    s = _stream(list(range(10, 17)))  # 7 tokens: 2 blocks of 4
     sched.add(s)
-    with pytest.raises(ShardlineError, match="speculative decoding does not run on a paged pipeline"):
-        sched.plan({s.id: Proposal([4, 5])})
+    _run(sched, 1)
+    step = sched.plan({s.id: Proposal([40, 41, 42, 43, 44])}).steps[0]
+    assert isinstance(step, RaggedStep)
+    assert step.ids.tolist() == [7, 40, 41, 42, 43, 44] and step.batch.past_lens.tolist() == [7]
+    assert step.sample_at.tolist() == [[0, t] for t in range(6)]  # after every position: a verify step
+    assert step.batch.logits_at.tolist() == list(range(6))
+    assert s.blocks is not None and len(s.blocks.blocks) == 4  # 13 tokens
+    s.in_flight = False
+    s.generated += [40, 9]  # the first draft stood, the second did not: the target's own token instead
+    assert _step(sched) is not None  # planned from what the stream holds: 7 + 3 tokens, the rest let go
+    assert len(s.blocks.blocks) == 3 and sched.pool.held == 3 and s.blocks.written == 9

@@ -29,6 +29,13 @@ def default_shards(progress: bool = True) -> Path:
         out=folder, stages=DEFAULT_STAGES, balance=True, weights=DEFAULT_WEIGHTS, progress=progress))
 
 
+def default_paged_shards(progress: bool = True) -> Path:
+    """The default model split as `default_shards`, its stages paged (export/paged.py)."""
+    folder = cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-{DEFAULT_STAGES}stages-balanced-paged-{EXPORT_TAG}"
+    return _cached(folder, "the default model's paged shards", ExportConfig(
+        out=folder, stages=DEFAULT_STAGES, balance=True, weights=DEFAULT_WEIGHTS, progress=progress, paged=True))
+
+
 def planned_folder(spec: str) -> Path:
     return cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-layers-{spec.replace(',', '_')}-{EXPORT_TAG}"
 

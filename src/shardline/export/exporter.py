@@ -24,7 +24,6 @@ from shardline.config import ExportConfig
 from shardline.errors import ShardlineError
 from shardline.export.compress import check_group_size, compress
 from shardline.export.graph import build_stage, stage_tensor_names
-from shardline.export.paged import cut
 from shardline.export.plan import StageCosts, StagePlan, balanced_split, even_split, fitted_split, parse_layers
 from shardline.export.stateful import make_stateful
 from shardline.export.static import make_static
@@ -33,6 +32,7 @@ from shardline.model.arch import Arch
 from shardline.model.gguf_blocks import KEPT_TYPES
 from shardline.model.gguf_source import cannot_keep, gguf_name
 from shardline.model.manifest import MANIFEST, Manifest, PortSpec, StageEntry, hash_files
+from shardline.model.paged_ir import cut
 from shardline.model.shapes import dynamic
 from shardline.model.source import ModelSource, open_source
 

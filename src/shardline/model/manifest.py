@@ -37,6 +37,18 @@ class PortSpec:
 
 
 @dataclass(frozen=True)
+class StageLimits:
+    """What one stage takes in a call: every engine's scheduler config is built from its
+    stages' limits (server.scheduling), whatever the engine's role."""
+
+    rows: int | None = None  # streams per call (None: any: decode groups may batch them)
+    chunk: int | None = None  # prompt tokens per call (None: any)
+    ring: int | None = None  # KV slots a stream may hold (None: the context)
+    slides: bool = False  # past the ring the oldest slots slide (sinks kept): a cache never compacted
+    ragged: bool = False  # one flat batch of every stream's tokens over block tables (paged)
+
+
+@dataclass(frozen=True)
 class StageEntry:
     index: int
     first_layer: int
@@ -63,6 +75,12 @@ class StageEntry:
     prefill_bin: str | None = None
     prefill_width: int | None = None
     sinks: int | None = None  # past the ring: these first slots stay, the rest slide (None: refused)
+
+    def limits(self) -> StageLimits:
+        """What its runner takes in one call, as the export declared it (stage/runners.py)."""
+        if self.runner == "static":
+            return StageLimits(rows=1, chunk=self.prefill_width, ring=self.ring, slides=bool(self.sinks))
+        return StageLimits(ragged=self.runner == "paged")
 
     @property
     def files(self) -> list[str]:

@@ -29,7 +29,6 @@ from shardline.pipeline.kv import StageLayout
 from shardline.pipeline.plan import AnyStep, KvMove, Outcome, Placed
 from shardline.pipeline.ragged_step import RaggedStep, sample
 from shardline.pipeline.timing import Timing
-from shardline.serving.kv_blocks import blocks_for
 from shardline.stage.paged_runner import PagedRunner
 
 _Item = tuple[RaggedStep, "np.ndarray", dict[int, float], float] | None  # None stops the thread
@@ -73,7 +72,7 @@ class PagedPipeline:
 
     def _pool(self, kv_bytes: int, max_blocks: int | None) -> int:
         per_block = sum(s.block_bytes() for s in self.stages)
-        least = blocks_for(self.context, self.block_size)
+        least = -(-self.context // self.block_size)
         blocks = min(kv_bytes // per_block, max_blocks or 1 << 30)
         if blocks < least:
             raise ShardlineError(f"a KV budget of {kv_bytes / 2**20:.0f} MiB holds {blocks} blocks of "

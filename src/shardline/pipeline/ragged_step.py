@@ -4,8 +4,9 @@ positions whose next token is wanted. A third kind of plan item beside PrefillSt
 DecodeStep (pipeline/plan.py): it names no key, since the KV's blocks are in the batch.
 
 Invariants: one sequence per stream, in the order of `streams`; `sample_at` holds (sequence, t)
-pairs in that order, and `batch.logits_at` the same positions flattened, so the last stage's
-logits row e is the one entry e samples from.
+pairs in that order (a verify step's sequence asks after each of its tokens), and
+`batch.logits_at` the same positions flattened, so the last stage's logits row e is the one
+entry e samples from (and `drafted`'s entry e, if any, is verified against).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import numpy as np
 
 from shardline.config import SamplingParams
 from shardline.decoding.masks import LateMasks, TokenMasks, mask_words, resolved
-from shardline.decoding.sampler import Choice, choose
+from shardline.decoding.sampler import Choice, choose, verify
+from shardline.decoding.speculative import Drafted
 from shardline.errors import ShardlineError, StepRefused
 from shardline.stage.paged_batch import PagedBatch
 from shardline.wire.messages import Phase
@@ -35,6 +37,7 @@ class Part:
     sampling: SamplingParams
     sample: bool  # its last new token's next token is wanted (a decode step, a prompt's last chunk)
     prompt: bool  # a prompt chunk (else decode tokens)
+    every: bool = False  # the next token after each new token is wanted (a verify step: its drafts)
 
 
 @dataclass(frozen=True)
@@ -47,24 +50,28 @@ class RaggedStep:
     prompt_tokens: int  # of the T, those of prompt chunks (the rest decode)
     want_logits: bool = False
     masks: TokenMasks | LateMasks | None = None  # per sampled entry (constrained streams only)
+    drafted: Drafted | None = None  # drafts drawn from distributions, per sampled entry
     made: float = field(default_factory=time.perf_counter, compare=False)
     kind: ClassVar[str] = "ragged"
 
     @staticmethod
-    def of(seqs: list[Part], want_logits: bool = False,
-           masks: TokenMasks | LateMasks | None = None) -> RaggedStep:
+    def of(seqs: list[Part], want_logits: bool = False, masks: TokenMasks | LateMasks | None = None,
+           drafted: Drafted | None = None) -> RaggedStep:
         if not seqs or any(not s.tokens for s in seqs):
             raise ShardlineError("a ragged step needs sequences, each with a new token")
-        at = np.array([[q, len(s.tokens) - 1] for q, s in enumerate(seqs) if s.sample], np.int64).reshape(-1, 2)
-        ends = np.cumsum([len(s.tokens) for s in seqs])
+        at = np.array([[q, t] for q, s in enumerate(seqs) if s.sample
+                       for t in (range(len(s.tokens)) if s.every else [len(s.tokens) - 1])], np.int64).reshape(-1, 2)
+        begins = np.cumsum([0] + [len(s.tokens) for s in seqs])
         # a step of prompt chunks alone samples nothing, but the head's graph needs a row: the
         # first token's logits are computed and dropped (one row of [T, H] x [H, V])
         batch = PagedBatch.of([(len(s.tokens), s.past, s.blocks) for s in seqs],
-                              logits_at=[int(ends[q]) - 1 for q, _ in at.tolist()] or [0])
+                              logits_at=[int(begins[q]) + t for q, t in at.tolist()] or [0])
         ids = np.array([t for s in seqs for t in s.tokens], np.int64)
         prompt = sum(len(s.tokens) for s in seqs if s.prompt)
+        if drafted is not None and drafted.tokens.shape[0] != at.shape[0]:
+            raise ShardlineError(f"{drafted.tokens.shape[0]} drafted entries for {at.shape[0]} sampled ones")
         return RaggedStep(tuple(s.stream for s in seqs), tuple(s.sampling for s in seqs), ids, batch, at, prompt,
-                          want_logits, masks)
+                          want_logits, masks, drafted)
 
     @property
     def phase(self) -> Phase:
@@ -92,5 +99,10 @@ def sample(step: RaggedStep, logits: np.ndarray) -> list[Choice]:
     for e, (q, t) in enumerate(step.sample_at.tolist()):
         position = int(step.batch.positions[int(begins[q]) + t]) + 1
         allowed = masks.allowed(e, int(logits.shape[1])) if masks is not None else None
-        out.append(choose(logits[e], step.sampling[q], position, step.want_logits, allowed))
+        d = step.drafted
+        if d is not None and d.tokens[e] >= 0:
+            out.append(verify(logits[e], step.sampling[q], position, int(d.tokens[e]), d.q_ids[e], d.q_probs[e],
+                              step.want_logits, allowed))
+        else:
+            out.append(choose(logits[e], step.sampling[q], position, step.want_logits, allowed))
     return out

@@ -36,6 +36,7 @@ from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
 from shardline.host import trim_memory_every
 from shardline.pipeline.plan import AnyStep, DecodeStep, Lease, Outcome, Pipeline, Plan, execute
+from shardline.pipeline.ragged_step import RaggedStep
 from shardline.serving.admission import Limits, accepts, to_admit
 from shardline.serving.engine_spec import SpecDriver
 from shardline.serving.paged_scheduler import PagedScheduler
@@ -148,8 +149,8 @@ class Engine:
         self.replays = replays or Replays()  # how often and how long a lost stream is replayed
         self.limits = limits
         self.max_context = max_context
-        if scheduler is not None and (drafts is not None or role is not None):
-            raise ShardlineError("a paged pipeline's engine does not speculate or serve a disaggregated role yet")
+        if scheduler is not None and role is not None:
+            raise ShardlineError("a paged pipeline's engine does not serve a disaggregated role yet")
         self.scheduler = scheduler or Scheduler(scheduling, self.role.handoffs, prefix)
         self.spec = SpecDriver(drafts, self.scheduler, pipe)
         self._waiting: deque[Ticket] = deque()
@@ -293,7 +294,7 @@ class Engine:
         self.groups_live = sum(1 for g in self.scheduler.groups if g.members())
         self.kv_slots_live = self.scheduler.kv.slots()
         for step in plan.steps:
-            if isinstance(step, DecodeStep):
+            if isinstance(step, DecodeStep | RaggedStep):
                 self.spec.launched(step)
         for c in plan.copies:  # a stream waits for its prefix's copy: its landing wakes the loop
             c.done.add_done_callback(lambda _: self.pipe.wake())

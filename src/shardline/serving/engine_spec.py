@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from shardline.decoding.drafts import Proposal
 from shardline.decoding.sampler import Choice
 from shardline.pipeline.plan import DecodeStep, Outcome, Pipeline
+from shardline.pipeline.ragged_step import RaggedStep
 from shardline.serving.constrained import within_grammar
 from shardline.serving.scheduler import Scheduler
 
@@ -89,8 +90,16 @@ class SpecDriver:
         places them in the rows; the outcome is verified against them)."""
         return {s.id: s.spec.proposal for s in self.scheduler.streams.values() if s.spec and s.spec.planned}
 
-    def launched(self, step: DecodeStep) -> None:
-        """`step` is about to be submitted: when it left (its time, for K) and its group's pace."""
+    def launched(self, step: DecodeStep | RaggedStep) -> None:
+        """`step` is about to be submitted: when it left (its time, for K) and its group's pace.
+        A ragged step's decoding streams each time it as one row of its width (no groups)."""
+        if isinstance(step, RaggedStep):
+            now = time.perf_counter()
+            for q, sid in enumerate(step.streams):
+                s = self.scheduler.streams[sid]
+                if s.spec is not None and not s.prefilling:
+                    s.sent = (now, 1, int(step.batch.begins[q + 1] - step.batch.begins[q]))
+            return
         self.scheduler.streams[step.streams[0]].sent = (time.perf_counter(), step.inputs.rows, step.inputs.new_tokens)
         group = self.scheduler.groups.by_key(step.key)
         if group is not None:
@@ -113,7 +122,8 @@ class SpecDriver:
             return outcome.choices
         offered = len(spec.proposal.tokens)
         kept = spec.settle([c.token for c in outcome.choices], time.perf_counter())
-        stream.book.mask_last(offered - kept)
+        if stream.blocks is None:  # a paged stream's rejected drafts go with its past (paged_scheduler.py)
+            stream.book.mask_last(offered - kept)
         return outcome.choices[: kept + 1]
 
     def closed(self, stream: Stream) -> SpecStats | None:

@@ -119,6 +119,16 @@ class BlockPool:
         del table.hashes[tokens // self.block_size :]
         table.written = tokens
 
+    def release_past(self, table: BlockTable, tokens: int) -> None:
+        """Only the first `tokens` tokens of the table are the stream's (a verify step's rejected
+        drafts past them): the blocks past them go back, unhashed, with no copy or compaction."""
+        keep = blocks_for(max(0, tokens), self.block_size)
+        for block in table.blocks[keep:]:
+            self._release(block)
+        del table.blocks[keep:]
+        del table.hashes[max(0, tokens) // self.block_size :]
+        table.written = min(table.written, max(0, tokens))
+
     def free(self, table: BlockTable) -> None:
         """The stream is done with its table: its hashed blocks stay cached for later hits (only
         blocks whose KV was written by steps that came back are hashed: `wrote`)."""

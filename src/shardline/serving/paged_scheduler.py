@@ -9,6 +9,9 @@ over its block table (serving/kv_blocks.py), fused into one call of every stage.
 - Blocks are taken as tokens are planned: admission counts what a stream holds and needs now,
   never its worst case. A decode token that finds the pool empty preempts the youngest idle
   stream (its blocks freed, its tokens prefilled again later), as vLLM's recompute does.
+- Speculation: a stream's drafts ride after its token, every position sampled; the drafts that
+  did not stand are dropped by a shorter past and their blocks go back (no masked slots, no
+  compaction): the next round plans from what the stream holds.
 - Prefix reuse is by shared blocks: a prompt's first chunk starts from the longest run of
   cached full blocks that hash like its own prefix (in its scope), referenced, not copied. A
   block is hashed only once the step that wrote it came back (the stream is idle again), so no
@@ -23,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from shardline.decoding.drafts import Proposal
+from shardline.decoding.drafts import NO_DRAFTS, Proposal, drafted
 from shardline.errors import ShardlineError
 from shardline.pipeline.plan import Lease, Plan
 from shardline.pipeline.ragged_step import Part, RaggedStep
@@ -47,7 +50,13 @@ class _Sent:
 
 
 class PagedScheduler:
-    def __init__(self, cfg: SchedulerConfig | None, pool: BlockPool, prefix: bool = False) -> None:
+    def __init__(self, cfg: SchedulerConfig | None, pool: BlockPool, prefix: bool = False, in_flight: int = 1) -> None:
+        """`in_flight`: ragged steps out at once. One where every stage shares this machine's
+        cores: then every stream's tokens wait for the step out and ride in the next, fused (a
+        second step would run a prompt's chunk alone beside the decode step, as two calls)."""
+        if in_flight < 1:
+            raise ShardlineError(f"a paged scheduler keeps at least 1 step in flight, not {in_flight}")
+        self.in_flight = in_flight
         self.cfg = cfg or SchedulerConfig()
         self.pool = pool
         self.prefix = prefix  # reuse by shared blocks
@@ -94,26 +103,27 @@ class PagedScheduler:
         return []
 
     def plan(self, drafts: Mapping[int, Proposal] | None = None) -> Plan:
-        """This round's plan: at most one ragged step. `drafts` are not taken on this runner."""
-        if drafts:
-            raise ShardlineError("speculative decoding does not run on a paged pipeline yet")
+        """This round's plan: at most one ragged step; `drafts`: the drafts each stream about to
+        decode offers (the engine's speculation chose them), fed after its token and verified."""
         idle = [s for s in self.streams.values() if not s.in_flight]
         for s in idle:
             self._wrote(s)
-        parts = self._parts(idle)
-        steps = (self._step(parts),) if parts else ()
+        if len({id(self._sent.get(s.id)) for s in self.streams.values() if s.in_flight}) >= self.in_flight:
+            return Plan(tuple(self.releases()))
+        parts = self._parts(idle, drafts or {})
+        steps = (self._step(parts, drafts or {}),) if parts else ()
         return Plan(tuple(self.releases()), steps)
 
-    def _parts(self, idle: list[Stream]) -> list[tuple[Stream, int]]:
+    def _parts(self, idle: list[Stream], drafts: Mapping[int, Proposal]) -> list[tuple[Stream, int]]:
         """(stream, new tokens) of this round's step, each with the blocks for them."""
         decoding = [s for s in idle if s.idle_decoder()]
         prompts = [s for s in idle if s.prefilling][: self.cfg.max_prefills]
         for s in prompts:
             self._start(s)
         sizes = self._sizes(prompts, bool(decoding))
-        wants = [Want(s.id, 1, True) for s in decoding]
+        wants = [Want(s.id, 1 + len(drafts.get(s.id, NO_DRAFTS).tokens), True) for s in decoding]
         wants += [Want(s.id, n, False) for s, n in zip(prompts, sizes, strict=True)]
-        packed = pack(wants, Budget(len(decoding) + self.budget.tokens))
+        packed = pack(wants, Budget(sum(w.tokens for w in wants if w.decoding) + self.budget.tokens))
         out: list[tuple[Stream, int]] = []
         for sid, n in packed:
             s = self.streams[sid]
@@ -162,8 +172,9 @@ class PagedScheduler:
         self.pool.grow(s.blocks, need)
         return True
 
-    def _step(self, parts: list[tuple[Stream, int]]) -> RaggedStep:
+    def _step(self, parts: list[tuple[Stream, int]], drafts: Mapping[int, Proposal]) -> RaggedStep:
         made: list[Part] = []
+        offered: list[Proposal] = []  # per sampled part: its drafts (none for a prompt's last chunk)
         for s, n in parts:
             assert s.blocks is not None
             past = _fed(s)
@@ -171,25 +182,29 @@ class PagedScheduler:
                 source = s.prefix()
                 s.prefilled = past + n
                 s.chunk = (n, past)
-                tokens, prompt = source[past : past + n], True
+                tokens, prompt, proposal = source[past : past + n], True, NO_DRAFTS
             else:
-                tokens, prompt = [s.generated[-1]], False
+                proposal = drafts.get(s.id, NO_DRAFTS)
+                tokens, prompt = s.feed(proposal.tokens), False
             made.append(Part(s.id, tuple(tokens), past, tuple(s.blocks.blocks), s.params,
-                             sample=not s.prefilling, prompt=prompt))
+                             sample=not s.prefilling, prompt=prompt, every=not prompt))
+            if not s.prefilling:
+                offered.append(proposal)
             s.in_flight = True
         sent = _Sent(sum(len(p.tokens) for p in made if not p.prompt),
                      tuple((len(p.tokens), p.past, bool(self.streams[p.stream].paced)) for p in made if p.prompt))
         for p in made:
             self._sent[p.stream] = sent
         sampled = [self.streams[p.stream] for p in made if p.sample]
-        masks = late_masks([s.constraint for s in sampled], [[] for _ in sampled])
-        return RaggedStep.of(made, any(s.want_logits for s in sampled), masks)
+        masks = late_masks([s.constraint for s in sampled], [p.tokens for p in offered])
+        return RaggedStep.of(made, any(s.want_logits for s in sampled), masks, drafted(offered))
 
     def _wrote(self, s: Stream) -> None:
         """`s`'s steps came back: its written full blocks hashed (when its prefixes may be reused)."""
         if s.blocks is None:
             return
         fed = _fed(s)
+        self.pool.release_past(s.blocks, fed)  # a verify step's rejected drafts: their blocks back
         if self.prefix and s.prefix_scope is not None:
             self.pool.wrote(s.blocks, (s.prompt + s.generated)[:fed], s.prefix_scope)
         else:

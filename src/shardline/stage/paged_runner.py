@@ -16,8 +16,8 @@ import openvino as ov
 
 from shardline.config import RunConfig
 from shardline.errors import ShardlineError, StepRefused
-from shardline.export.paged import joined
 from shardline.model.manifest import StageEntry
+from shardline.model.paged_ir import joined
 from shardline.stage.paged_batch import PagedBatch
 from shardline.stage.resident import released_while
 from shardline.stage.runner import precision_properties

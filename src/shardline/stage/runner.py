@@ -18,7 +18,7 @@ import openvino as ov
 
 from shardline.config import RunConfig
 from shardline.errors import ShardlineError, StepRefused
-from shardline.model.manifest import StageEntry
+from shardline.model.manifest import StageEntry, StageLimits
 from shardline.stage.cache import StepInputs
 from shardline.stage.keyed import Key, Keyed, shown
 from shardline.stage.resident import released_while
@@ -76,6 +76,9 @@ class StageRunner(Keyed[_Held]):
         self._layout: dict[str, tuple[np.dtype, int, int]] | None = None
         with released_while(folder / entry.bin):  # resident.py: why
             self._warm_up()
+
+    def limits(self) -> StageLimits:
+        return self.entry.limits()
 
     def _warm_up(self) -> None:
         """One token through a scratch request: the plugin makes its copy of the weights here

@@ -16,7 +16,7 @@ import openvino as ov
 
 from shardline.config import RunConfig
 from shardline.errors import ShardlineError, StepRefused
-from shardline.model.manifest import StageEntry
+from shardline.model.manifest import StageEntry, StageLimits
 from shardline.stage.cache import StepInputs
 from shardline.stage.runner import StageRunner
 from shardline.stage.static_runner import StaticRunner
@@ -30,6 +30,7 @@ class Stage(Protocol):
     vocab: int | None
     hidden: int | None  # the width of the hidden states it takes (None: stage 0 takes ids)
 
+    def limits(self) -> StageLimits: ...  # what it takes in one call (its manifest entry's)
     def open(self, key: Hashable) -> None: ...
     def has(self, key: Hashable) -> bool: ...
     def keys(self) -> list[Hashable]: ...

@@ -35,7 +35,7 @@ import openvino as ov
 
 from shardline.config import RunConfig
 from shardline.errors import ShardlineError, StepRefused
-from shardline.model.manifest import StageEntry
+from shardline.model.manifest import StageEntry, StageLimits
 from shardline.model.shapes import dynamic
 from shardline.stage.cache import StepInputs
 from shardline.stage.keyed import Key, Keyed, shown
@@ -77,6 +77,9 @@ class StaticRunner(Keyed[_Ring]):
         self.hidden = None if entry.has_embedding else int(shape[2].get_length())
         self._past = {p.get_any_name(): tuple(int(d) for d in p.shape) for p in self.compiled.inputs
                       if p.get_any_name().startswith("past.")}
+
+    def limits(self) -> StageLimits:
+        return self.entry.limits()
 
     def _compile(self, core: ov.Core, folder: Path, xml: str, run: RunConfig) -> ov.CompiledModel:
         try:
