@@ -73,10 +73,11 @@ def run_streams(engine: Engine, prompts: list[list[int]], n: int, timeout_s: flo
     return {"tok_s": sum(len(s) - 1 for s in stamps) / (last - first), "most_at_once": most, "wall_s": wall}
 
 
-def engine_for(folder: Path, kv_mib: int | None, max_streams: int) -> Engine:
+def engine_for(folder: Path, kv_mib: int | None, max_streams: int | None) -> Engine:
+    """`serve`'s engine; with `kv_mib`, its KV memory that many MiB and its streams as many as fit."""
     cfg = ServeConfig(max_streams=max_streams, max_queue=1024, prefix_cache_mb=0)
-    if kv_mib is not None:
-        cfg = replace(cfg, max_streams=None, memory_fraction=min(1.0, kv_mib * MiB / available_memory()))
+    if kv_mib is not None:  # the stateful engine's streams within that memory; the paged one's pool of it
+        cfg = replace(cfg, memory_fraction=min(1.0, (kv_mib + 1) * MiB / available_memory()), kv_cache_mb=kv_mib)
     engine, _ = open_engine(folder, RunConfig(), cfg)
     assert isinstance(engine, Engine)
     return engine
@@ -99,7 +100,7 @@ def decode(folders: dict[str, Path], prompt: list[int], n: int, reps: int) -> di
 def admission(folders: dict[str, Path], prompts: list[list[int]], kv_mib: int) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for name, folder in folders.items():
-        engine = engine_for(folder, kv_mib, 0)
+        engine = engine_for(folder, kv_mib, None)
         try:
             out[name] = run_streams(engine, prompts, 256) | {"limit": engine.limits.max_streams}
         finally:
@@ -111,6 +112,7 @@ def admission(folders: dict[str, Path], prompts: list[list[int]], kv_mib: int) -
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer tokens and conversations, one rep")
+    p.add_argument("--parts", default="decode,admission")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--conversations", type=int, default=32)
@@ -126,23 +128,29 @@ def main() -> int:
     prompt = tok.encode_chat([{"role": "user", "content": "Write a long story about a lighthouse keeper."}])
     text = tok.encode(TEXT)
     convs = [[1000 + i] + (text * 2)[i : i + 255] for i in range(args.conversations)]  # 256 tokens, each its own
-    dec = decode(folders, prompt, args.tokens, args.reps)
-    adm = admission(folders, convs, args.kv_mib)
+    parts = args.parts.split(",")
+    dec = decode(folders, prompt, args.tokens, args.reps) if "decode" in parts else {}
+    adm = admission(folders, convs, args.kv_mib) if "admission" in parts else {}
     print(f"\nload {load:.2f} at start ({'quiet' if quiet else 'NOT quiet'}); medians of {args.reps} runs")
-    print(f"{'decode tok/s':<16}" + "".join(f"{f'{k} streams':>12}" for k in (1, 4, 8)))
-    for name in folders:
-        print(f"{name:<16}" + "".join(f"{dec[name][k]:>12.1f}" for k in (1, 4, 8)))
-    print(f"\n{f'admission ({args.conversations} x 512 tokens, {args.kv_mib} MiB KV)':<48}"
-          f"{'limit':>8}{'at once':>9}{'wall s':>9}{'tok/s':>8}")
-    for name in folders:
-        a = adm[name]
-        print(f"{name:<48}{a['limit']:>8}{a['most_at_once']:>9}{a['wall_s']:>9.1f}{a['tok_s']:>8.1f}")
-    ratios = {f"ratio_decode_{k}_paged_vs_stateful": round(dec["paged"][k] / dec["stateful"][k], 3) for k in (1, 4, 8)}
-    ratios["ratio_admitted_at_once_paged_vs_stateful"] = round(
-        adm["paged"]["most_at_once"] / adm["stateful"]["most_at_once"], 2)
-    ratios["ratio_wall_paged_vs_stateful"] = round(adm["paged"]["wall_s"] / adm["stateful"]["wall_s"], 3)
-    figures = {f"{n}_decode_{k}_tok_s": round(dec[n][k], 1) for n in folders for k in (1, 4, 8)}
-    figures |= {f"{n}_admission_{key}": round(v, 2) for n in folders for key, v in adm[n].items()}
+    ratios: dict[str, float] = {}
+    figures: dict[str, float] = {}
+    if dec:
+        print(f"{'decode tok/s':<16}" + "".join(f"{f'{k} streams':>12}" for k in (1, 4, 8)))
+        for name in folders:
+            print(f"{name:<16}" + "".join(f"{dec[name][k]:>12.1f}" for k in (1, 4, 8)))
+        ratios |= {f"ratio_decode_{k}_paged_vs_stateful": round(dec["paged"][k] / dec["stateful"][k], 3)
+                   for k in (1, 4, 8)}
+        figures |= {f"{n}_decode_{k}_tok_s": round(dec[n][k], 1) for n in folders for k in (1, 4, 8)}
+    if adm:
+        print(f"\n{f'admission ({args.conversations} x 512 tokens, {args.kv_mib} MiB KV)':<48}"
+              f"{'limit':>8}{'at once':>9}{'wall s':>9}{'tok/s':>8}")
+        for name in folders:
+            a = adm[name]
+            print(f"{name:<48}{a['limit']:>8}{a['most_at_once']:>9}{a['wall_s']:>9.1f}{a['tok_s']:>8.1f}")
+        ratios["ratio_admitted_at_once_paged_vs_stateful"] = round(
+            adm["paged"]["most_at_once"] / adm["stateful"]["most_at_once"], 2)
+        ratios["ratio_wall_paged_vs_stateful"] = round(adm["paged"]["wall_s"] / adm["stateful"]["wall_s"], 3)
+        figures |= {f"{n}_admission_{key}": round(v, 2) for n in folders for key, v in adm[n].items()}
     print(json.dumps(ratios | figures | {"reps": args.reps, "quiet": quiet, "load_at_start": round(load, 2)}))
     return 0
 

@@ -138,6 +138,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="ended requests' KV kept for later prompts that start alike (a chat's next turn, a shared "
                         "system prompt), in MiB; 0: off (default: a tenth of available memory, at most 2048; "
                         "in process only for now)")
+    s.add_argument("--kv-cache-mb", type=int, default=None, metavar="MIB",
+                   help="a paged export's KV block pool, reserved at start (default: 8 streams at the full "
+                        "context, within --memory-fraction of available memory)")
     s.add_argument("--prefill-budget", type=float, default=PacingConfig.budget, metavar="STEPS",
                    help="while streams decode, one prompt chunk takes at most this many of their step times "
                         f"(default {PacingConfig.budget:g}: a gap of about two steps)")
@@ -459,7 +462,7 @@ def _serve(args: argparse.Namespace) -> int:
                       length_predictor=args.length_predictor, kv_transfer=args.kv_transfer,
                       pacing=PacingConfig(budget=args.prefill_budget, share=args.prefill_share,
                                           short=args.short_prompt),
-                      prefix_cache_mb=args.prefix_cache_mb,
+                      prefix_cache_mb=args.prefix_cache_mb, kv_cache_mb=args.kv_cache_mb,
                       chat_template=template_text(args.chat_template) if args.chat_template else None)
     run = _run(args)
     if cfg.disaggregate and args.draft:

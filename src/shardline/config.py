@@ -418,8 +418,13 @@ class ServeConfig:
     # start alike, per process; None: a tenth of the memory available at start, at most 2 GiB;
     # 0: off.
     prefix_cache_mb: int | None = None
+    # A paged export's KV block pool (export --paged), reserved at start, in MiB; None: what
+    # PAGED_STREAMS streams at the full context hold, within `memory_fraction` of available memory.
+    kv_cache_mb: int | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_cache_mb is not None and not 1 <= self.kv_cache_mb <= 1 << 22:
+            raise ShardlineError(f"--kv-cache-mb must be in 1-{1 << 22}, got {self.kv_cache_mb}")
         if self.prefix_cache_mb is not None and not 0 <= self.prefix_cache_mb <= 1 << 20:
             raise ShardlineError(f"--prefix-cache-mb must be in 0-{1 << 20}, got {self.prefix_cache_mb}")
         if self.decode_groups is not None and self.decode_groups < 0:

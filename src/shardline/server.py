@@ -40,6 +40,7 @@ log = logging.getLogger("shardline.server")
 # The predicted decode length's bucket width (tools/shardline_tools/lengths/length_train.py chose 64 for this model).
 DISAGG_G = 64
 STREAM_CAP = 64
+PAGED_STREAMS = 8  # a paged pool's default: this many streams at the full context (many more at shorter ones)
 SHUTDOWN_GRACE_S = 3
 # What one open stream costs beyond its KV, per stage (its InferRequest's buffers). Measured
 # on the default model, 2 stages, 257 tokens: 14.1 MB per stream of which 11.8 MB is KV
@@ -158,14 +159,20 @@ def open_paged_engine(folder: Path, manifest: Manifest, run: RunConfig, cfg: Ser
     drafts, _ = open_drafts(spec or SpeculationConfig(), manifest, run)
 
     budget = int(available_memory() * cfg.memory_fraction)
-    context = run_context(manifest.arch, run.context)
-    pipe = PagedPipeline(folder, run, budget, max_blocks=STREAM_CAP * -(-context // 16))
+    if cfg.kv_cache_mb is not None:
+        if cfg.kv_cache_mb << 20 > budget:
+            raise ShardlineError(f"--kv-cache-mb {cfg.kv_cache_mb} is more than --memory-fraction of the memory "
+                                 f"available ({budget >> 20} MiB)")
+        pipe = PagedPipeline(folder, run, cfg.kv_cache_mb << 20)
+    else:  # the pool is reserved: not all the budget (as the stateful runner's, taken as used), a few streams' worth
+        pipe = PagedPipeline(folder, run, budget, streams=PAGED_STREAMS)
     limits = Limits(cfg.max_streams or STREAM_CAP, cfg.max_queue)
     replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
     pool = BlockPool(pipe.blocks, pipe.block_size)
     log.info("paged KV: %d blocks of %d tokens (%.0f MiB over %d stages)", pipe.blocks, pipe.block_size,
              pipe.pool_bytes / 2**20, len(manifest.stages))
-    scheduler = PagedScheduler(scheduling(cfg, manifest, False), pool, prefix=cfg.prefix_cache_mb != 0)
+    scheduler = PagedScheduler(scheduling(cfg, manifest, False), pool, prefix=cfg.prefix_cache_mb != 0,
+                               block_bytes=pipe.pool_bytes // pipe.blocks)
     return Engine(pipe, limits, pipe.context, drafts=drafts, replays=replays, scheduler=scheduler)
 
 

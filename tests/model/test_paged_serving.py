@@ -57,7 +57,8 @@ def _engine(folder: Path, chunk: int, kv_mib: int = 512, prefix: bool = False,
             pacing: bool = False) -> Iterator[Engine]:
     pipe = PagedPipeline(folder, RunConfig(), kv_mib * MiB)
     cfg = SchedulerConfig(chunk=chunk, pacing=ServeConfig().pacing if pacing else None)
-    scheduler = PagedScheduler(cfg, BlockPool(pipe.blocks, pipe.block_size), prefix=prefix)
+    scheduler = PagedScheduler(cfg, BlockPool(pipe.blocks, pipe.block_size), prefix=prefix,
+                               block_bytes=pipe.pool_bytes // pipe.blocks)
     engine = Engine(pipe, Limits(8, 8), pipe.context, scheduler=scheduler)
     try:
         yield engine
@@ -117,10 +118,12 @@ def test_a_kept_prefix_is_shared_by_block(paged: Path, prompts: list[list[int]])
         sched = engine.scheduler
         assert isinstance(sched, PagedScheduler)
         _tokens(engine, first, 4)
-        assert sched.hit_tokens == 0
+        assert sched.stats.tokens_saved == 0
         assert _tokens(engine, second, 12)[0] == cold
         common = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
-        assert common > 200 and sched.hit_tokens == common // 32 * 32  # every full block shared, no more
+        assert common > 200 and sched.stats.tokens_saved == common // 32 * 32  # every full block shared, no more
+        stats, held = engine.prefix_stats()  # what /metrics reports
+        assert (stats.hits, stats.misses) == (1, 1) and held == sched.pool.cached * sched.block_bytes > 0
 
 
 def test_speculation_on_paged_gives_the_plain_tokens(paged: Path, shards: Callable[..., Path]) -> None:
@@ -139,7 +142,8 @@ def test_speculation_on_paged_gives_the_plain_tokens(paged: Path, shards: Callab
             plain[i] = _tokens(engine, p, 40, sc)[0]
     finally:
         engine.shutdown()
-    engine, _ = open_engine(paged, RunConfig(), ServeConfig(max_streams=4), spec=SpeculationConfig(draft="ngram", k=4))
+    cfg = ServeConfig(max_streams=4, kv_cache_mb=512)
+    engine, _ = open_engine(paged, RunConfig(), cfg, spec=SpeculationConfig(draft="ngram", k=4))
     try:
         got = {i: _tokens(engine, p, 40, sc) for i, (p, sc) in enumerate(zip(prompts, samplings, strict=True))}
         sched = engine.scheduler
@@ -157,6 +161,10 @@ def test_a_paged_export_refuses_what_it_does_not_run(paged: Path, shards: Callab
         PagedPipeline(paged, RunConfig(), 1 * MiB)
     with pytest.raises(ShardlineError, match="is not a paged export"):
         PagedPipeline(shards("gguf", layers=DEFAULT_SPLIT), RunConfig(), 256 * MiB)
+    with pytest.raises(ShardlineError, match="--kv-cache-mb 1048576 is more than --memory-fraction"):
+        open_engine(paged, RunConfig(), ServeConfig(kv_cache_mb=1 << 20))
+    with pytest.raises(ShardlineError, match="--kv-cache-mb must be in 1-"):
+        ServeConfig(kv_cache_mb=0)
     with pytest.raises(ShardlineError, match="--paged and --static"):
         ExportConfig(out=paged, stages=2, paged=True, static=frozenset({0}))
 

@@ -136,14 +136,14 @@ def test_a_prefix_is_shared_by_block_once_written() -> None:
     assert step is not None
     early = _stream([*system, 3, 4], scope="k")
     sched.add(early)
-    assert _step(sched) is not None and sched.hit_tokens == 0  # a's blocks are being written: nothing shared
+    assert _step(sched) is not None and sched.stats.tokens_saved == 0  # a's blocks are being written: nothing shared
     _complete(sched, step)
     late, other = _stream([*system, 5, 6], scope="k"), _stream([*system, 5, 6], scope="another key")
     sched.add(late)
     sched.add(other)
     _step(sched)  # a's step came back: its 3 full blocks are found (by the stream in its scope only)
     assert a.blocks is not None and late.blocks is not None
-    assert late.blocks.blocks[:3] == a.blocks.blocks[:3] and sched.hit_tokens == 12
+    assert late.blocks.blocks[:3] == a.blocks.blocks[:3] and sched.stats.tokens_saved == 12
     assert other.blocks is not None and not set(other.blocks.blocks) & set(a.blocks.blocks)
 
 

@@ -44,9 +44,10 @@ def is_paged(manifest: Manifest) -> bool:
 
 
 class PagedPipeline:
-    def __init__(self, folder: Path, run: RunConfig | None, kv_bytes: int, max_blocks: int | None = None,
+    def __init__(self, folder: Path, run: RunConfig | None, kv_bytes: int, streams: int | None = None,
                  check: bool = True) -> None:
-        """Pools of as many blocks as `kv_bytes` holds over every stage (at most `max_blocks`)."""
+        """Pools of as many blocks as `kv_bytes` holds over every stage (at most what `streams`
+        streams at the full context need)."""
         run = run or RunConfig()
         self.manifest = load_manifest(folder)
         if not is_paged(self.manifest):
@@ -62,7 +63,7 @@ class PagedPipeline:
         if any(s.block_size != self.block_size for s in self.stages):
             raise ShardlineError("the stages' devices chose different KV block sizes: one block table cannot "
                                  "serve them")
-        self.blocks = self._pool(kv_bytes, max_blocks)
+        self.blocks = self._pool(kv_bytes, streams)
         for s in self.stages:
             s.allocate(self.blocks)
         self.n_stages = n
@@ -70,10 +71,10 @@ class PagedPipeline:
         self._inboxes: list[queue.Queue[_Item]] = [queue.Queue() for _ in self.stages]
         self._threads: list[threading.Thread] = []
 
-    def _pool(self, kv_bytes: int, max_blocks: int | None) -> int:
+    def _pool(self, kv_bytes: int, streams: int | None) -> int:
         per_block = sum(s.block_bytes() for s in self.stages)
         least = -(-self.context // self.block_size)
-        blocks = min(kv_bytes // per_block, max_blocks or 1 << 30)
+        blocks = min(kv_bytes // per_block, least * streams if streams else 1 << 30)
         if blocks < least:
             raise ShardlineError(f"a KV budget of {kv_bytes / 2**20:.0f} MiB holds {blocks} blocks of "
                                  f"{self.block_size} tokens; one stream at the context of {self.context} needs {least}")

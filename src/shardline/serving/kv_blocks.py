@@ -139,6 +139,11 @@ class BlockPool:
         table.written = 0
 
     @property
+    def cached(self) -> int:
+        """Blocks in no table that a later prompt may still find by their hash."""
+        return len(self._cached)
+
+    @property
     def held(self) -> int:
         """Blocks in some table now."""
         return sum(1 for r in self.ref if r > 0)

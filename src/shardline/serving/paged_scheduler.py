@@ -36,6 +36,7 @@ from shardline.serving.groups import Groups
 from shardline.serving.kv_blocks import BlockPool, BlockTable
 from shardline.serving.kv_table import KvTable
 from shardline.serving.pacing import Pacing
+from shardline.serving.prefix import PrefixStats
 from shardline.serving.ragged import Budget, Want, pack
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.stream import Stream
@@ -50,13 +51,15 @@ class _Sent:
 
 
 class PagedScheduler:
-    def __init__(self, cfg: SchedulerConfig | None, pool: BlockPool, prefix: bool = False, in_flight: int = 1) -> None:
-        """`in_flight`: ragged steps out at once. One where every stage shares this machine's
+    def __init__(self, cfg: SchedulerConfig | None, pool: BlockPool, prefix: bool = False, in_flight: int = 1,
+                 block_bytes: int = 0) -> None:
+        """`block_bytes`: what a block costs over every stage (for the bytes kept, reported).
+        `in_flight`: ragged steps out at once. One where every stage shares this machine's
         cores: then every stream's tokens wait for the step out and ride in the next, fused (a
         second step would run a prompt's chunk alone beside the decode step, as two calls)."""
         if in_flight < 1:
             raise ShardlineError(f"a paged scheduler keeps at least 1 step in flight, not {in_flight}")
-        self.in_flight = in_flight
+        self.in_flight, self.block_bytes = in_flight, block_bytes
         self.cfg = cfg or SchedulerConfig()
         self.pool = pool
         self.prefix = prefix  # reuse by shared blocks
@@ -67,7 +70,7 @@ class PagedScheduler:
         self.groups = Groups(0, 1)  # none on this runner (the engine's speculation asks)
         self.reuse = None
         self.preempted = 0
-        self.hit_tokens = 0  # prompt tokens found in shared blocks
+        self.stats = PrefixStats()  # prefix reuse by shared blocks (hits, and the prompt tokens they saved)
         self._sent: dict[int, _Sent] = {}
 
     def add(self, stream: Stream) -> None:
@@ -153,7 +156,9 @@ class PagedScheduler:
         if self.prefix and s.prefix_scope is not None:
             s.blocks = self.pool.match(s.prefix(), s.prefix_scope)
             s.prefilled = s.blocks.written
-            self.hit_tokens += s.blocks.written
+            hit = s.blocks.written > 0
+            self.stats.hits, self.stats.misses = self.stats.hits + hit, self.stats.misses + (not hit)
+            self.stats.tokens_saved += s.blocks.written
         else:
             s.blocks = BlockTable()
 
