@@ -23,6 +23,7 @@ median, >= 50% of the steady rate in the window, TTFT <= 2x idle.
 
     python bench/interference.py --quick      # in process, old and new, prompts of 300 and 600 (CI)
     python bench/interference.py              # everything (~15 min)
+    python bench/interference.py --prefix     # each long prompt hits its own kept prefix while streams decode
 
 The last line on stdout is one JSON object, ratios first.
 """
@@ -142,10 +143,12 @@ def measure(runners: list[Tracker], steady: tuple[float, float], c: Case, idle: 
 
 
 @contextmanager
-def system(name: str, folder: Path, placement: str, pacing: PacingConfig) -> Iterator[Serving]:
-    """A server's engine (or front) for `name`, its stages in this process or on workers."""
-    # prefix reuse off: each case's long prompt is the idle run's, which a kept prefix would answer
-    base = ServeConfig(max_streams=8, pacing=None if name == "old" else pacing, prefix_cache_mb=0)
+def system(name: str, folder: Path, placement: str, pacing: PacingConfig, prefix: bool = False) -> Iterator[Serving]:
+    """A server's engine (or front) for `name`, its stages in this process or on workers. Prefix
+    reuse off unless `prefix`: each case's long prompt is the idle run's, which a kept prefix
+    answers (with `prefix`, that hit is what is measured: issue 41's stall on a kept prefix)."""
+    base = ServeConfig(max_streams=8, pacing=None if name == "old" else pacing,
+                       prefix_cache_mb=None if prefix else 0)
     instances = 2 if name == "disagg" else 1
     workers = [Proc(["worker", "--shards", str(folder), "--stage", "1", "--listen", "127.0.0.1:0", "--insecure"],
                     "listening on ") for _ in range(instances if placement == "workers" else 0)]
@@ -231,6 +234,8 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=PacingConfig.budget, help="the new policy's --prefill-budget")
     p.add_argument("--share", type=float, default=PacingConfig.share, help="the new policy's --prefill-share")
     p.add_argument("--quick", action="store_true", help="in process, old and new, 300 and 600 tokens, no burst")
+    p.add_argument("--prefix", action="store_true",
+                   help="prefix reuse on: each long prompt hits the kept prefix of its idle run (beside decoding)")
     args = p.parse_args()
     if args.quick:
         args.systems, args.placements, args.lengths, args.steady = "old,new", "process", "300,600", 1.0
@@ -244,11 +249,11 @@ def main() -> int:
         for name in args.systems.split(","):
             if name == "paged" and placement == "workers":
                 continue  # a paged export runs every stage in one process for now
-            with system(name, folder, placement, PacingConfig(args.budget, args.share)) as serving:
+            with system(name, folder, placement, PacingConfig(args.budget, args.share), args.prefix) as serving:
                 first_tokens(serving, [chats[0]])  # warm-up
                 results[f"{name} {placement}"] = scenario(serving, chats, longs, args.steady, not args.quick)
             print(f"{name} {placement} done", file=sys.stderr, flush=True)
-    api = None if args.quick else api_path(folder, 100_000, args.steady)
+    api = None if args.quick or args.prefix else api_path(folder, 100_000, args.steady)
     report(results, api)
     return 0
 
