@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from shardline.serving.kv_blocks import BlockPool
 from shardline.serving.paged_scheduler import PagedScheduler
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import SpecStats
+from shardline.stage.paged_runner import PagedRunner
 from tests.conftest import CHAT_PROMPTS, DEFAULT_SPLIT
 from tests.helpers import greedy_ours, staggered
 
@@ -165,6 +167,12 @@ def test_a_paged_export_refuses_what_it_does_not_run(paged: Path, shards: Callab
         open_engine(paged, RunConfig(), ServeConfig(kv_cache_mb=1 << 20))
     with pytest.raises(ShardlineError, match="--kv-cache-mb must be in 1-"):
         ServeConfig(kv_cache_mb=0)
+    stateful = shards("gguf", layers=DEFAULT_SPLIT)
+    entry = load_manifest(stateful).stages[0]
+    with pytest.raises(ShardlineError, match="is a 'stateful' stage, not a paged one"):
+        PagedRunner.load(stateful, entry, RunConfig(), 8)
+    with pytest.raises(ShardlineError, match="cannot load stage0 .* not a cut paged graph"):  # a manifest that lies
+        PagedRunner.load(stateful, replace(entry, runner="paged"), RunConfig(), 8)
     with pytest.raises(ShardlineError, match="--paged and --static"):
         ExportConfig(out=paged, stages=2, paged=True, static=frozenset({0}))
 

@@ -20,6 +20,7 @@ import numpy as np
 import openvino as ov
 
 from shardline.config import RunConfig
+from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError, StepRefused
 from shardline.model.context import run_context
 from shardline.model.manifest import Manifest, load_manifest, verify
@@ -158,7 +159,7 @@ def _stage_loop(k: int, stage: PagedRunner, inbox: queue.Queue[_Item], nxt: queu
         nxt.put(None)
 
 
-def _finish(outbox: Outbox, step: RaggedStep, choices: list, graph_s: dict[int, float], start: float) -> None:
+def _finish(outbox: Outbox, step: RaggedStep, choices: list[Choice], graph_s: dict[int, float], start: float) -> None:
     total = time.perf_counter() - start
     timing = Timing(step.phase.value, total, dict(graph_s), 0.0, 0.0, 0.0, total - sum(graph_s.values()), 0.0)
     metrics.observe(timing, len(step.streams))

@@ -210,7 +210,9 @@ class PagedScheduler:
             return
         fed = _fed(s)
         self.pool.release_past(s.blocks, fed)  # a verify step's rejected drafts: their blocks back
-        if self.prefix and s.prefix_scope is not None:
+        # hashing needs the tokens only when a block filled up (not on every decode step: the
+        # sequence is as long as the context)
+        if self.prefix and s.prefix_scope is not None and fed // self.pool.block_size > len(s.blocks.hashes):
             self.pool.wrote(s.blocks, (s.prompt + s.generated)[:fed], s.prefix_scope)
         else:
             s.blocks.written = fed
