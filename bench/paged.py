@@ -12,6 +12,7 @@ default model's 2-stage export (exact precision, greedy, stop tokens ignored):
 
     python bench/paged.py --quick
     python bench/paged.py
+    python bench/paged.py --workers 2     # stage 0 here, stages 1-2 on worker processes (loopback)
 
 The last line on stdout is one JSON object, ratios first.
 """
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from kit import TEXT, shard_folder, wait_quiet
+from kit import TEXT, Proc, shard_folder, wait_quiet, worker
 
 from shardline.config import RunConfig, SamplingConfig, ServeConfig
 from shardline.host import available_memory
@@ -73,38 +74,59 @@ def run_streams(engine: Engine, prompts: list[list[int]], n: int, timeout_s: flo
     return {"tok_s": sum(len(s) - 1 for s in stamps) / (last - first), "most_at_once": most, "wall_s": wall}
 
 
-def engine_for(folder: Path, kv_mib: int | None, max_streams: int | None) -> Engine:
-    """`serve`'s engine; with `kv_mib`, its KV memory that many MiB and its streams as many as fit."""
+def engine_for(folder: Path, kv_mib: int | None, max_streams: int | None, workers: list[str]) -> Engine:
+    """`serve`'s engine (over `workers` if any); with `kv_mib`, its KV memory that many MiB and
+    its streams as many as fit."""
     cfg = ServeConfig(max_streams=max_streams, max_queue=1024, prefix_cache_mb=0)
     if kv_mib is not None:  # the stateful engine's streams within that memory; the paged one's pool of it
         cfg = replace(cfg, memory_fraction=min(1.0, (kv_mib + 1) * MiB / available_memory()), kv_cache_mb=kv_mib)
-    engine, _ = open_engine(folder, RunConfig(), cfg)
+    engine, _ = open_engine(folder, RunConfig(), cfg, workers or None)
     assert isinstance(engine, Engine)
     return engine
 
 
-def decode(folders: dict[str, Path], prompt: list[int], n: int, reps: int) -> dict[str, dict[int, float]]:
+class Workers:
+    """Stages 1..W of `folder` on worker processes (loopback) for the run of a `with` block."""
+
+    def __init__(self, folder: Path, n: int) -> None:
+        self.procs: list[Proc] = [worker(folder, k) for k in range(1, n + 1)]
+
+    def __enter__(self) -> list[str]:
+        return [p.addr for p in self.procs]
+
+    def __exit__(self, *_: object) -> None:
+        for p in self.procs:
+            p.stop()
+
+
+def decode(folders: dict[str, Path], prompt: list[int], n: int, reps: int, workers: int) -> dict[str, dict[int, float]]:
     out: dict[str, dict[int, float]] = {}
     for name, folder in folders.items():
-        engine = engine_for(folder, None, 8)
-        try:
-            run_streams(engine, [prompt], 4)  # warm-up
-            out[name] = {k: statistics.median(run_streams(engine, [prompt] * k, n)["tok_s"] for _ in range(reps))
-                         for k in (1, 4, 8)}
-        finally:
-            engine.shutdown()
+        with Workers(folder, workers) as addrs:
+            out[name] = _decode(engine_for(folder, None, 8, addrs), prompt, n, reps)
         print(f"decode {name}: {out[name]}", file=sys.stderr, flush=True)
     return out
 
 
-def admission(folders: dict[str, Path], prompts: list[list[int]], kv_mib: int) -> dict[str, dict[str, float]]:
+def _decode(engine: Engine, prompt: list[int], n: int, reps: int) -> dict[int, float]:
+    try:
+        run_streams(engine, [prompt], 4)  # warm-up
+        return {k: statistics.median(run_streams(engine, [prompt] * k, n)["tok_s"] for _ in range(reps))
+                for k in (1, 4, 8)}
+    finally:
+        engine.shutdown()
+
+
+def admission(folders: dict[str, Path], prompts: list[list[int]], kv_mib: int,
+              workers: int) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for name, folder in folders.items():
-        engine = engine_for(folder, kv_mib, None)
-        try:
-            out[name] = run_streams(engine, prompts, 256) | {"limit": engine.limits.max_streams}
-        finally:
-            engine.shutdown()
+        with Workers(folder, workers) as addrs:
+            engine = engine_for(folder, kv_mib, None, addrs)
+            try:
+                out[name] = run_streams(engine, prompts, 256) | {"limit": engine.limits.max_streams}
+            finally:
+                engine.shutdown()
         print(f"admission {name}: {out[name]}", file=sys.stderr, flush=True)
     return out
 
@@ -117,21 +139,24 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--kv-mib", type=int, default=1536, help="the KV memory both engines get in the admission part")
+    p.add_argument("--workers", type=int, default=0, help="stages 1..W on worker processes (default: all here)")
     p.add_argument("--work", type=Path, default=Path("/tmp/shardline-bench"))
     args = p.parse_args()
     if args.quick:
         args.tokens, args.reps, args.conversations = 16, 1, 8
     quiet, load = wait_quiet()
-    folders = {"stateful": shard_folder(args.work, 2, balance=True),
-               "paged": shard_folder(args.work, 2, balance=True, paged=True)}
+    stages = 1 + max(1, args.workers)
+    folders = {"stateful": shard_folder(args.work, stages, balance=True),
+               "paged": shard_folder(args.work, stages, balance=True, paged=True)}
     tok = ChatTokenizer(folders["stateful"])
     prompt = tok.encode_chat([{"role": "user", "content": "Write a long story about a lighthouse keeper."}])
     text = tok.encode(TEXT)
     convs = [[1000 + i] + (text * 2)[i : i + 255] for i in range(args.conversations)]  # 256 tokens, each its own
     parts = args.parts.split(",")
-    dec = decode(folders, prompt, args.tokens, args.reps) if "decode" in parts else {}
-    adm = admission(folders, convs, args.kv_mib) if "admission" in parts else {}
-    print(f"\nload {load:.2f} at start ({'quiet' if quiet else 'NOT quiet'}); medians of {args.reps} runs")
+    dec = decode(folders, prompt, args.tokens, args.reps, args.workers) if "decode" in parts else {}
+    adm = admission(folders, convs, args.kv_mib, args.workers) if "admission" in parts else {}
+    where = f"stage 0 here, {args.workers} workers" if args.workers else "every stage in this process"
+    print(f"\nload {load:.2f} at start ({'quiet' if quiet else 'NOT quiet'}); medians of {args.reps} runs; {where}")
     ratios: dict[str, float] = {}
     figures: dict[str, float] = {}
     if dec:
@@ -151,7 +176,8 @@ def main() -> int:
             adm["paged"]["most_at_once"] / adm["stateful"]["most_at_once"], 2)
         ratios["ratio_wall_paged_vs_stateful"] = round(adm["paged"]["wall_s"] / adm["stateful"]["wall_s"], 3)
         figures |= {f"{n}_admission_{key}": round(v, 2) for n in folders for key, v in adm[n].items()}
-    print(json.dumps(ratios | figures | {"reps": args.reps, "quiet": quiet, "load_at_start": round(load, 2)}))
+    print(json.dumps(ratios | figures | {"reps": args.reps, "workers": args.workers, "quiet": quiet,
+                                         "load_at_start": round(load, 2)}))
     return 0
 
 

@@ -26,18 +26,18 @@ CHAT_PROMPTS = [
 
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """exported(weights, stages=None, layers=None, model=None) -> folder, cached for the session."""
+    """exported(weights, stages=None, layers=None, model=None, paged=False) -> folder, cached for the session."""
     made: dict[tuple[object, ...], Path] = {}
     root = tmp_path_factory.mktemp("shards")
 
     def exported(weights: str, stages: int | None = None, layers: str | None = None,
-                 model: Path | None = None, group_size: int = 64) -> Path:
-        key = (weights, stages, layers, model, group_size)
+                 model: Path | None = None, group_size: int = 64, paged: bool = False) -> Path:
+        key = (weights, stages, layers, model, group_size, paged)
         if key not in made:
             name = f"{weights}-{stages or layers}-{abs(hash(key)) % 10**8}"
             made[key] = __import__("shardline.export.exporter", fromlist=["export"]).export(
                 ExportConfig(out=root / name, model=model, stages=stages, layers=layers, weights=weights,
-                             group_size=group_size, isolate=False, progress=False)
+                             group_size=group_size, paged=paged, isolate=False, progress=False)
             )
         return made[key]
 

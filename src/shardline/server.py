@@ -34,6 +34,8 @@ from shardline.wire.tls import Credentials
 if TYPE_CHECKING:
     from shardline.disagg.front import Disaggregated
     from shardline.disagg.prefill import Predict
+    from shardline.pipeline.paged_local import PagedPipeline
+    from shardline.pipeline.remote import RemotePipeline
 
 log = logging.getLogger("shardline.server")
 
@@ -135,7 +137,8 @@ def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[st
     """Pipeline, scheduler and engine: what `serve` and `generate` both run requests through."""
     manifest = load_manifest(folder)
     if is_paged(manifest):
-        return open_paged_engine(folder, manifest, run, cfg, workers, spec), manifest
+        engine = open_paged_engine(folder, manifest, run, cfg, workers, spec, activations, topology, credentials)
+        return engine, manifest
     spec = spec or SpeculationConfig()
     drafts, draft = open_drafts(spec, manifest, run)
     pipe, local_layers = open_pipeline(folder, run, workers, activations, topology, credentials, cfg.recovery)
@@ -147,32 +150,45 @@ def open_engine(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[st
 
 
 def open_paged_engine(folder: Path, manifest: Manifest, run: RunConfig, cfg: ServeConfig,
-                      workers: list[str] | None = None, spec: SpeculationConfig | None = None) -> Engine:
-    """A paged export's engine: every stage here, their block pools sized by the memory budget
-    (up to STREAM_CAP streams at the full context), streams admitted by the blocks they hold."""
-    if workers:
-        raise ShardlineError("a paged export runs every stage in this process for now: serve it without --worker")
+                      workers: list[str] | None = None, spec: SpeculationConfig | None = None,
+                      activations: str | None = None, topology: str = "chain",
+                      credentials: Credentials | None = None) -> Engine:
+    """A paged export's engine: every stage here, or stage 0 here and the rest on `workers`
+    (each allocating the same pool for this coordinator's session); the block pools sized by
+    the memory budget (up to PAGED_STREAMS streams at the full context), streams admitted by
+    the blocks they hold."""
     if cfg.disaggregate:
         raise ShardlineError("a paged export does not serve --disaggregate yet")
-    from shardline.pipeline.paged_local import PagedPipeline
-
     drafts, _ = open_drafts(spec or SpeculationConfig(), manifest, run)
-
     budget = int(available_memory() * cfg.memory_fraction)
-    if cfg.kv_cache_mb is not None:
-        if cfg.kv_cache_mb << 20 > budget:
-            raise ShardlineError(f"--kv-cache-mb {cfg.kv_cache_mb} is more than --memory-fraction of the memory "
-                                 f"available ({budget >> 20} MiB)")
-        pipe = PagedPipeline(folder, run, cfg.kv_cache_mb << 20)
-    else:  # the pool is reserved: not all the budget (as the stateful runner's, taken as used), a few streams' worth
-        pipe = PagedPipeline(folder, run, budget, streams=PAGED_STREAMS)
+    if cfg.kv_cache_mb is not None and cfg.kv_cache_mb << 20 > budget:
+        raise ShardlineError(f"--kv-cache-mb {cfg.kv_cache_mb} is more than --memory-fraction of the memory "
+                             f"available ({budget >> 20} MiB)")
+    # the pool is reserved: not all the budget (as the stateful runner's, taken as used), a few streams' worth
+    kv_bytes, streams = (cfg.kv_cache_mb << 20, None) if cfg.kv_cache_mb is not None else (budget, PAGED_STREAMS)
+    pipe: PagedPipeline | RemotePipeline
+    if workers:
+        from shardline.pipeline.deadline import Deadlines
+        from shardline.pipeline.remote import RemotePipeline
+
+        rec = cfg.recovery
+        pipe = RemotePipeline(folder, workers, run, activations or default_activations(run.precision), topology,
+                              credentials, deadlines=Deadlines(rec.step_floor_s, rec.step_multiple),
+                              reconnect_s=rec.reconnect_s, heartbeat_s=rec.heartbeat_s, kv_bytes=kv_bytes,
+                              streams=streams)
+    else:
+        from shardline.pipeline.paged_local import PagedPipeline
+
+        pipe = PagedPipeline(folder, run, kv_bytes, streams)
     limits = Limits(cfg.max_streams or STREAM_CAP, cfg.max_queue)
     replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
     pool = BlockPool(pipe.blocks, pipe.block_size)
     log.info("paged KV: %d blocks of %d tokens (%.0f MiB over %d stages)", pipe.blocks, pipe.block_size,
-             pipe.pool_bytes / 2**20, len(manifest.stages))
+             pipe.blocks * pipe.block_bytes / 2**20, len(manifest.stages))
+    # over workers, one step in flight per stage (each stage its machine); here one: every stage
+    # shares these cores, and a second step would run a prompt's chunk apart from the decode tokens
     scheduler = PagedScheduler(scheduling(cfg, manifest, False), pool, prefix=cfg.prefix_cache_mb != 0,
-                               block_bytes=pipe.pool_bytes // pipe.blocks)
+                               in_flight=len(manifest.stages) if workers else 1, block_bytes=pipe.block_bytes)
     return Engine(pipe, limits, pipe.context, drafts=drafts, replays=replays, scheduler=scheduler)
 
 

@@ -15,7 +15,6 @@ import pytest
 
 from shardline.config import ExportConfig, RunConfig, SamplingConfig, ServeConfig, SpeculationConfig
 from shardline.errors import ShardlineError
-from shardline.export.exporter import export
 from shardline.model.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
@@ -36,9 +35,8 @@ MiB = 2**20
 
 
 @pytest.fixture(scope="module")
-def paged(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("paged") / "shards"
-    return export(ExportConfig(out=out, layers=DEFAULT_SPLIT, paged=True, isolate=False, progress=False))
+def paged(shards: Callable[..., Path]) -> Path:
+    return shards("gguf", layers=DEFAULT_SPLIT, paged=True)
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +155,8 @@ def test_speculation_on_paged_gives_the_plain_tokens(paged: Path, shards: Callab
 
 
 def test_a_paged_export_refuses_what_it_does_not_run(paged: Path, shards: Callable[..., Path]) -> None:
-    with pytest.raises(ShardlineError, match="without --worker"):
-        open_engine(paged, RunConfig(), ServeConfig(), workers=["127.0.0.1:1"])
+    with pytest.raises(ShardlineError, match="does not serve --disaggregate"):
+        open_engine(paged, RunConfig(), ServeConfig(disaggregate=(1, 1)))
     with pytest.raises(ShardlineError, match="blocks of 32 tokens; one stream at the context of 8192 needs 256"):
         PagedPipeline(paged, RunConfig(), 1 * MiB)
     with pytest.raises(ShardlineError, match="is not a paged export"):

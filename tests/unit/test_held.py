@@ -56,3 +56,20 @@ def test_after_a_break_only_a_first_chunk_can_run() -> None:
     assert held.missing(prefill(7, KVBook(), [9], P, first=False, last=False)) == [7]
     assert held.missing(_group_step(-1, (3, 7), keep=(), merge=(3, 7))) == [3, 7]
     assert held.missing(_first(7)) == []
+
+
+def test_a_paged_step_that_reads_blocks_the_chain_did_not_write_is_lost() -> None:
+    """A paged chain holds blocks: a step may read only blocks a step sent to this chain wrote
+    (its workers' pools start empty); a break forgets them all."""
+    from shardline.pipeline.ragged_step import Part, RaggedStep
+
+    held = Held(block_size=4)
+    prompt = RaggedStep.of([Part(1, (1, 2, 3, 4, 5), 0, (7, 8), P, sample=True, prompt=True)])
+    assert held.unwritten(prompt) is None  # it reads nothing: it writes blocks 7 and 8
+    held.sent(prompt)
+    token = RaggedStep.of([Part(1, (9,), 5, (7, 8), P, sample=True, prompt=False)])
+    elsewhere = RaggedStep.of([Part(2, (9,), 5, (3, 4), P, sample=True, prompt=False)])
+    assert held.unwritten(token) is None and held.unwritten(elsewhere) == 3
+    assert held.unwritten(RaggedStep.of([Part(2, (9,), 9, (7, 8, 5), P, sample=True, prompt=False)])) == 5
+    held.clear()
+    assert held.unwritten(token) == 7

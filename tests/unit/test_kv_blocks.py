@@ -88,3 +88,18 @@ def test_a_block_released_twice_is_an_error() -> None:
 def test_an_empty_pool_is_a_clear_error(blocks: int, size: int) -> None:
     with pytest.raises(ShardlineError, match="at least 1"):
         BlockPool(blocks, size)
+
+
+def test_forget_drops_every_hash_and_frees_the_cached_blocks() -> None:
+    """A broken chain's workers freed their pools: no kept block may be found by its hash again."""
+    pool = BlockPool(8, 4)
+    t = BlockTable()
+    pool.grow(t, 9)
+    pool.wrote(t, list(range(9)), "k")
+    kept = BlockTable()
+    pool.grow(kept, 4)
+    pool.free(t)
+    assert pool.cached == 2 and pool.held == 1
+    pool.forget()
+    assert pool.cached == 0 and pool.held == 1 and pool.available == 7
+    assert pool.match(list(range(9)), "k").written == 0

@@ -162,3 +162,42 @@ def test_drafts_ride_after_the_token_and_rejected_ones_give_their_blocks_back() 
     s.generated += [40, 9]  # the first draft stood, the second did not: the target's own token instead
     assert _step(sched) is not None  # planned from what the stream holds: 7 + 3 tokens, the rest let go
     assert len(s.blocks.blocks) == 3 and sched.pool.held == 3 and s.blocks.written == 9
+
+
+def test_steps_in_flight_share_the_decoding_streams() -> None:
+    """Over workers one step per stage is out: a round sends as many as may go, the decoding
+    streams shared among them, each stream in one at a time."""
+    sched = _sched(chunk=64, in_flight=3)
+    streams = [_stream(list(range(10 * i + 10, 10 * i + 15))) for i in range(4)]
+    for s in streams:
+        sched.add(s)
+    for step in sched.plan().steps:  # the prompts, two a step (max_prefills)
+        assert isinstance(step, RaggedStep)
+        _complete(sched, step)
+    steps = sched.plan().steps
+    assert [s.streams for s in steps if isinstance(s, RaggedStep)] == [
+        (streams[0].id, streams[1].id), (streams[2].id,), (streams[3].id,)]
+    assert sched.plan().steps == ()  # three out: none more
+    second = steps[1]
+    assert isinstance(second, RaggedStep)
+    _complete(sched, second)
+    again = sched.plan().steps
+    assert [s.streams for s in again if isinstance(s, RaggedStep)] == [(streams[2].id,)]
+
+
+def test_a_lost_stream_forgets_every_kept_prefix() -> None:
+    """The pipeline lost a step (a chain broke): the blocks its workers held are gone, so a
+    replay, and every later prompt, starts cold."""
+    sched = _sched(chunk=64, prefix=True)
+    system = list(range(200, 213))
+    a = _stream([*system, 1, 2], max_tokens=1, scope="k")
+    sched.add(a)
+    _run(sched, 1)
+    sched.remove(a, keep=True)
+    assert sched.pool.cached == 3
+    b = _stream([*system, 3, 4], scope="k")
+    sched.add(b)
+    sched.replay(b, sched.kv.lease())
+    assert sched.pool.cached == 0
+    _run(sched, 1)
+    assert sched.stats.tokens_saved == 0 and b.prefilled == len(b.prompt)

@@ -5,6 +5,7 @@ encode: our own bug, before anything is sent)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import struct
 import zlib
@@ -30,6 +31,7 @@ from shardline.wire.messages import (
     Phase,
     Ping,
     Pong,
+    Ragged,
     Refuse,
     Release,
     Role,
@@ -72,6 +74,24 @@ GROUP = Forward(-1, 5, Phase.DECODE, False, 6, False, False,
                 np.array([[0, 0], [1, 0], [2, 0]], I64), None, None, None,
                 # row 1 constrained (a grammar's mask over a 70-token vocabulary), rows 0 and 2 free
                 np.array([[-1, 0b101, 0]], np.int32), np.array([-1, 0, -1], I64), HOPS[:1])
+I32 = np.int32
+# A paged step (blocks of 16 tokens): stream 7 decodes a token after 40 (blocks 0-2), stream 9
+# verifies a correction and two drafts after 17 (every position sampled; blocks 3-4), stream 4
+# runs a first prompt chunk of 5 tokens that samples nothing (block 5).
+RAGGED = Ragged(8, Phase.PREFILL, False, [SamplingParams(), SamplingParams(0.7, 40, 0.9, 5, 3), SamplingParams()],
+                np.array([7, 9, 4], I64), rng.standard_normal((9, 576)).astype(np.float16),
+                np.array([40, 17, 18, 19, 0, 1, 2, 3, 4], I64), np.array([40, 17, 0], I32),
+                np.array([0, 1, 4, 9], I32), np.array([0, 1, 2, 3, 4, 5], I32), np.array([0, 3, 5, 6], I32),
+                np.array([[0, 0], [1, 0], [1, 1], [1, 2]], I64), np.array([-1, 11, 12, -1], I64),
+                np.array([[-1, -1], [11, 5], [12, -1], [-1, -1]], I64),
+                np.array([[0, 0], [0.75, 0.25], [1, 0], [0, 0]], np.float32), None, None, HOPS[:1])
+# Two decoding streams, the second constrained (a grammar's mask), every logits row wanted;
+# stream 8's table holds blocks 2 and 9 (32 tokens written, its 33rd is new).
+RAGGED_MASKED = Ragged(9, Phase.DECODE, True, [SamplingParams(), SamplingParams(temperature=0.5, seed=9)],
+                       np.array([3, 8], I64), rng.standard_normal((2, 64)).astype(np.float32),
+                       np.array([5, 32], I64), np.array([5, 32], I32), np.array([0, 1, 2], I32),
+                       np.array([7, 2, 9], I32), np.array([0, 1, 3], I32), np.array([[0, 0], [1, 0]], I64),
+                       None, None, None, np.array([[-1, 0b101, 0]], I32), np.array([-1, 0], I64), HOPS)
 SAMPLES: list[Message] = [
     Hello(PROTOCOL, Role.WORKER, "ab" * 32, 15, 29, "gguf", Activations.ANY, "", 8192, "CPU,NPU"),
     Hello(PROTOCOL, Role.COORDINATOR, "ab" * 32, 0, 14, "gguf", Activations.F16, "0f" * 16, 131072),
@@ -97,6 +117,9 @@ SAMPLES: list[Message] = [
     KvCopy(13, 7, 8, 0, np.arange(12, dtype=np.int64)),
     Ping(14),
     Pong(14),
+    Hello(PROTOCOL, Role.COORDINATOR, "ab" * 32, 0, 14, "gguf", Activations.F16, "0f" * 16, 8192, "CPU", 32, 300),
+    RAGGED,
+    RAGGED_MASKED,
 ]
 
 
@@ -279,6 +302,14 @@ def _sampling(**changes: Any) -> list[dict[str, Any]]:
     (VERIFY, _with(VERIFY, sampling=_sampling(colour=1)), "SamplingParams fields"),
     (ShardChunk("a", 0, 1, "x", np.zeros(1, np.uint8)), {"name": "a", "offset": 1, "total": 1, "sha256": "x"},
      "chunk outside its file"),
+    (SAMPLES[-3], _with(SAMPLES[-3], block_size=-1), "Hello: blocks of -1 tokens, a pool of 300"),
+    (SAMPLES[-3], _with(SAMPLES[-3], block_size=(1 << 16) + 1), "Hello: blocks of 65537 tokens"),
+    (SAMPLES[-3], _with(SAMPLES[-3], blocks=(1 << 24) + 1), "Hello: blocks of 32 tokens, a pool of 16777217"),
+    (SAMPLES[-3], _with(SAMPLES[-3], blocks=True), "blocks: True is not an integer"),
+    (RAGGED, _with(RAGGED, sampling=_sampling() * 2), "one sampling and past length per sequence"),
+    (RAGGED, _with(RAGGED, sampling=_sampling() * 4), "one sampling and past length per sequence"),
+    (RAGGED, _with(RAGGED, phase="ragged"), "phase: 'ragged' is not one of prefill, decode"),
+    (RAGGED, _with(RAGGED, want_logits=1), "want_logits: 1 is not true or false"),
 ])
 def test_wrongly_typed_fields_are_refused(msg: Message, meta: dict[str, Any], message: str) -> None:
     with pytest.raises(WireError, match=f"malformed {type(msg).__name__}: .*{message}"):
@@ -347,6 +378,77 @@ def test_wrong_arrays_are_refused(msg: Message, arrays: dict[str, bytes], messag
         decode(rebuild(msg, arrays=arrays))
 
 
+def _i4(*v: int) -> bytes:
+    return array_bytes(np.array(v, I32))
+
+
+def _i8(*v: int) -> bytes:
+    return array_bytes(np.array(v, I64))
+
+
+def _at(*v: tuple[int, int]) -> bytes:
+    """sample_at of these (sequence, t)."""
+    return array_bytes(np.array(v, I64).reshape(-1, 2))
+
+
+@pytest.mark.parametrize("arrays,message", [
+    ({"hidden": array_bytes(_hidden("<f2", (1, 9, 576)))}, "hidden is f2 with 3 dims, not f2/f4 with 2"),
+    ({"hidden": array_bytes(_hidden("<f2", (2, 576)))}, r"Ragged: 3 sequences, hidden \(2, 576\)"),
+    ({"hidden": array_bytes(_hidden("<f2", (0, 576)))}, r"Ragged: 3 sequences, hidden \(0, 576\)"),
+    ({"streams": array_bytes(np.zeros(0, I64))}, "Ragged: 0 sequences"),
+    ({"streams": _i8(7, 9, 7)}, "a stream twice in one step"),
+    ({"streams": _i4(7, 9, 4)}, "streams is i4 with 1 dims, not i8"),
+    ({"begins": _i4(1, 2, 4, 9)}, "Ragged.begins: each sequence takes at least one token, and they cover the batch"),
+    ({"begins": _i4(0, 1, 4, 8)}, "Ragged.begins: each sequence takes at least one token"),
+    ({"begins": _i4(0, 1, 4, 10)}, "Ragged.begins: each sequence takes at least one token"),
+    ({"begins": _i4(0, 4, 4, 9)}, "Ragged.begins: each sequence takes at least one token"),  # stream 9: none
+    ({"begins": _i4(0, 4, 1, 9)}, "Ragged.begins: each sequence takes at least one token"),
+    ({"begins": _i4(0, 1, 9)}, "Ragged: starts of tokens and of tables number one more than the sequences"),
+    ({"block_begins": _i4(0, 3, 2, 6)}, "Ragged.block_begins out of order"),
+    ({"block_begins": _i4(0, 3, 5, 5)}, "Ragged.block_begins out of order"),  # block 5 in no table
+    ({"block_begins": _i4(1, 3, 5, 6)}, "Ragged.block_begins out of order"),
+    ({"block_begins": _i4(0, 3, 5, 6, 6)}, "starts of tokens and of tables number one more than the sequences"),
+    ({"block_indices": _i4(0, 1, 2, 3, -4, 5)}, "Ragged.block_indices out of range 0-16777215"),
+    ({"block_indices": _i4(0, 1, 2, 3, 4, 1 << 24)}, "Ragged.block_indices out of range 0-16777215"),
+    ({"block_indices": _i8(0, 1, 2, 3, 4, 5)}, "block_indices is i8 with 1 dims, not i4 with 1"),
+    ({"past_lens": _i4(40, -1, 0)}, "Ragged.past_lens out of range 0-16777215"),
+    ({"past_lens": _i4(40, 17)}, "one sampling and past length per sequence"),
+    ({"past_lens": _i8(40, 17, 0)}, "past_lens is i8 with 1 dims, not i4"),
+    ({"positions": _i8(40, 17, 18, 19, 0, 1, 2, 3, -1)}, "Ragged.positions out of range 0-16777215"),
+    ({"positions": _i8(40, 17, 18, 19, 0, 1, 2, 3)}, r"positions \(8,\) for 9 tokens"),
+    ({"sample_at": _i8(3, 0, 1, 0, 1, 1, 1, 2)}, "sample_at is i8 with 1 dims, not i8 with 2"),
+    ({"sample_at": _at((3, 0), (1, 0), (1, 1), (1, 2))}, "sample sequence out of range 0-2"),
+    ({"sample_at": _at((-1, 0), (1, 0), (1, 1), (1, 2))}, "sample sequence out of range"),
+    ({"sample_at": _at((0, 1), (1, 0), (1, 1), (1, 2))}, "a sample past its sequence's tokens"),
+    ({"sample_at": _at((0, 0), (1, 0), (1, 1), (1, 3))}, "a sample past its sequence's tokens"),
+    ({"sample_at": _at((0, -1), (1, 0), (1, 1), (1, 2))}, "a sample past its sequence's"),
+    ({"sample_at": array_bytes(np.zeros((10, 2), I64))}, "Ragged.sample_at"),  # more samples than tokens
+    ({"sample_at": array_bytes(np.zeros((4, 3), I64))}, "Ragged.sample_at"),
+    ({"sample_at": _at((0, 0), (1, 0), (1, 1))}, "drafts .* for 3 samples"),
+    ({"q_ids": array_bytes(None), "q_probs": array_bytes(None)}, "drafts come with their q support"),
+    ({"drafts": array_bytes(None)}, "drafts come with their q support"),
+    ({"drafts": _i8(-1, 11, 99, -1)}, "draft 99 offered outside its q support"),
+    ({"allow_of": _i8(-1, 0, -1, -1)}, "allow_bits come with allow_of"),
+    ({"hops": array_bytes(np.zeros((1, 4)))}, "hops"),
+])
+def test_wrong_ragged_arrays_are_refused(arrays: dict[str, bytes], message: str) -> None:
+    with pytest.raises(WireError, match=f"malformed Ragged: .*{message}"):
+        decode(rebuild(RAGGED, arrays=arrays))
+
+
+@pytest.mark.parametrize("arrays,message", [
+    ({"allow_bits": array_bytes(None)}, "allow_bits come with allow_of"),
+    ({"allow_of": _i8(-1, 1)}, "allow_of names a mask outside 0-0"),
+    ({"allow_of": _i8(-1, 0, -1)}, r"allow_of \(3,\) for 2 samples"),
+    ({"allow_bits": array_bytes(np.zeros((3, 3), I32))}, "token masks of shape .* for 2 samples"),
+    ({"allow_bits": array_bytes(np.zeros((1, 3), I64))}, "allow_bits is i8 with 2 dims, not i4"),
+    ({"block_begins": _i4(0, 1, 2)}, "Ragged.block_begins out of order"),  # block 9 in no table
+])
+def test_wrong_masks_of_a_ragged_step_are_refused(arrays: dict[str, bytes], message: str) -> None:
+    with pytest.raises(WireError, match=f"malformed Ragged: .*{message}"):
+        decode(rebuild(RAGGED_MASKED, arrays=arrays))
+
+
 # --- encode: our own bugs fail before anything is sent ------------------------------------------
 
 
@@ -394,17 +496,19 @@ def test_a_frame_of_the_previous_protocol_is_refused() -> None:
         decode(bytes(raw))
 
 
-@pytest.mark.parametrize("msg", [PREFILL, GROUP, SAMPLES[8], SAMPLES[10]], ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("msg", [PREFILL, GROUP, SAMPLES[8], SAMPLES[10], RAGGED, RAGGED_MASKED],
+                         ids=lambda m: type(m).__name__)
 def test_stamp_writes_the_encode_time_into_the_senders_own_slot(msg: Message) -> None:
     got = decode(encode(msg, stamp=True))
-    assert isinstance(got, Forward | Sampled) and isinstance(msg, Forward | Sampled)
+    assert isinstance(got, Forward | Sampled | Ragged) and isinstance(msg, Forward | Sampled | Ragged)
     stamped = got.hops[-1, -1]
     assert 0 < stamped < 0.05 and stamped != msg.hops[-1, -1]
     assert np.array_equal(got.hops.ravel()[:-1], msg.hops.ravel()[:-1])  # every other duration as sent
     assert equal(got, msg) is False and equal(decode(encode(msg)), msg)
 
 
-@pytest.mark.parametrize("msg", [VERIFY, Release(1)], ids=["no rows", "no hops"])
+@pytest.mark.parametrize("msg", [VERIFY, Release(1), dataclasses.replace(RAGGED, hops=np.zeros((0, 5)))],
+                         ids=["no rows", "no hops", "ragged, no rows"])
 def test_stamp_needs_an_f64_row(msg: Message) -> None:
     with pytest.raises(WireError, match="has no f64 hops row to stamp its encode time into"):
         encode(msg, stamp=True)

@@ -31,6 +31,7 @@ from shardline.wire.codec import HEADER, MAGIC, WireError, decode, encode
 from shardline.wire.link import HANDSHAKE_PAYLOAD, Link, LinkClosed, TimedOut
 from shardline.wire.messages import (
     HOP_COLUMNS,
+    MAX_BLOCKS,
     MAX_KV_PARTS,
     MAX_NAME,
     MAX_ROWS,
@@ -50,6 +51,7 @@ from shardline.wire.messages import (
     Phase,
     Ping,
     Pong,
+    Ragged,
     Refuse,
     Release,
     Role,
@@ -121,6 +123,44 @@ def forwards(draw: Any) -> Forward:
 
 
 @st.composite
+def drafted(draw: Any, e: int) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """None, or per sampled entry a draft and its distribution's support (the draft inside it)."""
+    if not draw(st.booleans()):
+        return None, None, None
+    support = draw(st.integers(1, 4))
+    q_ids = np.array(draw(st.lists(st.lists(st.integers(0, 1000), min_size=support, max_size=support, unique=True),
+                                   min_size=e, max_size=e)), np.int64).reshape(e, support)
+    q_probs = np.full((e, support), 1.0 / support, np.float32)
+    offered = np.array(draw(st.lists(st.booleans(), min_size=e, max_size=e)), bool)
+    drafts = np.where(offered, q_ids[:, 0], -1) if e else np.zeros(0, np.int64)
+    return drafts.astype(np.int64), q_ids, q_probs
+
+
+@st.composite
+def raggeds(draw: Any) -> Ragged:
+    """A paged step: S sequences of 1-4 new tokens each after a past of their own, each over a
+    block table that covers its tokens (distinct blocks of the pool), sampling any of them."""
+    lengths = draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    s, t, width = len(lengths), sum(lengths), draw(st.integers(0, 8))
+    past = draw(st.lists(st.integers(0, 600), min_size=s, max_size=s))
+    block = draw(st.sampled_from([16, 32, 64, 128, 256]))
+    tables = [-(-(p + n) // block) for p, n in zip(past, lengths, strict=True)]
+    blocks = draw(st.lists(st.integers(0, MAX_BLOCKS - 1), min_size=sum(tables), max_size=sum(tables), unique=True))
+    positions = np.concatenate([np.arange(p, p + n) for p, n in zip(past, lengths, strict=True)]).astype(np.int64)
+    samples = draw(st.lists(st.integers(0, s - 1).flatmap(lambda q: st.tuples(st.just(q),
+                                                                              st.integers(0, lengths[q] - 1))),
+                            max_size=t))
+    e = len(samples)
+    return Ragged(
+        draw(seqs), draw(st.sampled_from(Phase)), draw(st.booleans()), draw(st.lists(sampling, min_size=s, max_size=s)),
+        np.array(draw(st.lists(i64, min_size=s, max_size=s, unique=True)), np.int64),
+        draw(arrays(draw(st.sampled_from(["<f2", "<f4"])), (t, width))), positions, np.array(past, np.int32),
+        np.cumsum([0, *lengths]).astype(np.int32), np.array(blocks, np.int32),
+        np.cumsum([0, *tables]).astype(np.int32), np.array(samples, np.int64).reshape(-1, 2),
+        *draw(drafted(e)), *draw(token_masks(e)), draw(hops()))
+
+
+@st.composite
 def token_masks(draw: Any, e: int) -> tuple[np.ndarray | None, np.ndarray | None]:
     """None, or up to one bitmask per sampled entry and which entries they limit."""
     if not draw(st.booleans()):
@@ -151,7 +191,8 @@ def hellos(draw: Any) -> Hello:
     first = draw(st.integers(0, (1 << 16) - 1))
     return Hello(draw(i64), draw(st.sampled_from(Role)), draw(st.text(max_size=128)), first,
                  draw(st.integers(first, (1 << 16) - 1)), draw(st.text(max_size=32)),
-                 draw(st.sampled_from(Activations)), draw(st.text(max_size=64)), draw(st.integers(1, 1 << 24)))
+                 draw(st.sampled_from(Activations)), draw(st.text(max_size=64)), draw(st.integers(1, 1 << 24)),
+                 block_size=draw(st.just(0) | st.integers(1, 1 << 16)), blocks=draw(st.integers(0, MAX_BLOCKS)))
 
 
 seqs = st.integers(0, I64_MAX)
@@ -182,7 +223,7 @@ MESSAGE_STRATEGIES: dict[type, Any] = {
     KvPush: st.builds(KvPush, seqs, i64, st.just(1), st.integers(0, MAX_SLOTS),
                       st.integers(1, MAX_KV_PARTS)),
     KvPart: kv_parts(), KvDone: st.builds(KvDone, seqs, st.integers(0, MAX_KV_PARTS), text), KvCopy: kv_copies(),
-    Ping: st.builds(Ping, seqs), Pong: st.builds(Pong, seqs),
+    Ping: st.builds(Ping, seqs), Pong: st.builds(Pong, seqs), Ragged: raggeds(),
 }
 messages = st.one_of(*MESSAGE_STRATEGIES.values())
 
@@ -243,10 +284,11 @@ ONE_HOP = np.ones((1, len(HOP_COLUMNS)))
 
 
 @FUZZ
-@given(st.one_of(forwards(), sampleds()).map(lambda m: m if m.hops.size else dataclasses.replace(m, hops=ONE_HOP)))
-def test_stamped_messages_round_trip_but_for_the_stamp(msg: Forward | Sampled) -> None:
+@given(st.one_of(forwards(), sampleds(), raggeds()).map(
+    lambda m: m if m.hops.size else dataclasses.replace(m, hops=ONE_HOP)))
+def test_stamped_messages_round_trip_but_for_the_stamp(msg: Forward | Sampled | Ragged) -> None:
     got = decode(encode(msg, stamp=True))
-    assert isinstance(got, Forward | Sampled)
+    assert isinstance(got, Forward | Sampled | Ragged)
     assert got.hops.ravel()[:-1].tobytes() == msg.hops.ravel()[:-1].tobytes() and 0 <= got.hops[-1, -1] < 1
     assert equal(dataclasses.replace(got, hops=msg.hops), msg)
 

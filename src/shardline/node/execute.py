@@ -51,14 +51,14 @@ def sampled(msg: Forward, work: StageWork, logits: np.ndarray, hops: Callable[[]
     """The last stage's answer: a choice for every (row, t) of `sample_at`, in that order
     (`hops` is called once the choices are made, so the worker's host time includes them)."""
     choices = stage_work.sample(work, logits)
-    top_ids, top_lp = _tops(choices, max((p.top_logprobs for p in msg.sampling), default=0))
+    top_ids, top_lp = tops(choices, max((p.top_logprobs for p in msg.sampling), default=0))
     logits_out = np.stack([c.logits for c in choices if c.logits is not None]) if msg.want_logits and choices \
         else None
     return Sampled(msg.key, msg.seq, np.array([c.token for c in choices], np.int64),
                    np.array([c.logprob for c in choices], np.float32), top_ids, top_lp, logits_out, hops())
 
 
-def _tops(choices: list[Choice], n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+def tops(choices: list[Choice], n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
     """Every choice's alternatives in [E, n] arrays, padded with -1 / -inf."""
     if not n:
         return None, None

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 from shardline.node.kv import Push
+from shardline.stage.paged_runner import Pool
 from shardline.wire.link import Link
 from shardline.wire.messages import PROTOCOL, Hello, Message, Role
 
@@ -30,6 +31,7 @@ class Session:
     routed: bool = False  # its Route has been applied
     held: list[Received] = field(default_factory=list)  # Forwards that came before the Route
     push: Push | None = None  # a KV push whose parts are still arriving
+    pools: list[Pool] | None = None  # a paged worker's: this session's KV blocks on each stage
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,10 @@ def check_peer(me: Hello, peer: Hello, sessions: dict[str, Session]) -> str | No
     if peer.context != me.context:
         return (f"context mismatch: worker serves {me.context} tokens, {peer.role} {peer.context} "
                 f"(give them the same --context)")
+    if peer.block_size != me.block_size:
+        return (f"KV layout mismatch: the {peer.role}'s stages are "
+                + (f"paged in blocks of {peer.block_size} tokens" if peer.block_size else "not paged")
+                + ", this worker's " + (f"paged in blocks of {me.block_size}" if me.block_size else "are not paged"))
     if peer.last_layer + 1 != me.first_layer:
         return (f"layer order: the {peer.role}'s chain ends at layer {peer.last_layer}, "
                 f"but this worker serves layers {me.first_layer}-{me.last_layer}")

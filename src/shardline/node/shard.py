@@ -12,6 +12,7 @@ from shardline.errors import ShardlineError
 from shardline.model.context import run_context
 from shardline.model.manifest import Manifest, load_manifest, verify
 from shardline.node.delivery import CHUNK, DeliveryError, fetch, stage_files
+from shardline.stage.paged_runner import PagedRunner
 from shardline.stage.runners import Stage, open_stage
 from shardline.wire.link import Link, chunk_payload, refuse
 from shardline.wire.messages import PROTOCOL, Activations, Hello, Role
@@ -48,7 +49,9 @@ class Shard:
         from the first coordinator that connects (the folder may be empty or absent)."""
         self.folder, self.first, self.last, self.run = folder, first, last, run
         self.stages: list[Stage] = []
+        self.paged: list[PagedRunner] = []  # or, for a paged export (issue 41), these (pools per session)
         self.is_last = False
+        self.indices: list[int] = []  # the stages' indices in the export
         self.hello: Hello | None = None  # set once the stages are loaded: the worker is ready
         self.received_bytes = 0  # shard bytes delivered by a coordinator since this start
         self._loading = threading.Lock()
@@ -70,12 +73,24 @@ class Shard:
     def _load(self, manifest: Manifest) -> None:
         entries = manifest.stages[self.first : self.last + 1]
         context = run_context(manifest.arch, self.run.context)
-        self.stages = [open_stage(self.folder, e, self.run.for_stage(k, len(entries)), vocab=manifest.arch.vocab,
-                                   context=context) for k, e in enumerate(entries)]
+        runs = [self.run.for_stage(k, len(entries)) for k in range(len(entries))]
+        kinds = {e.runner for e in manifest.stages}
+        if "paged" in kinds and len(kinds) > 1:
+            raise ShardlineError(f"{self.folder}: the export mixes paged stages with other kinds")
+        if "paged" in kinds:  # each session gets its pools when it joins (node/paged.py)
+            self.paged = [PagedRunner.load(self.folder, e, r, 1, vocab=manifest.arch.vocab, context=context)
+                          for e, r in zip(entries, runs, strict=True)]
+            if len({s.block_size for s in self.paged}) > 1:
+                raise ShardlineError("this worker's devices chose different KV block sizes")
+        else:
+            self.stages = [open_stage(self.folder, e, r, vocab=manifest.arch.vocab, context=context)
+                           for e, r in zip(entries, runs, strict=True)]
         self.is_last = entries[-1].has_head
-        devices = ",".join(self.run.for_stage(k, len(entries)).device for k in range(len(entries)))
+        self.indices = [e.index for e in entries]
+        devices = ",".join(r.device for r in runs)
         self.hello = Hello(PROTOCOL, Role.WORKER, manifest.model_hash, entries[0].first_layer,
-                           entries[-1].last_layer, manifest.weights, Activations.ANY, "", context, devices)
+                           entries[-1].last_layer, manifest.weights, Activations.ANY, "", context, devices,
+                           self.paged[0].block_size if self.paged else 0)
 
     def ready_for(self, link: Link, peer: Hello) -> Hello:
         """This worker's Hello for `peer`, fetching and loading the shard first if need be."""

@@ -35,6 +35,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from itertools import count
 from pathlib import Path
@@ -44,7 +45,7 @@ import numpy as np
 from shardline.config import RunConfig
 from shardline.errors import ShardlineError, StepRefused
 from shardline.host import parse_hostport, trim_memory_every
-from shardline.node import kv
+from shardline.node import kv, paged
 from shardline.node.bounds import Bounds
 from shardline.node.execute import run_stages, sampled, work_of
 from shardline.node.session import MAX_QUEUED, Ended, Item, Received, Routed, Session, check_peer
@@ -77,6 +78,7 @@ from shardline.wire.messages import (
     Message,
     Ping,
     Pong,
+    Ragged,
     Refuse,
     Release,
     Role,
@@ -238,7 +240,10 @@ class StageWorker:
         the previous worker of a chain; or why not (checked by _check_peer, re-checked here under
         the race)."""
         if peer.role == Role.COORDINATOR:
-            session = Session(peer.session, next(self._session_nos), link)
+            pools = paged.pools_for(self.shard.paged, peer) if self.shard.paged else None
+            if isinstance(pools, str):
+                return pools
+            session = Session(peer.session, next(self._session_nos), link, pools=pools)
             if self.sessions.setdefault(peer.session, session) is not session:
                 return f"session {peer.session[:8]} is already connected"
             return session
@@ -318,9 +323,9 @@ class StageWorker:
             self._end(item.session)
         elif item.session.id not in self.sessions:
             return  # a message of a session that has ended
-        elif isinstance(item.msg, Forward):
+        elif isinstance(item.msg, Forward | Ragged):
             if item.session.routed:
-                self._forward(item)
+                self._step(item)
             elif len(item.session.held) < MAX_QUEUED:
                 item.session.held.append(item)
             else:  # a coordinator that floods steps before its Route: drop it
@@ -381,21 +386,40 @@ class StageWorker:
             session.push = None
             self._send(session.coordinator, kv.finish(self.stages, (session.no, push.msg.key), push))
 
-    def _forward(self, item: Received) -> None:
+    def _step(self, item: Received) -> None:
+        """A step through this worker's stages, then on: to the next worker or back. A step that
+        fails, fails alone: its coordinator hears why (StepFailed)."""
         msg, session = item.msg, item.session
-        assert isinstance(msg, Forward)
+        assert isinstance(msg, Forward | Ragged)
         graph_s: list[float] = []
-        if why := self.bounds.forward(msg):  # before the mask is made or a state grows
-            return self._send(session.coordinator, StepFailed(msg.key, msg.seq, why))
+        hops = lambda: self._hops(msg, graph_s, item)  # noqa: E731 - taken last, after sampling
         try:
-            work = work_of(msg, lambda k: (session.no, k))
-            out = run_stages(self.stages, work, msg, graph_s, time.perf_counter)
-            hops = lambda: self._hops(msg, graph_s, item)  # noqa: E731 - taken last, after sampling
-            reply: Message = sampled(msg, work, out, hops) if self.shard.is_last else \
-                replace(msg, hidden=out.astype(msg.hidden.dtype, copy=False), hops=hops())
+            reply = self._forward(msg, session, graph_s, hops) if isinstance(msg, Forward) else \
+                self._ragged(msg, session, graph_s, hops)
         except Exception as e:  # noqa: BLE001 - the step fails alone, and its coordinator hears why
             why = str(e) if isinstance(e, StepRefused) else f"{type(e).__name__}: {e}"
-            return self._send(session.coordinator, StepFailed(msg.key, msg.seq, why))
+            return self._send(session.coordinator, StepFailed(getattr(msg, "key", 0), msg.seq, why))
+        self._pass_on(session, reply)
+
+    def _forward(self, msg: Forward, session: Session, graph_s: list[float], hops: Callable[[], np.ndarray]) -> Message:
+        if self.shard.paged:
+            raise StepRefused("this worker's stages are paged: it runs ragged steps (Ragged), not Forward")
+        if why := self.bounds.forward(msg):  # before the mask is made or a state grows
+            raise StepRefused(why)
+        work = work_of(msg, lambda k: (session.no, k))
+        out = run_stages(self.stages, work, msg, graph_s, time.perf_counter)
+        return sampled(msg, work, out, hops) if self.shard.is_last else \
+            replace(msg, hidden=out.astype(msg.hidden.dtype, copy=False), hops=hops())
+
+    def _ragged(self, msg: Ragged, session: Session, graph_s: list[float], hops: Callable[[], np.ndarray]) -> Message:
+        if session.pools is None:
+            raise StepRefused("this worker's stages are not paged: it runs Forward steps, not Ragged")
+        batch = paged.batch_of(msg)
+        out = paged.run(self.shard.paged, session.pools, msg, batch, graph_s, time.perf_counter)
+        return paged.sampled(msg, batch, out, hops) if self.shard.is_last else \
+            replace(msg, hidden=out.astype(msg.hidden.dtype, copy=False), hops=hops())
+
+    def _pass_on(self, session: Session, reply: Message) -> None:
         if self.shard.is_last or session.next is None:  # end of chain, or a star: back to the coordinator
             return self._send(session.coordinator, reply)
         try:
@@ -409,16 +433,16 @@ class StageWorker:
                                         f"{LOST_NEXT}: {e}")
             session.coordinator.close()
 
-    def _hops(self, msg: Forward, graph_s: list[float], item: Received) -> np.ndarray:
+    def _hops(self, msg: Forward | Ragged, graph_s: list[float], item: Received) -> np.ndarray:
         """The incoming rows plus this worker's; taken last before encoding, so host time covers
         everything since the frame was decoded (queueing, casts, sampling) but graph and encode."""
         host_s = time.perf_counter() - item.decoded_at - sum(graph_s)
-        return with_rows(msg.hops, [s.entry.index for s in self.stages], graph_s, item.decode_s, host_s)
+        return with_rows(msg.hops, self.shard.indices, graph_s, item.decode_s, host_s)
 
     @staticmethod
     def _send(link: Link, msg: Message) -> None:
         try:
-            link.send(msg, stamp=isinstance(msg, Forward | Sampled))
+            link.send(msg, stamp=isinstance(msg, Forward | Ragged | Sampled))
         except LinkClosed:
             # Gone, or not reading (the send timed out, perhaps half way through a frame): close
             # it either way; its reader sees the end and frees the session.

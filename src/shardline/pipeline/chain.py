@@ -30,10 +30,11 @@ Delivered = list[tuple[str, str, int]]  # (worker, file, bytes) sent to workers
 
 def open_chain(folder: Path, manifest: Manifest, workers: list[str], activations: str, topology: str,
                delivered: Delivered, credentials: Credentials | None, context: int,
-               reaching: Callable[[int], None] = lambda i: None) -> list[Link]:
+               reaching: Callable[[int], None] = lambda i: None, pool: tuple[int, int] = (0, 0)) -> list[Link]:
     """One link per worker, in chain order, under a new session; routed for `topology`; under
     mutual TLS with `credentials` (None: in clear); every worker serving `context` tokens.
-    `reaching(i)` is told before worker i is connected (who a stuck attempt waits on)."""
+    `reaching(i)` is told before worker i is connected (who a stuck attempt waits on). `pool`:
+    a paged chain's (block size, blocks), which every worker allocates for the session."""
     session = secrets.token_hex(16)
     links: list[Link] = []
     last = manifest.stages[0].last_layer
@@ -41,7 +42,7 @@ def open_chain(folder: Path, manifest: Manifest, workers: list[str], activations
         for i, addr in enumerate(workers):
             reaching(i)
             link, hello = _connect_one(folder, manifest, addr, last, session, activations, delivered, credentials,
-                                       context)
+                                       context, pool)
             links.append(link)
             last = hello.last_layer
         if last != manifest.arch.n_layers - 1:
@@ -57,7 +58,8 @@ def open_chain(folder: Path, manifest: Manifest, workers: list[str], activations
 
 
 def _connect_one(folder: Path, m: Manifest, addr: str, prev_last: int, session: str, activations: str,
-                 delivered: Delivered, credentials: Credentials | None, context: int) -> tuple[Link, Hello]:
+                 delivered: Delivered, credentials: Credentials | None, context: int,
+                 pool: tuple[int, int]) -> tuple[Link, Hello]:
     try:
         # A worker may hash its files, receive its shard and compile its stages before it
         # answers our Hello: give it minutes, not the default seconds.
@@ -67,7 +69,7 @@ def _connect_one(folder: Path, m: Manifest, addr: str, prev_last: int, session: 
     except (OSError, ValueError) as e:  # ValueError: a host name the resolver cannot encode ("..")
         raise ShardlineError(f"cannot reach worker {addr}: {e}") from None
     mine = Hello(PROTOCOL, Role.COORDINATOR, m.model_hash, 0, prev_last, m.weights, Activations(activations), session,
-                 context)
+                 context, block_size=pool[0], blocks=pool[1])
 
     def check(peer: Hello) -> str | None:
         if peer.model_hash != m.model_hash:
@@ -81,6 +83,8 @@ def _connect_one(folder: Path, m: Manifest, addr: str, prev_last: int, session: 
         if peer.context != context:
             return (f"context mismatch: coordinator serves {context} tokens, worker {addr} {peer.context} "
                     f"(give them the same --context)")
+        if peer.block_size != pool[0]:
+            return f"KV layout mismatch: worker {addr}'s blocks are of {peer.block_size} tokens, ours of {pool[0]}"
         return None
 
     def deliver(msg: Message) -> None:

@@ -9,8 +9,9 @@ import numpy as np
 from shardline.decoding.masks import resolved
 from shardline.decoding.sampler import Choice
 from shardline.pipeline.plan import DecodeStep, PrefillStep, Step
+from shardline.pipeline.ragged_step import RaggedStep
 from shardline.wire.hops import no_hops, with_rows
-from shardline.wire.messages import Forward, Sampled, mask_to_runs
+from shardline.wire.messages import Forward, Ragged, Sampled, mask_to_runs
 
 
 def forward(step: Step, seq: int, hidden: np.ndarray, graph_s: float, started: float) -> Forward:
@@ -29,6 +30,16 @@ def forward(step: Step, seq: int, hidden: np.ndarray, graph_s: float, started: f
                    None if d is None else d.tokens, None if d is None else d.q_ids,
                    None if d is None else d.q_probs, None if m is None else m.bits, None if m is None else m.which,
                    hops)
+
+
+def ragged(step: RaggedStep, seq: int, hidden: np.ndarray, graph_s: float, started: float) -> Ragged:
+    """A paged `step` after stage 0 (its output `hidden` [T, H]), as the first worker takes it."""
+    b, d, m = step.batch, step.drafted, resolved(step.masks)
+    hops = with_rows(no_hops(), [0], [graph_s], 0.0, time.perf_counter() - started - graph_s)
+    return Ragged(seq, step.phase, step.want_logits, list(step.sampling), np.asarray(step.streams, np.int64), hidden,
+                  b.positions, b.past_lens, b.begins, b.block_indices, b.block_begins, step.sample_at,
+                  None if d is None else d.tokens, None if d is None else d.q_ids, None if d is None else d.q_probs,
+                  None if m is None else m.bits, None if m is None else m.which, hops)
 
 
 def choice(msg: Sampled, e: int, top_n: int) -> Choice:

@@ -5,11 +5,15 @@ drops), including keys with no step in flight. A step that needs one of those ke
 the chain that replaces it: it is lost, like the steps in flight, rather than sent to workers
 that would refuse it as an unknown request. The coordinator tracks what each step opens, merges
 and releases exactly as every stage applies it (stage/merge.py), in the order it sends them.
+
+A paged chain (issue 41) holds blocks, not keys: a ragged step that reads a block no step sent
+to this chain wrote (its workers' pools started empty) is lost the same way, not run over zeros.
 """
 
 from __future__ import annotations
 
 from shardline.pipeline.plan import DecodeStep, PrefillStep, Step
+from shardline.pipeline.ragged_step import RaggedStep
 
 
 def needs(step: Step) -> set[int]:
@@ -22,9 +26,22 @@ def needs(step: Step) -> set[int]:
     return {step.key}
 
 
+def reads(step: RaggedStep, block_size: int) -> set[int]:
+    """The blocks `step`'s sequences read: those holding their past."""
+    b = step.batch
+    return {x for q in range(b.sequences) for x in b.table(q)[: -(-int(b.past_lens[q]) // block_size)].tolist()}
+
+
+def writes(step: RaggedStep, block_size: int) -> set[int]:
+    b = step.batch
+    return {x for q in range(b.sequences) for x in b.written(q, block_size).tolist()}
+
+
 class Held:
-    def __init__(self) -> None:
+    def __init__(self, block_size: int = 0) -> None:
         self._keys: set[int] = set()
+        self.block_size = block_size  # a paged chain's (0: keys, not blocks)
+        self._blocks: set[int] = set()  # those written on this chain
 
     def __contains__(self, key: int) -> bool:
         return key in self._keys
@@ -33,8 +50,16 @@ class Held:
         """The keys `step` needs that hold nothing on this chain, in order."""
         return sorted(needs(step) - self._keys)
 
-    def sent(self, step: Step) -> None:
-        """`step` went to this chain: its key holds state; merged streams' own keys are closed."""
+    def unwritten(self, step: RaggedStep) -> int | None:
+        """A block `step` reads that no step sent to this chain wrote (None: there is none)."""
+        return min(reads(step, self.block_size) - self._blocks, default=None)
+
+    def sent(self, step: Step | RaggedStep) -> None:
+        """`step` went to this chain: its key holds state; merged streams' own keys are closed;
+        a ragged step's blocks are written."""
+        if isinstance(step, RaggedStep):
+            self._blocks |= writes(step, self.block_size)
+            return
         if isinstance(step, DecodeStep):
             self._keys -= set(step.merge)
         self._keys.add(step.key)
@@ -45,3 +70,4 @@ class Held:
     def clear(self) -> None:
         """The chain broke, or a new one replaced it: nothing is held."""
         self._keys.clear()
+        self._blocks.clear()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from shardline.errors import ShardlineError
 from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.plan import Step
+from shardline.pipeline.ragged_step import RaggedStep
 from shardline.pipeline.remote_kv import KvHeld
 from shardline.pipeline.repair import reopen
 from shardline.wire.link import Link
@@ -43,7 +44,7 @@ class Lost(ShardlineError):
 class Sent:
     """A step sent down the chain and not yet answered."""
 
-    step: Step
+    step: Step | RaggedStep
     started: float = field(default_factory=time.perf_counter)  # for the step's breakdown
     out_at: float = 0.0  # monotonic: when it left for the workers (the watchdog's clock)
     # What the workers should take on it: stage 0's graph time here x the stages after it

@@ -44,6 +44,17 @@ def is_paged(manifest: Manifest) -> bool:
     return kinds == {"paged"}
 
 
+def pool_blocks(per_block: int, block_size: int, context: int, kv_bytes: int, streams: int | None) -> int:
+    """The blocks of every stage's pool: as many as `kv_bytes` holds at `per_block` bytes a block
+    over every stage (at most `streams` streams at the full context); at least one stream's."""
+    least = -(-context // block_size)
+    blocks = min(kv_bytes // per_block, least * streams if streams else 1 << 30)
+    if blocks < least:
+        raise ShardlineError(f"a KV budget of {kv_bytes / 2**20:.0f} MiB holds {blocks} blocks of "
+                             f"{block_size} tokens; one stream at the context of {context} needs {least}")
+    return int(blocks)
+
+
 class PagedPipeline:
     def __init__(self, folder: Path, run: RunConfig | None, kv_bytes: int, streams: int | None = None,
                  check: bool = True) -> None:
@@ -64,22 +75,14 @@ class PagedPipeline:
         if any(s.block_size != self.block_size for s in self.stages):
             raise ShardlineError("the stages' devices chose different KV block sizes: one block table cannot "
                                  "serve them")
-        self.blocks = self._pool(kv_bytes, streams)
+        self.block_bytes = sum(s.block_bytes() for s in self.stages)  # a block over every stage
+        self.blocks = pool_blocks(self.block_bytes, self.block_size, self.context, kv_bytes, streams)
         for s in self.stages:
             s.allocate(self.blocks)
         self.n_stages = n
         self.outbox = Outbox()
         self._inboxes: list[queue.Queue[_Item]] = [queue.Queue() for _ in self.stages]
         self._threads: list[threading.Thread] = []
-
-    def _pool(self, kv_bytes: int, streams: int | None) -> int:
-        per_block = sum(s.block_bytes() for s in self.stages)
-        least = -(-self.context // self.block_size)
-        blocks = min(kv_bytes // per_block, least * streams if streams else 1 << 30)
-        if blocks < least:
-            raise ShardlineError(f"a KV budget of {kv_bytes / 2**20:.0f} MiB holds {blocks} blocks of "
-                                 f"{self.block_size} tokens; one stream at the context of {self.context} needs {least}")
-        return int(blocks)
 
     @property
     def pool_bytes(self) -> int:

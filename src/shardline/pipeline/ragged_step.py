@@ -18,11 +18,12 @@ from typing import ClassVar
 import numpy as np
 
 from shardline.config import SamplingParams
-from shardline.decoding.masks import LateMasks, TokenMasks, mask_words, resolved
-from shardline.decoding.sampler import Choice, choose, verify
+from shardline.decoding.masks import LateMasks, TokenMasks
+from shardline.decoding.sampler import Choice
 from shardline.decoding.speculative import Drafted
-from shardline.errors import ShardlineError, StepRefused
+from shardline.errors import ShardlineError
 from shardline.stage.paged_batch import PagedBatch
+from shardline.stage.paged_sample import choices
 from shardline.wire.messages import Phase
 
 
@@ -84,25 +85,5 @@ class RaggedStep:
 
 
 def sample(step: RaggedStep, logits: np.ndarray) -> list[Choice]:
-    """The last stage's choices, one per entry of `sample_at`: logits row e for entry e, the
-    token at the position after the sampled one (seeded by (seed, position) as every path is)."""
-    if not step.sample_at.size:
-        return []
-    if logits.ndim != 2 or logits.shape[0] != step.sample_at.shape[0]:
-        raise StepRefused(f"logits {logits.shape} for {step.sample_at.shape[0]} sampled entries")
-    masks = resolved(step.masks)
-    if masks is not None and (masks.which.shape[0] != logits.shape[0] or
-                              (masks.bits.shape[0] and masks.bits.shape[1] != mask_words(int(logits.shape[1])))):
-        raise StepRefused(f"token masks do not fit {logits.shape[0]} entries of a vocabulary of {logits.shape[1]}")
-    begins = step.batch.begins
-    out = []
-    for e, (q, t) in enumerate(step.sample_at.tolist()):
-        position = int(step.batch.positions[int(begins[q]) + t]) + 1
-        allowed = masks.allowed(e, int(logits.shape[1])) if masks is not None else None
-        d = step.drafted
-        if d is not None and d.tokens[e] >= 0:
-            out.append(verify(logits[e], step.sampling[q], position, int(d.tokens[e]), d.q_ids[e], d.q_probs[e],
-                              step.want_logits, allowed))
-        else:
-            out.append(choose(logits[e], step.sampling[q], position, step.want_logits, allowed))
-    return out
+    """The last stage's choices, one per entry of `sample_at` (stage/paged_sample.py)."""
+    return choices(step.batch, step.sample_at, step.sampling, logits, step.want_logits, step.masks, step.drafted)

@@ -20,6 +20,11 @@ watchdog (watchdog.py) when the oldest step in flight overruns its deadline. Eit
 chain is broken (life.py: the chain's links, epochs, breaks and repairs): every step in flight
 is lost (`Outcome.lost`), and so is every later step that needs state the chain held (held.py).
 A stream's first step reopens the chain, within `reconnect_s`.
+
+A paged export (issue 41) runs ragged steps instead (`Ragged` frames): stage 0's block pool is
+here, and each worker allocates one of the same blocks for the session when it joins, so one
+block table serves every stage. Nothing is held by key: a broken chain loses the blocks its
+workers held, and a step that reads one of them is lost (held.py), its streams replayed.
 """
 
 from __future__ import annotations
@@ -41,13 +46,14 @@ from shardline.model.manifest import load_manifest, verify
 from shardline.pipeline import metrics
 from shardline.pipeline.chain import Delivered, open_chain
 from shardline.pipeline.deadline import Deadlines, StepClock
-from shardline.pipeline.frames import choice, forward
+from shardline.pipeline.frames import choice, forward, ragged
 from shardline.pipeline.heartbeat import beat, quiet_for, settle_for
 from shardline.pipeline.held import needs
 from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import StageLayout
 from shardline.pipeline.life import ChainLife, Down, Lost, Sent
+from shardline.pipeline.paged_local import is_paged, pool_blocks
 from shardline.pipeline.plan import (
     AnyStep,
     KvCopy,
@@ -67,7 +73,8 @@ from shardline.pipeline.star import StarRefused, relay
 from shardline.pipeline.timing import breakdown
 from shardline.pipeline.watchdog import Late, overdue, watch
 from shardline.stage import executor as stage_work
-from shardline.stage.runners import open_stage
+from shardline.stage.paged_runner import PagedRunner
+from shardline.stage.runners import Stage, open_stage
 from shardline.wire.codec import WireError
 from shardline.wire.link import Link, LinkClosed, Refused
 from shardline.wire.messages import (
@@ -76,6 +83,7 @@ from shardline.wire.messages import (
     KvDone,
     KvPart,
     Pong,
+    Ragged,
     Refuse,
     Sampled,
     StepFailed,
@@ -97,11 +105,14 @@ class RemotePipeline:
     def __init__(self, folder: Path, workers: list[str], run: RunConfig | None = None,
                  activations: str = "f16", topology: str = "chain", credentials: Credentials | None = None, *,
                  deadlines: Deadlines | None = None, reconnect_s: float = RECONNECT_S,
-                 summarize: bool = False, heartbeat_s: float = HEARTBEAT_S) -> None:
+                 summarize: bool = False, heartbeat_s: float = HEARTBEAT_S, kv_bytes: int = 1 << 30,
+                 streams: int | None = None) -> None:
         """`deadlines`: when a step in flight counts as lost (a worker hung); `reconnect_s`: how
         long a stream's first step tries to reopen a chain that broke (tests make both short);
         `heartbeat_s`: a worker silent this long, pings unanswered, is taken as hung (0: no pings);
-        `summarize`: a prefill chunk's outcome carries stage 0's output summarized (hidden.py)."""
+        `summarize`: a prefill chunk's outcome carries stage 0's output summarized (hidden.py).
+        A paged export's pools hold what `kv_bytes` holds over every stage (at most `streams`
+        streams at the full context), as in one process (paged_local.py)."""
         if activations not in ACTIVATIONS or topology not in ("chain", "star"):
             raise ShardlineError(f"bad activations {activations!r} or topology {topology!r}")
         self.folder = folder
@@ -111,9 +122,22 @@ class RemotePipeline:
         run = run or RunConfig()
         self.context = run_context(self.manifest.arch, run.context)
         self.device = run.for_stage(0, 1).device
-        self.stage0 = open_stage(folder, entry, run.for_stage(0, 1), vocab=self.manifest.arch.vocab,
-                                  context=self.context)
         self.n_stages = len(self.manifest.stages)
+        self.stage0: Stage | None = None
+        self.paged0: PagedRunner | None = None
+        self.blocks = self.block_size = self.block_bytes = 0
+        if is_paged(self.manifest):
+            self.paged0 = PagedRunner.load(folder, entry, run.for_stage(0, 1), 1, vocab=self.manifest.arch.vocab,
+                                           context=self.context)
+            self.block_size = self.paged0.block_size
+            # every stage's layers cost the same per block (paged layers all keep full blocks)
+            per_block = self.paged0.block_bytes() * self.manifest.arch.n_layers // (entry.last_layer + 1)
+            self.blocks = pool_blocks(per_block, self.block_size, self.context, kv_bytes, streams)
+            self.block_bytes = per_block
+            self.paged0.allocate(self.blocks)
+        else:
+            self.stage0 = open_stage(folder, entry, run.for_stage(0, 1), vocab=self.manifest.arch.vocab,
+                                     context=self.context)
         if summarize and self.n_stages < 2:
             raise ShardlineError(f"{folder}: one stage outputs logits, not hidden states: summarizing prompts "
                                  f"needs an export of 2 or more stages")
@@ -129,10 +153,11 @@ class RemotePipeline:
         floor = self._clock.limits.floor_s
         self.kv = KvMoves(self.manifest, self.stage0, max(KV_S, floor), copy_s=floor)
         self.life = ChainLife(self._open, self._read, reconnect_s)
+        self.life.held.block_size = self.block_size
         # Pings only where replies come back on every link (a star reads its links in turn).
         self.heartbeat_s = heartbeat_s if topology == "chain" else 0.0
         self._local = 0  # steps submitted that stage 0 has not finished sending (under life.lock)
-        self._inbox: queue.Queue[Step | Release | _Repair | WireMove | None] = queue.Queue()
+        self._inbox: queue.Queue[Step | RaggedStep | Release | _Repair | WireMove | None] = queue.Queue()
         self._stopping = threading.Event()
         self.life.connect()
         self._thread = threading.Thread(target=self._stage0_loop, daemon=True, name="stage-0")
@@ -155,7 +180,8 @@ class RemotePipeline:
 
     def _open(self) -> list[Link]:
         return open_chain(self.folder, self.manifest, self.workers, self.activations, self.topology,
-                          self.delivered, self.credentials, self.context, self._reaching)
+                          self.delivered, self.credentials, self.context, self._reaching,
+                          (self.block_size, self.blocks))
 
     def _reaching(self, i: int) -> None:
         self.life.reaching = i  # a plain store: read under the lock when an attempt fails
@@ -171,18 +197,28 @@ class RemotePipeline:
 
     # --- executing plans -----------------------------------------------------------------------
 
+    @property
+    def pool_bytes(self) -> int:
+        """Stage 0's pool here (each worker holds its own stages' for the session)."""
+        return self.paged0.pool_bytes() if self.paged0 is not None else 0
+
     def submit(self, step: AnyStep) -> None:
-        if isinstance(step, RaggedStep):
-            raise ShardlineError("ragged steps run on a paged pipeline in one process (not yet over workers)")
+        if isinstance(step, RaggedStep) != (self.paged0 is not None):
+            raise ShardlineError("a paged export runs ragged steps only" if self.paged0 is not None else
+                                 "ragged steps run on a paged export (shardline export --paged)")
         with self.life.lock:
             self._local += 1
         self._inbox.put(step)
 
     def release(self, key: int) -> None:
-        self._inbox.put(Release(key))
+        if self.paged0 is None:  # a paged stage holds nothing by lease (the blocks are the scheduler's)
+            self._inbox.put(Release(key))
 
     def move(self, item: KvMove) -> None:
         """As LocalPipeline's; a move also fails when the chain breaks under it."""
+        if self.paged0 is not None:
+            return item.done.set_exception(ShardlineError("a paged pipeline moves no KV by lease (its blocks are "
+                                                          "the scheduler's)"))
         if not unfit(item, self.kv.identity, self.kv.layout):
             self._inbox.put(item)
 
@@ -194,7 +230,7 @@ class RemotePipeline:
 
     def layout(self) -> list[StageLayout]:
         """Each stage's layers and state variables, as an import must fit them (remote_kv.py)."""
-        return self.kv.layout()
+        return [] if self.paged0 is not None else self.kv.layout()
 
     def placement(self) -> list[Placed]:
         """Stage 0 here, then each worker with the layers it answered its handshake with. While
@@ -250,6 +286,7 @@ class RemotePipeline:
                     self._local -= 1
 
     def _release(self, key: int) -> None:
+        assert self.stage0 is not None
         self.stage0.close(key)
         with self.life.lock:
             self.life.held.released(key)
@@ -281,10 +318,13 @@ class RemotePipeline:
         except (ShardlineError, LinkClosed, Refused, WireError) as e:
             self._break(f"lost worker: {e}", epoch)  # ends the move with the reason
 
-    def _send(self, step: Step) -> None:
+    def _send(self, step: Step | RaggedStep) -> None:
         """Run stage 0 here and send the step down the chain; its tokens come back on a reader
         thread. A chain that broke is reconnected for a stream's first step; any other step
         whose state the chain no longer holds is lost before stage 0 runs it."""
+        if isinstance(step, RaggedStep):
+            return self._send_ragged(step)
+        assert self.stage0 is not None
         life = self.life
         if life.broken and isinstance(step, PrefillStep) and step.first:
             life.reconnect(step.made)
@@ -300,13 +340,34 @@ class RemotePipeline:
         sent.expected_s = graph_s * (self.n_stages - 1)
         if self.summarize and isinstance(step, PrefillStep):
             sent.hidden = HiddenChunk.of(hidden)
-        fwd = forward(step, next(self._seq), hidden.astype(self.dtype, copy=False), graph_s, sent.started)
+        self._out(sent, forward(step, next(self._seq), hidden.astype(self.dtype, copy=False), graph_s, sent.started))
+
+    def _send_ragged(self, step: RaggedStep) -> None:
+        """A paged step: any may reopen a broken chain, but one that reads blocks the chain
+        before held is lost (its workers' pools start empty): its streams are replayed."""
+        assert self.paged0 is not None
+        life = self.life
+        if life.broken:
+            life.reconnect(step.made)
         with life.lock:
-            if life.broken:  # since the check above (only this thread reconnects)
+            if (block := life.held.unwritten(step)) is not None:
+                raise Lost(f"KV block {block} went with a chain that broke: {life.broken or life.last_break}")
+        sent = Sent(step)
+        began = time.perf_counter()
+        hidden = self.paged0.run(step.batch, step.ids)
+        graph_s = time.perf_counter() - began
+        sent.expected_s = graph_s * (self.n_stages - 1)
+        self._out(sent, ragged(step, next(self._seq), hidden.astype(self.dtype), graph_s, sent.started))
+
+    def _out(self, sent: Sent, fwd: Forward | Ragged) -> None:
+        """`fwd` down the chain, pending until its tokens come back."""
+        life = self.life
+        with life.lock:
+            if life.broken:  # since the check before stage 0 ran (only this thread reconnects)
                 raise Lost(life.broken)
             sent.out_at = time.monotonic()
             life.pending[fwd.seq] = sent  # before the send: the token may be back at once
-            life.held.sent(step)
+            life.held.sent(sent.step)
             epoch, first = life.epoch, life.links[0]
         if self.topology == "star":
             return self._through_star(fwd, epoch)
@@ -315,7 +376,7 @@ class RemotePipeline:
         except LinkClosed as e:  # the step is pending: breaking the chain loses it with the rest
             self._break(f"lost worker {self.workers[0]}: {e}", epoch, frozenset({0}))
 
-    def _fail(self, step: Step, why: str, lost: bool = False) -> None:
+    def _fail(self, step: Step | RaggedStep, why: str, lost: bool = False) -> None:
         for stream in step.streams:
             self.outbox.put(Outcome(stream, error=why, lost=lost))
 
@@ -344,7 +405,7 @@ class RemotePipeline:
 
     # --- what comes back -------------------------------------------------------------------------
 
-    def _through_star(self, fwd: Forward, epoch: int) -> None:
+    def _through_star(self, fwd: Forward | Ragged, epoch: int) -> None:
         """Star: on this thread, worker after worker. A worker refusing the step fails it; a
         link that ends or stalls breaks the chain."""
         try:

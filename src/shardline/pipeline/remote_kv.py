@@ -77,14 +77,21 @@ class KvMoves:
     """The moves under way, by seq: started on the stage-0 thread, answered on the links' readers
     (chain) or on the stage-0 thread itself (star), ended by their last answer or by a break."""
 
-    def __init__(self, manifest: Manifest, stage0: Stage, limit_s: float = KV_S, copy_s: float = KV_S) -> None:
-        """`limit_s`: how long a worker may take over its part of an export or import (it moves a
+    def __init__(self, manifest: Manifest, stage0: Stage | None, limit_s: float = KV_S, copy_s: float = KV_S) -> None:
+        """`stage0`: None where the stages hold no KV by lease (a paged export's: nothing moves).
+        `limit_s`: how long a worker may take over its part of an export or import (it moves a
         whole cache over the link); `copy_s`: of a copy (on the worker alone: a step's bound)."""
-        self.manifest, self.stage0, self.limit_s, self.copy_s = manifest, stage0, limit_s, copy_s
+        self.manifest, self._stage0, self.limit_s, self.copy_s = manifest, stage0, limit_s, copy_s
         self.identity = export_identity(manifest)
         self._layout: list[StageLayout] | None = None
         self._lock = threading.Lock()
         self._moves: dict[int, _Move] = {}
+
+    @property
+    def stage0(self) -> Stage:
+        if self._stage0 is None:
+            raise ShardlineError("a paged pipeline moves no KV by lease (its blocks are the scheduler's)")
+        return self._stage0
 
     def layout(self) -> list[StageLayout]:
         """What an import must fit: stage 0 as its compiled model reports it; the workers' stages

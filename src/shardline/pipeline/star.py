@@ -10,22 +10,22 @@ from dataclasses import replace
 from shardline.errors import ShardlineError
 from shardline.wire.hops import with_rows
 from shardline.wire.link import Link
-from shardline.wire.messages import RELAY, Forward, Refuse, Sampled, StepFailed
+from shardline.wire.messages import RELAY, Forward, Ragged, Refuse, Sampled, StepFailed
 
 
 class StarRefused(ShardlineError):
     """A worker refused the step itself (it does not fit): the step fails, the links go on."""
 
 
-def relay(links: list[Link], workers: list[str], fwd: Forward) -> tuple[Sampled, float]:
+def relay(links: list[Link], workers: list[str], fwd: Forward | Ragged) -> tuple[Sampled, float]:
     """`fwd` through every worker in turn: the last one's tokens and when their frame was
     decoded. Raises StarRefused for a step refused; anything else raised (LinkClosed, Refused,
     WireError, ShardlineError) means a link is no longer usable."""
-    reply: Forward | Sampled = fwd
+    reply: Forward | Ragged | Sampled = fwd
     received_at = time.perf_counter()
     for i, link in enumerate(links):
         if i:
-            assert isinstance(reply, Forward)
+            assert isinstance(reply, Forward | Ragged)
             host_s = time.perf_counter() - received_at
             rows = with_rows(reply.hops, [RELAY], [0.0], links[i - 1].last_decode_s, host_s)
             # the merge was done by the worker before: the next one does its own
@@ -38,12 +38,12 @@ def relay(links: list[Link], workers: list[str], fwd: Forward) -> tuple[Sampled,
     return reply, received_at
 
 
-def _expect(link: Link, worker: str, seq: int) -> Forward | Sampled:
+def _expect(link: Link, worker: str, seq: int) -> Forward | Ragged | Sampled:
     reply = link.recv()
     if isinstance(reply, StepFailed):
         raise StarRefused(f"worker {worker} refused: {reply.reason}")
     if isinstance(reply, Refuse):
         raise ShardlineError(f"worker {worker} refused: {reply.reason}")
-    if not isinstance(reply, Forward | Sampled) or reply.seq != seq:
+    if not isinstance(reply, Forward | Ragged | Sampled) or reply.seq != seq:
         raise ShardlineError(f"unexpected {type(reply).__name__} from worker {worker}")
     return reply

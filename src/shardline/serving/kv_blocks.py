@@ -138,6 +138,14 @@ class BlockPool:
         table.hashes.clear()
         table.written = 0
 
+    def forget(self) -> None:
+        """No block may be found by its hash any more: the KV they held is gone (a broken chain's
+        workers freed their pools). Cached blocks are free again; held ones stay with their tables."""
+        self._free.extend(reversed(self._cached))
+        self._cached.clear()
+        self._by_hash.clear()
+        self._hash_of.clear()
+
     @property
     def cached(self) -> int:
         """Blocks in no table that a later prompt may still find by their hash."""

@@ -91,6 +91,13 @@ class PagedScheduler:
         self.kv.free(stream.key)
 
     def replay(self, stream: Stream, key: Lease) -> None:
+        """The pipeline lost `stream`'s step (a chain broke under it): it starts again on lease
+        `key` from no blocks. The blocks the chain held are gone with it, so no prefix is found
+        in them any more (a replay that hit one would be lost again)."""
+        self.pool.forget()
+        self._restart(stream, key)
+
+    def _restart(self, stream: Stream, key: Lease) -> None:
         """`stream` starts again on lease `key` from no blocks (its old ones freed)."""
         if stream.blocks is not None:
             self.pool.free(stream.blocks)
@@ -106,20 +113,25 @@ class PagedScheduler:
         return []
 
     def plan(self, drafts: Mapping[int, Proposal] | None = None) -> Plan:
-        """This round's plan: at most one ragged step; `drafts`: the drafts each stream about to
+        """This round's plan: a ragged step for each step that may still go out (`in_flight`),
+        the decoding streams shared among them; `drafts`: the drafts each stream about to
         decode offers (the engine's speculation chose them), fed after its token and verified."""
         idle = [s for s in self.streams.values() if not s.in_flight]
         for s in idle:
             self._wrote(s)
-        if len({id(self._sent.get(s.id)) for s in self.streams.values() if s.in_flight}) >= self.in_flight:
-            return Plan(tuple(self.releases()))
-        parts = self._parts(idle, drafts or {})
-        steps = (self._step(parts, drafts or {}),) if parts else ()
-        return Plan(tuple(self.releases()), steps)
+        steps = []
+        free = self.in_flight - len({id(self._sent.get(s.id)) for s in self.streams.values() if s.in_flight})
+        while free > 0 and (parts := self._parts([s for s in idle if not s.in_flight], drafts or {}, free)):
+            steps.append(self._step(parts, drafts or {}))
+            free -= 1
+        return Plan(tuple(self.releases()), tuple(steps))
 
-    def _parts(self, idle: list[Stream], drafts: Mapping[int, Proposal]) -> list[tuple[Stream, int]]:
-        """(stream, new tokens) of this round's step, each with the blocks for them."""
+    def _parts(self, idle: list[Stream], drafts: Mapping[int, Proposal], free: int) -> list[tuple[Stream, int]]:
+        """(stream, new tokens) of this round's step, each with the blocks for them. With `free`
+        more steps allowed out, the decoding streams are shared among them (a pipeline of
+        several machines keeps one step per stage busy; each stream is in one at a time)."""
         decoding = [s for s in idle if s.idle_decoder()]
+        decoding = decoding[: -(-len(decoding) // free)]
         prompts = [s for s in idle if s.prefilling][: self.cfg.max_prefills]
         for s in prompts:
             self._start(s)
@@ -172,7 +184,7 @@ class PagedScheduler:
                            and v.id not in planned and v.blocks is not None and v.blocks.blocks), None)
             if s.prefilling or victim is None:
                 return False
-            self.replay(victim, self.kv.lease())
+            self._restart(victim, self.kv.lease())
             self.preempted += 1
         self.pool.grow(s.blocks, need)
         return True

@@ -4,11 +4,14 @@ state: which blocks a stream uses is the coordinator's (serving/kv_blocks.py), a
 says so in its batch (stage/paged_batch.py), checked against the pool first.
 
 Not a `Stage` (stage/runners.py): it holds no keys, so nothing keyed (merges, KV moves) applies.
-A paged pipeline (pipeline/paged_local.py) runs ragged steps through these.
+A paged pipeline (pipeline/paged_local.py) runs ragged steps through these. A worker serving
+several coordinators gives each session a pool of its own (`pool`): one compiled graph, one
+request and one set of block pools per session, so no session reads another's blocks.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +26,17 @@ from shardline.stage.resident import released_while
 from shardline.stage.runner import precision_properties
 
 
+@dataclass(eq=False)
+class Pool:
+    """A request of the compiled graph with its own block pools (one per attention input)."""
+
+    request: ov.InferRequest
+    blocks: int
+
+    def nbytes(self, names: list[str]) -> int:
+        return sum(self.request.get_tensor(n).data.nbytes for n in names)
+
+
 class PagedRunner:
     def __init__(self, model: ov.Model, device: str, properties: dict[str, str], blocks: int,
                  core: ov.Core | None = None, vocab: int | None = None, context: int | None = None) -> None:
@@ -34,7 +48,6 @@ class PagedRunner:
         self.hidden = None if self._input == "input_ids" else int(width[1].get_length())
         self.vocab, self.context, self.blocks = vocab, context, blocks
         self.entry: StageEntry | None = None  # the manifest's, when loaded from an export
-        self.request = self.compiled.create_infer_request()
         self._pools = [i for i in self.compiled.inputs if "_cache." in i.get_any_name()]
         if not self._pools:
             raise ShardlineError("not a paged stage: its graph has no key_cache/value_cache inputs")
@@ -47,14 +60,25 @@ class PagedRunner:
         """What one block costs this stage: its layers' keys and values for `block_size` tokens."""
         return sum(int(np.prod(d)) * i.get_element_type().size for i, d in zip(self._pools, self._dims, strict=True))
 
-    def allocate(self, blocks: int) -> None:
-        """Pools of `blocks` blocks (zeros: the OS commits their pages as blocks are written)."""
+    def pool(self, blocks: int) -> Pool:
+        """A new request over pools of `blocks` blocks (zeros: the OS commits their pages as
+        blocks are written)."""
         if blocks < 1:
             raise ShardlineError(f"a paged stage needs a pool of at least 1 block, not {blocks}")
+        request = self.compiled.create_infer_request()
         for i, dims in zip(self._pools, self._dims, strict=True):
             zeros = np.zeros([blocks, *dims], i.get_element_type().to_dtype())
-            self.request.set_tensor(i.get_any_name(), ov.Tensor(zeros))
+            request.set_tensor(i.get_any_name(), ov.Tensor(zeros))
+        return Pool(request, blocks)
+
+    def allocate(self, blocks: int) -> None:
+        """This runner's own pool: `blocks` blocks (the one `run` uses unless given another)."""
+        self.own = self.pool(blocks)
         self.blocks = blocks
+
+    @property
+    def request(self) -> ov.InferRequest:
+        return self.own.request
 
     @staticmethod
     def load(folder: Path, entry: StageEntry, run: RunConfig, blocks: int, core: ov.Core | None = None,
@@ -75,22 +99,23 @@ class PagedRunner:
         runner.entry = entry
         return runner
 
-    def pool_bytes(self) -> int:
-        return sum(self.request.get_tensor(i).data.nbytes for i in self._pools)
+    def pool_bytes(self, pool: Pool | None = None) -> int:
+        return (pool or self.own).nbytes([i.get_any_name() for i in self._pools])
 
-    def run(self, batch: PagedBatch, x: np.ndarray) -> np.ndarray:
+    def run(self, batch: PagedBatch, x: np.ndarray, pool: Pool | None = None) -> np.ndarray:
         """The batch's hidden states [T, H], or on the last stage the logits [N, V] at
         `batch.logits_at`; `x` is the batch's token ids [T] (stage 0) or hidden states [T, H].
         StepRefused, the pool untouched, for a batch that does not fit. The result is a view of
-        the request's output: valid until the next call."""
-        batch.check(self.blocks, self.block_size, self.context)
+        the request's output: valid until the next call. `pool`: a session's (else this runner's)."""
+        pool = pool or self.own
+        batch.check(pool.blocks, self.block_size, self.context)
         feed = {**batch.feed(), self._input: self._checked(batch, x)}
         if self.has_head:
             if not batch.logits_at.size:
                 raise StepRefused("the last stage's batch asks for no logits")
             feed["logits_index"] = batch.logits_at
-        self.request.infer(feed, share_inputs=False)
-        return self.request.get_output_tensor(0).data
+        pool.request.infer(feed, share_inputs=False)
+        return pool.request.get_output_tensor(0).data
 
     def _checked(self, batch: PagedBatch, x: np.ndarray) -> np.ndarray:
         t = batch.tokens

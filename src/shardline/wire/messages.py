@@ -1,4 +1,4 @@
-"""The closed set of messages that travel between coordinator and stage workers (protocol 10).
+"""The closed set of messages that travel between coordinator and stage workers (protocol 13).
 
 Every message is a frozen dataclass with a fixed kind number. Scalar fields travel as JSON and
 are checked against their declared types on decode (an int is not a bool, an enum takes only
@@ -27,8 +27,9 @@ from shardline.config import MAX_CONTEXT, SamplingParams
 # 10: KvCopy, a lease's slots copied into a new one on the worker (prefix reuse);
 # 11: what a frame may cost bounded (a key opens with one row: a first step, a push; a copy's
 # slots increasing), Ping/Pong on idle links; 12: Forward.allow_bits/allow_of, the tokens a
-# constrained entry may take (issue 40).
-PROTOCOL = 12
+# constrained entry may take (issue 40); 13: Ragged, a paged step (issue 41): every stream's new
+# tokens in one flat batch over block tables; Hello.block_size and Hello.blocks (the pool).
+PROTOCOL = 13
 MAX_SUPPORT = 64  # token ids of a draft distribution sent per sampled position
 
 # One row of `hops` per stage a step has run through, appended by the process that ran it:
@@ -49,6 +50,7 @@ MAX_HOPS = 1024
 MAX_KV_PARTS = 1 << 12  # state variables of one worker's stages in one KV move (two per layer)
 MAX_NAME = 256  # a state variable's name
 MAX_MASK_WORDS = (1 << 20) // 32  # a token mask's i32 words: a vocabulary of up to 2^20 tokens
+MAX_BLOCKS = 1 << 24  # KV blocks of a paged pool (a block holds 16-256 tokens of every layer)
 
 
 class Role(StrEnum):
@@ -134,8 +136,15 @@ class Hello:
     # The OpenVINO device of each of the sender's stages, comma-separated (for people: the
     # fleet page); "" when it does not say.
     device: str = ""
+    # Paged stages (issue 41): the tokens of a KV block the sender's device chose (0: its stages
+    # are not paged); a coordinator's `blocks` is its session's pool, which every worker of the
+    # chain allocates for it (one block table serves every stage), 0 in a worker's answer.
+    block_size: int = 0
+    blocks: int = 0
 
     def __post_init__(self) -> None:
+        _need(0 <= self.block_size <= 1 << 16 and 0 <= self.blocks <= MAX_BLOCKS,
+              f"Hello: blocks of {self.block_size} tokens, a pool of {self.blocks}")
         _need(len(self.model_hash) <= 128 and len(self.weights) <= 32 and len(self.session) <= 64,
               "oversized Hello field")
         _need(len(self.device) <= 256 and self.device.isprintable(), "oversized or unprintable Hello.device")
@@ -533,8 +542,72 @@ class Pong:
         _check_seq(self.seq)
 
 
+@dataclass(frozen=True)
+class Ragged:
+    """One step of a paged chain (issue 41), hidden states in: the new tokens of S sequences end to
+    end (decode tokens and prompt chunks fused), each over its block table in the session's pool.
+    The end of the chain returns a Sampled with a token for each (sequence, t) of `sample_at`.
+
+    Checked here: the shapes fit together, the starts cover the batch in order, the ids and
+    positions are in range. Checked by each worker against its pool before any stage runs
+    (stage/paged_batch.py): positions that follow each past, tables whose blocks are inside the
+    pool and cover their tokens, no block written by one sequence and in another's table, the
+    context; a step that fails is refused with the pool unchanged."""
+
+    KIND: ClassVar[int] = 17
+    ARRAYS: ClassVar[dict[str, Arr]] = {
+        "streams": Arr(("i8",), 1), "hidden": Arr(("f2", "f4"), 2), "positions": Arr(("i8",), 1),
+        "past_lens": Arr(("i4",), 1), "begins": Arr(("i4",), 1), "block_indices": Arr(("i4",), 1),
+        "block_begins": Arr(("i4",), 1), "sample_at": Arr(("i8",), 2), "drafts": Arr(("i8",), 1, True),
+        "q_ids": Arr(("i8",), 2, True), "q_probs": Arr(("f4",), 2, True), "allow_bits": Arr(("i4",), 2, True),
+        "allow_of": Arr(("i8",), 1, True), "hops": Arr(("f8",), 2),
+    }
+    seq: int
+    phase: Phase
+    want_logits: bool
+    sampling: list[SamplingParams]  # per sequence
+    streams: np.ndarray  # [S] i64: each sequence's stream
+    hidden: np.ndarray  # [T, hidden] f16 or f32: every new token, sequence after sequence
+    positions: np.ndarray  # [T] i64: each token's position in its sequence (past_lens on)
+    past_lens: np.ndarray  # [S] i32: tokens each sequence's blocks hold already
+    begins: np.ndarray  # [S + 1] i32: where each sequence's tokens start
+    block_indices: np.ndarray  # [N] i32: the block tables end to end
+    block_begins: np.ndarray  # [S + 1] i32: where each sequence's table starts
+    sample_at: np.ndarray  # [E, 2] i64: (sequence, t) whose next token is wanted
+    drafts: np.ndarray | None  # [E] i64, as Forward's
+    q_ids: np.ndarray | None  # [E, S] i64
+    q_probs: np.ndarray | None  # [E, S] f32
+    allow_bits: np.ndarray | None  # [M, W] i32
+    allow_of: np.ndarray | None  # [E] i64
+    hops: np.ndarray  # as Forward's; must stay the last array field
+
+    def __post_init__(self) -> None:
+        t, s = self.hidden.shape[0], self.streams.shape[0]
+        _need(1 <= s <= MAX_ROWS and s <= t <= MAX_STEP_TOKENS, f"Ragged: {s} sequences, hidden {self.hidden.shape}")
+        _need(len(self.sampling) == s and self.past_lens.shape == (s,), "one sampling and past length per sequence")
+        _need(self.begins.shape == (s + 1,) and self.block_begins.shape == (s + 1,),
+              "Ragged: starts of tokens and of tables number one more than the sequences")
+        _need(self.positions.shape == (t,), f"positions {self.positions.shape} for {t} tokens")
+        _need(self.begins[0] == 0 and self.begins[-1] == t and bool((self.begins[1:] > self.begins[:-1]).all()),
+              "Ragged.begins: each sequence takes at least one token, and they cover the batch")
+        n = self.block_indices.shape[0]
+        _need(self.block_begins[0] == 0 and self.block_begins[-1] == n
+              and bool((self.block_begins[1:] >= self.block_begins[:-1]).all()), "Ragged.block_begins out of order")
+        _ids_in(self.block_indices, MAX_BLOCKS, "Ragged.block_indices")
+        _ids_in(self.past_lens, MAX_CONTEXT, "Ragged.past_lens")
+        _ids_in(self.positions, MAX_CONTEXT, "Ragged.positions")
+        _need(_distinct(self.streams), "a stream twice in one step")
+        _need(self.sample_at.shape[1:] == (2,) and self.sample_at.shape[0] <= t, "Ragged.sample_at")
+        _ids_in(self.sample_at[:, 0], s, "sample sequence")
+        lengths = np.diff(self.begins)
+        _need(all(0 <= x < int(lengths[q]) for q, x in self.sample_at.tolist()), "a sample past its sequence's tokens")
+        _need(self.hops.shape[1:] == (len(HOP_COLUMNS),) and self.hops.shape[0] <= MAX_HOPS, "hops")
+        check_drafts(self.drafts, self.q_ids, self.q_probs, self.sample_at.shape[0])
+        check_allowed(self.allow_bits, self.allow_of, self.sample_at.shape[0])
+
+
 Message = (Hello | Refuse | StepFailed | Release | Forward | Sampled | ShardRequest | ShardChunk | Route | KvPull
-           | KvPush | KvPart | KvDone | KvCopy | Ping | Pong)
+           | KvPush | KvPart | KvDone | KvCopy | Ping | Pong | Ragged)
 MESSAGES: dict[int, type] = {m.KIND: m for m in (Hello, Refuse, StepFailed, Release, Forward, Sampled,
                                                  ShardRequest, ShardChunk, Route, KvPull, KvPush, KvPart, KvDone,
-                                                 KvCopy, Ping, Pong)}
+                                                 KvCopy, Ping, Pong, Ragged)}

@@ -1,0 +1,72 @@
+"""A Ragged step (issue 41) through a worker's paged stages, over its session's pools.
+
+Each coordinator's session has pools of its own on every paged stage here (sized by the
+coordinator's Hello: one block table serves every stage of the chain), allocated when it joins
+and freed when its link drops. A step is checked against them before any stage runs
+(stage/paged_batch.py): a table outside the pool, too short for its tokens, or a block written
+by one sequence and read by another is refused (StepFailed) with every pool as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from shardline.decoding.masks import TokenMasks
+from shardline.decoding.speculative import Drafted
+from shardline.host import available_memory
+from shardline.node.execute import tops
+from shardline.stage.paged_batch import PagedBatch
+from shardline.stage.paged_runner import PagedRunner, Pool
+from shardline.stage.paged_sample import choices, logits_rows
+from shardline.wire.messages import Hello, Ragged, Sampled
+
+
+def pools_for(stages: list[PagedRunner], peer: Hello) -> list[Pool] | str:
+    """A coordinator's pools on every stage here, or why not (a chain that is not paged, blocks
+    of another size, a pool that does not fit this machine's memory)."""
+    size = stages[0].block_size
+    if peer.block_size != size or peer.blocks < 1:
+        return (f"this worker's stages are paged, in blocks of {size} tokens; the coordinator's "
+                + (f"in blocks of {peer.block_size}" if peer.block_size else "are not paged"))
+    need = peer.blocks * sum(s.block_bytes() for s in stages)
+    if need > available_memory():
+        return (f"a KV pool of {peer.blocks} blocks ({need / 2**20:.0f} MiB) does not fit this worker's "
+                f"{available_memory() / 2**20:.0f} MiB available")
+    return [s.pool(peer.blocks) for s in stages]
+
+
+def batch_of(msg: Ragged) -> PagedBatch:
+    """The step's batch as every stage here checks and runs it."""
+    b = PagedBatch(msg.positions, msg.past_lens, msg.begins, msg.block_indices, msg.block_begins,
+                   np.zeros(0, np.int64))
+    return PagedBatch(b.positions, b.past_lens, b.begins, b.block_indices, b.block_begins,
+                      np.asarray(logits_rows(b, msg.sample_at), np.int64))
+
+
+def run(stages: list[PagedRunner], pools: list[Pool], msg: Ragged, batch: PagedBatch, graph_s: list[float],
+        clock: Callable[[], float]) -> np.ndarray:
+    """Every stage in order over the session's pools (StepRefused before the first runs for a
+    batch one of them would refuse): hidden states, or on the last stage the sampled logits."""
+    for stage, pool in zip(stages, pools, strict=True):
+        batch.check(pool.blocks, stage.block_size, stage.context)
+    x = msg.hidden.astype(np.float32, copy=False)
+    for stage, pool in zip(stages, pools, strict=True):
+        began = clock()
+        x = stage.run(batch, x, pool)
+        graph_s.append(clock() - began)
+    return x
+
+
+def sampled(msg: Ragged, batch: PagedBatch, logits: np.ndarray, hops: Callable[[], np.ndarray]) -> Sampled:
+    """The end of the chain's answer: a choice per entry of `sample_at`, in that order."""
+    drafted = None
+    if msg.drafts is not None and msg.q_ids is not None and msg.q_probs is not None:
+        drafted = Drafted(msg.drafts, msg.q_ids, msg.q_probs)
+    masks = None if msg.allow_bits is None or msg.allow_of is None else TokenMasks(msg.allow_bits, msg.allow_of)
+    made = choices(batch, msg.sample_at, msg.sampling, logits, msg.want_logits, masks, drafted)
+    top_ids, top_lp = tops(made, max((p.top_logprobs for p in msg.sampling), default=0))
+    logits_out = np.stack([c.logits for c in made if c.logits is not None]) if msg.want_logits and made else None
+    return Sampled(0, msg.seq, np.array([c.token for c in made], np.int64),
+                   np.array([c.logprob for c in made], np.float32), top_ids, top_lp, logits_out, hops())

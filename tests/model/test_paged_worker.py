@@ -1,0 +1,134 @@
+"""A paged worker's steps, in process (no sockets; issue 41): each coordinator's session gets
+pools of its own, a Ragged step runs over them, and a hostile block table is refused with
+nothing changed: one that points outside the pool, one too short for its tokens, a block one
+sequence writes in another's table. A Forward is refused by a paged worker, a Ragged step by
+a stateful one, and a coordinator whose pool does not fit or whose blocks differ is refused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shardline.config import SamplingParams
+from shardline.node import paged
+from shardline.node.session import Received, Session, check_peer
+from shardline.node.worker import StageWorker
+from shardline.wire.hops import no_hops
+from shardline.wire.messages import MAX_BLOCKS, Hello, Message, Phase, Ragged, Role, Sampled, StepFailed
+from tests.conftest import DEFAULT_SPLIT
+from tests.model.test_worker_steps import Recorder, _forward
+
+WIDTH = 576
+POOL = 300  # blocks of 32 tokens: more than one stream at the context of 8192 needs
+
+
+@pytest.fixture(scope="module")
+def worker(shards: Callable[..., Path]) -> StageWorker:
+    return StageWorker(shards("gguf", layers=DEFAULT_SPLIT, paged=True), 1, 1)
+
+
+def _hello(worker: StageWorker, block_size: int | None = None, blocks: int = POOL) -> Hello:
+    me = worker.hello
+    assert me is not None
+    return replace(me, role=Role.COORDINATOR, session="0f" * 16, first_layer=0, last_layer=me.first_layer - 1,
+                   block_size=me.block_size if block_size is None else block_size, blocks=blocks)
+
+
+def _session(worker: StageWorker, no: int) -> Session:
+    pools = paged.pools_for(worker.shard.paged, _hello(worker))
+    assert not isinstance(pools, str)
+    session = Session(f"{no:032x}", no, Recorder(f"coordinator-{no}"), routed=True, pools=pools)  # type: ignore[arg-type]
+    worker.sessions[session.id] = session
+    return session
+
+
+def _send(worker: StageWorker, session: Session, msg: Message) -> Message:
+    coordinator: Any = session.coordinator
+    before = len(coordinator.sent)
+    worker._handle(Received(coordinator, session, msg, 0.0, 0.0))
+    return coordinator.sent[before]  # type: ignore[no-any-return]
+
+
+def _step(seqs: list[tuple[int, int, list[int]]], seed: int = 0, sample: bool = True) -> Ragged:
+    """(new tokens, past, table) per sequence: random hidden states (seeded); each sequence's
+    last token sampled."""
+    t = sum(n for n, _, _ in seqs)
+    hidden = np.random.default_rng(seed).standard_normal((t, WIDTH)).astype(np.float32)
+    begins = np.cumsum([0] + [n for n, _, _ in seqs]).astype(np.int32)
+    tables = [np.asarray(tb, np.int32) for _, _, tb in seqs]
+    at = np.array([[q, n - 1] for q, (n, _, _) in enumerate(seqs)] if sample else np.zeros((0, 2)), np.int64)
+    return Ragged(0, Phase.DECODE, False, [SamplingParams()] * len(seqs), np.arange(len(seqs), dtype=np.int64),
+                  hidden, np.concatenate([np.arange(p, p + n) for n, p, _ in seqs]).astype(np.int64),
+                  np.array([p for _, p, _ in seqs], np.int32), begins,
+                  np.concatenate(tables) if tables else np.zeros(0, np.int32),
+                  np.cumsum([0] + [len(x) for x in tables]).astype(np.int32), at.reshape(-1, 2),
+                  None, None, None, None, None, no_hops())
+
+
+def _token(reply: Message) -> list[int]:
+    assert isinstance(reply, Sampled), reply
+    return reply.tokens.tolist()
+
+
+def test_a_hostile_table_is_refused_and_changes_nothing(worker: StageWorker) -> None:
+    """A prompt writes block 0, the next step reads it. Between the two, steps that would have
+    overwritten block 0 (each beside a table the pool cannot take) are refused: the next step's
+    token is the one it gets with no hostile step in between."""
+    clean = _session(worker, 1)
+    _token(_send(worker, clean, _step([(5, 0, [0])])))
+    want = _token(_send(worker, clean, _step([(1, 5, [0])], seed=1)))
+    hostile = {
+        "points outside the pool of 300 blocks": [(5, 0, [0]), (1, 0, [POOL])],
+        "sequence 1: 40 tokens need 2 blocks, its table has 1": [(5, 0, [0]), (40, 0, [1])],
+        "sequence 1 reads block 0, which sequence 0 writes": [(5, 0, [0]), (1, 32, [0, 1])],
+        "block 0 is written by sequences 0 and 1": [(5, 0, [0]), (3, 0, [0])],
+        "sequence 1: positions do not follow its past of 0": None,
+    }
+    s = _session(worker, 2)
+    _token(_send(worker, s, _step([(5, 0, [0])])))
+    for why, seqs in hostile.items():
+        msg = _step(seqs, seed=7) if seqs else replace(_step([(5, 0, [0]), (2, 0, [1])], seed=7),
+                                                        positions=np.array([0, 1, 2, 3, 4, 1, 2], np.int64))
+        reply = _send(worker, s, msg)
+        assert isinstance(reply, StepFailed) and why in reply.reason, (why, reply)
+    assert _token(_send(worker, s, _step([(1, 5, [0])], seed=1))) == want
+    for no in (1, 2):
+        del worker.sessions[f"{no:032x}"]
+
+
+def test_sessions_have_pools_of_their_own(worker: StageWorker) -> None:
+    """Two coordinators write the same block ids with different prompts: neither sees the other's."""
+    a, b = _session(worker, 3), _session(worker, 4)
+    _send(worker, a, _step([(6, 0, [2])], seed=3))
+    want = _token(_send(worker, a, _step([(1, 6, [2])], seed=4)))
+    a2 = _session(worker, 5)
+    _send(worker, a2, _step([(6, 0, [2])], seed=3))
+    _send(worker, b, _step([(6, 0, [2])], seed=9))  # the same block in another session's pool
+    assert _token(_send(worker, a2, _step([(1, 6, [2])], seed=4))) == want
+    for no in (3, 4, 5):
+        del worker.sessions[f"{no:032x}"]
+
+
+def test_what_a_paged_worker_refuses(worker: StageWorker, shards: Callable[..., Path]) -> None:
+    s = _session(worker, 6)
+    reply = _send(worker, s, _forward(5, 0, 3, first=True))
+    assert isinstance(reply, StepFailed) and "paged: it runs ragged steps (Ragged), not Forward" in reply.reason
+    del worker.sessions[s.id]
+    me = worker.hello
+    assert me is not None
+    assert "KV layout mismatch: the coordinator's stages are not paged, this worker's paged in blocks of 32" in str(
+        check_peer(me, _hello(worker, block_size=0), {}))
+    assert "are paged in blocks of 16 tokens" in str(check_peer(me, _hello(worker, block_size=16), {}))
+    assert check_peer(me, _hello(worker), {}) is None
+    too_big = paged.pools_for(worker.shard.paged, _hello(worker, blocks=MAX_BLOCKS))
+    assert isinstance(too_big, str) and f"a KV pool of {MAX_BLOCKS} blocks" in too_big and "does not fit" in too_big
+    stateful = StageWorker(shards("gguf", layers=DEFAULT_SPLIT), 1, 1)
+    plain = Session("1" * 32, 7, Recorder(), routed=True)  # type: ignore[arg-type]
+    stateful.sessions[plain.id] = plain
+    reply = _send(stateful, plain, _step([(5, 0, [0])]))
+    assert isinstance(reply, StepFailed) and "not paged: it runs Forward steps, not Ragged" in reply.reason

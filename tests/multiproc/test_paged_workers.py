@@ -1,0 +1,141 @@
+"""A paged export over real worker processes on loopback (issue 41): stage 0 here, stages 1 and 2
+on workers, each holding a pool of the same blocks for this coordinator's session; ragged steps
+cross the wire as `Ragged` frames, one in flight per stage. Streams that join and leave give the
+tokens every stage in this process gives, daisy chain and star, greedy and seeded; a worker
+killed mid-answer and restarted: the streams are replayed (the blocks went with it) and every
+answer is the same, token for token."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from shardline.config import RunConfig, SamplingConfig, ServeConfig
+from shardline.model.tokenizer import ChatTokenizer
+from shardline.pipeline.paged_local import PagedPipeline
+from shardline.pipeline.remote import RemotePipeline
+from shardline.server import open_engine
+from shardline.serving.admission import Limits
+from shardline.serving.engine import Engine, Event, Request
+from shardline.serving.kv_blocks import BlockPool
+from shardline.serving.paged_scheduler import PagedScheduler
+from shardline.serving.scheduler import SchedulerConfig
+from tests.conftest import CHAT_PROMPTS
+from tests.helpers import Faulty, staggered
+from tests.multiproc.procs import Proc, worker
+
+LENGTHS = [20, 12, 16, 9]
+MiB = 2**20
+KV = 400 * MiB  # 284 blocks of 32 tokens: one stream at the full context and a little more
+
+
+@pytest.fixture(scope="module")
+def three(shards: Callable[..., Path]) -> Path:
+    return shards("gguf", layers="0-9,10-19,20-29", paged=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(three: Path) -> list[list[int]]:
+    tok = ChatTokenizer(three)
+    return [tok.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS[: len(LENGTHS)]]
+
+
+@pytest.fixture(scope="module")
+def workers(three: Path) -> Iterator[list[Proc]]:
+    ws = [worker(three, "1"), worker(three, "2")]
+    yield ws
+    for w in ws:
+        w.stop()
+
+
+@contextmanager
+def _engine(pipe: PagedPipeline | RemotePipeline, in_flight: int, chunk: int = 512) -> Iterator[Engine]:
+    scheduler = PagedScheduler(SchedulerConfig(chunk=chunk), BlockPool(pipe.blocks, pipe.block_size),
+                               in_flight=in_flight)
+    engine = Engine(pipe, Limits(8, 8), pipe.context, scheduler=scheduler)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+        pipe.shutdown()
+
+
+@pytest.fixture(scope="module")
+def here(three: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """Every stage in this process, one step at a time: the reference."""
+    with _engine(PagedPipeline(three, RunConfig(), KV), 1) as engine:
+        return staggered(engine, prompts, LENGTHS)
+
+
+@pytest.mark.parametrize("topology", ["chain", "star"])
+def test_workers_give_the_in_process_tokens(three: Path, workers: list[Proc], prompts: list[list[int]],
+                                            here: list[list[int]], topology: str) -> None:
+    remote = RemotePipeline(three, [w.addr for w in workers], RunConfig(), "f32", topology, kv_bytes=KV)
+    with _engine(remote, 3, chunk=7) as engine:  # prompts in 7-token chunks beside the decode tokens
+        assert staggered(engine, prompts, LENGTHS) == here
+        sched = engine.scheduler
+        assert isinstance(sched, PagedScheduler) and sched.pool.held == 0
+
+
+def test_seeded_sampling_is_the_same_over_workers(three: Path, workers: list[Proc], prompts: list[list[int]]) -> None:
+    sampling = SamplingConfig(max_tokens=16, temperature=0.8, top_p=0.9, top_k=40, seed=11)
+    with _engine(PagedPipeline(three, RunConfig(), KV), 1) as engine:
+        want = _answers(engine, prompts[:3], sampling)
+    remote = RemotePipeline(three, [w.addr for w in workers], RunConfig(), "f32", kv_bytes=KV)
+    with _engine(remote, 3) as engine:
+        assert _answers(engine, prompts[:3], sampling) == want
+
+
+def _answers(engine: Engine, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
+    """Every prompt at once (stop tokens not honoured): their tokens."""
+    got: list[list[int]] = [[] for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+
+    def on(i: int) -> Callable[[Event], None]:
+        return lambda ev: got[i].append(ev.token) if ev.token is not None else done[i].set()
+
+    for i, p in enumerate(prompts):
+        engine.submit(Request(p, sampling, frozenset()), on(i))
+    assert all(d.wait(300) for d in done)
+    return got
+
+
+def test_a_worker_killed_mid_answer_is_replayed_with_the_same_tokens(three: Path, prompts: list[list[int]],
+                                                                     here: list[list[int]]) -> None:
+    first, last = worker(three, "1"), worker(three, "2")
+    remote = RemotePipeline(three, [first.addr, last.addr], RunConfig(), "f32", kv_bytes=KV)
+    n = min(LENGTHS[:2])
+    try:
+        with _engine(remote, 3) as engine:
+            faulty = Faulty(engine, prompts[:2], 5, lambda: last.proc.send_signal(signal.SIGKILL), n)
+            assert faulty.faulted.wait(120)
+            last.stop()
+            last = worker(three, "2", port=last.port)
+            assert [(f.finish, f.error) for f in faulty.finals(120)] == [("length", "")] * 2
+            assert faulty.tokens() == [t[:n] for t in here[:2]]
+            assert [t.stream.replays for t in faulty.tickets if t.stream] == [1, 1]
+            sched = engine.scheduler
+            assert isinstance(sched, PagedScheduler) and sched.pool.held == 0
+    finally:
+        first.stop()
+        last.stop()
+
+
+def test_serve_opens_a_paged_export_over_workers(three: Path, workers: list[Proc], prompts: list[list[int]],
+                                                 here: list[list[int]]) -> None:
+    """What `serve --workers` builds for a paged export: stage 0 here with its pool, the workers
+    after it, one step in flight per stage."""
+    cfg = ServeConfig(kv_cache_mb=KV // MiB, max_streams=4)
+    engine, _ = open_engine(three, RunConfig(), cfg, workers=[w.addr for w in workers], activations="f32")
+    try:
+        sched = engine.scheduler
+        assert isinstance(sched, PagedScheduler) and sched.in_flight == 3
+        assert [p.where for p in engine.pipe.placement()] == ["this process", *(w.addr for w in workers)]
+        assert staggered(engine, prompts, LENGTHS) == here
+    finally:
+        engine.shutdown()
