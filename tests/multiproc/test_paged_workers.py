@@ -139,3 +139,24 @@ def test_serve_opens_a_paged_export_over_workers(three: Path, workers: list[Proc
         assert staggered(engine, prompts, LENGTHS) == here
     finally:
         engine.shutdown()
+
+
+def test_a_kept_prefix_is_shared_by_block_over_workers(three: Path, workers: list[Proc],
+                                                      prompts: list[list[int]]) -> None:
+    """A prompt that starts with an ended stream's prompt reads its full blocks on every worker
+    (none of those tokens runs again) and gets the tokens it gets cold."""
+    system = list(range(100, 300))
+    first, second = system + prompts[0], system + prompts[1]
+    sampling = SamplingConfig(max_tokens=10)
+    with _engine(PagedPipeline(three, RunConfig(), KV), 1) as engine:
+        (cold,) = _answers(engine, [second], sampling)
+    remote = RemotePipeline(three, [w.addr for w in workers], RunConfig(), "f32", kv_bytes=KV)
+    scheduler = PagedScheduler(SchedulerConfig(chunk=512), BlockPool(remote.blocks, remote.block_size), prefix=True,
+                               in_flight=3)
+    engine = Engine(remote, Limits(8, 8), remote.context, scheduler=scheduler)
+    try:
+        _answers(engine, [first], SamplingConfig(max_tokens=2))
+        assert _answers(engine, [second], sampling) == [cold]
+        assert scheduler.stats.hits == 1 and scheduler.stats.tokens_saved >= 192
+    finally:
+        engine.shutdown()
