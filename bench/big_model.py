@@ -9,7 +9,7 @@ layers, output Q6_K, the rest Q4_K): it measures memory and speed, not answers. 
 - decode tok/s and time to first token (a warm server's: each stage repacks its weights at load),
   each in `exact`, `fast` (int8 activations in the compressed matmuls, as llama.cpp's) and `fast`
   on an export re-blocked into groups of 128 (`--reblock 128`: an opt-in that changes the weights,
-  the layout the plugin's int8 kernels stream fastest; bench/kernel_rates.py): shardline
+  the layout the plugin's int8 kernels stream fastest; BENCHMARKS.md, issue 22): shardline
   1 stage, shardline 4 stages (`--balance`d: the head counted as the layers it weighs; stage 0 in
   a coordinator process, stages 1-3 on `shardline worker`s, mutual TLS), llama.cpp alone
   (llama-bench, its defaults: repacked kernels) and llama.cpp RPC (4 ggml-rpc-servers on

@@ -6,7 +6,7 @@ weights, exact precision) on ONE OpenVINO thread, so two instances share this ma
   (as the simulator's coupled cluster), chunked prefill interleaved with decode groups;
 - disaggregated: 1 prefill + 1 decode instance behind the front end (disagg/front.py), oracle length
   prediction (the requests' own decode lengths, buckets of 64), FCFS, vanilla admission.
-Both chunk prompts by 128 tokens (the knee measured by bench/prefill.py). The same requests,
+Both chunk prompts by 128 tokens (the knee of BENCHMARKS.md, issue 9). The same requests,
 replayed at their Poisson arrival times (shardline_tools/sim/workloads.py: LPLD, LPHD, HPLD, HPHD, Mixed), each
 generating exactly its decode length (greedy, no stop token). Each instance is busy while its
 pipeline has graph work (sampled every 5 ms).

@@ -1,7 +1,7 @@
 """Wait (bounded) for a quiet machine before measuring: 1-minute load average below a threshold and
 no pytest running. Speed figures on this shared 2-core VM mean something only then.
 
-    python bench/quiet.py && python bench/prefill.py     # or call kit.wait_quiet() from a script
+    python bench/quiet.py && python bench/paged.py       # or call kit.wait_quiet() from a script
 
 Exit status 0 when quiet, 1 when the wait ran out (the caller then says it measured under load).
 """

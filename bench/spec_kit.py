@@ -1,7 +1,7 @@
-"""What the speculative-decoding benchmarks share (bench/speculative.py, spec_stack.py,
-spec_sampled.py): the prompt types, named engines built by server's composition root, one
-request's run and its speculation totals, the per-type measurement, tables and figures.
-bench/ is on sys.path when a script runs, so `from spec_kit import ...`."""
+"""What bench/speculative.py is built from (its full-stack and sampled-draft siblings,
+spec_stack.py and spec_sampled.py, were retired in issue 41): the prompt types, named engines
+built by server's composition root, one request's run and its speculation totals, the per-type
+measurement, tables and figures. bench/ is on sys.path when a script runs, so `from spec_kit import ...`."""
 
 from __future__ import annotations
 
@@ -214,13 +214,6 @@ def run_all(engine: Engine, requests: list[Request]) -> list[Run]:
         if run.finish not in ("stop", "length"):
             raise RuntimeError(f"request ended with {run.finish}: {run.error}")
     return runs
-
-
-def aggregate_tok_s(runs: list[Run]) -> float:
-    """Several streams: tokens after each stream's first over the first token -> the last token."""
-    start = min(r.times[0] for r in runs)
-    end = max(r.times[-1] for r in runs)
-    return sum(len(r.tokens) - 1 for r in runs) / (end - start)
 
 
 def spec_totals(runs: list[Run]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Speculative decoding (issue 10): speedup over plain decoding and acceptance, per prompt type and
 per draft source, in process and on 2 worker processes at several delays per hop. (The full stack
-against a naive pipeline: bench/spec_stack.py; sampled drafts: bench/spec_sampled.py.)
+against a naive pipeline and sampled drafts were spec_stack.py and spec_sampled.py, retired in
+issue 41: their figures are in BENCHMARKS.md, issue 10.)
 
 Draft sources (`--sources`, comma-separated):
   ngram     prompt lookup (n-gram matches in the prompt and the text so far; no model)

@@ -9,8 +9,8 @@ from pathlib import Path
 from shardline.errors import ShardlineError
 
 WEIGHTS = ("fp32", "fp16", "int8", "int4", "gguf")
-# Prompt tokens per prefill step: the knee of prefill speed against chunk size, measured by
-# bench/prefill.py (BENCHMARKS.md, chunked prefill; default model, 2 stages, 2 threads, exact).
+# Prompt tokens per prefill step: the knee of prefill speed against chunk size, measured in
+# BENCHMARKS.md, issue 9 (default model, 2 stages, 2 threads, exact).
 # 128 is the smallest chunk within 5% of the best prefill tok/s at 1024-4096-token prompts
 # (0.98 / 0.97 / 1.00 of the best; 0.90 at 512), and it halves the stall of running streams
 # while a 2048-token prompt arrives: longest gap 0.54-0.60 s (1.10 s at 256, 5.6-5.8 s whole),
@@ -387,7 +387,7 @@ class ServeConfig:
     # machine) works on one group while the others work on theirs.
     decode_groups: int | None = None
     # Prompt tokens per prefill step: chunks interleave with the running streams' decode steps
-    # (the default is the knee measured by bench/prefill.py, BENCHMARKS.md).
+    # (the default is the knee measured in BENCHMARKS.md, issue 9).
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     max_prefills: int = 2  # prompts prefilling at once, oldest first
     # While streams decode, chunks sized to a time budget and prefill's share of the time
@@ -479,7 +479,7 @@ def disaggregation(text: str) -> tuple[int, int]:
 
 
 DRAFT_K_MAX = 8  # drafts per verify step at most (auto K stays within it)
-COMPACT_AT = 128  # masked slots a stream's cache may hold before a step compacts it (bench/compaction.py)
+COMPACT_AT = 128  # masked slots a stream's cache may hold before a step compacts it (BENCHMARKS.md, issue 10)
 # At most: a worker refuses a row of more than its context + 512 slots (node/bounds.py), which
 # must leave room for these masked slots and a step's drafts.
 MAX_COMPACT_AT = 256

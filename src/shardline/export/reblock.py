@@ -4,7 +4,7 @@ plugin's int8 kernels stream fastest. A named opt-in: it changes the weights.
 The file's own blocks (groups of 32 or 16, each with its own scale and min) are what `--weights
 gguf` keeps bit for bit. On a 2-core CPU the plugin's compressed matmul runs them at ~39 G
 weights/s with int8 activations (Q4_K, mins apart) against ~64 G/s for u4 codes with an integer
-zero point and an f16 scale per group of 128 (bench/kernel_rates.py): the smaller the group,
+zero point and an f16 scale per group of 128 (BENCHMARKS.md, issue 22): the smaller the group,
 the more per-group float work per weight. llama.cpp's repacked kernels reach ~63 G/s on the same
 file, so the file's own layout cannot come within 0.9x of it here; re-blocked it can.
 

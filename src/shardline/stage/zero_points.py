@@ -85,7 +85,7 @@ def round_zero_points(model: ov.Model) -> int:
 def uniform_group(model: ov.Model) -> int | None:
     """The group size every compressed matmul's weights share (their codes [rows, groups, G]),
     or None when they differ or there are none. The plugin's int8 quantization of activations
-    runs best in groups of the weights' own (`fast`: bench/kernel_rates.py; a re-blocked export
+    runs best in groups of the weights' own (`fast`: BENCHMARKS.md, issue 22; a re-blocked export
     in groups of 128 took 196 ms a token with the plugin's default of 32, 138 ms with 128)."""
     sizes = set()
     for node in model.get_ordered_ops():
