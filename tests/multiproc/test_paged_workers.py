@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from shardline.config import RunConfig, SamplingConfig, ServeConfig
+from shardline.model.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.paged_local import PagedPipeline
 from shardline.pipeline.remote import RemotePipeline
@@ -160,3 +161,47 @@ def test_a_kept_prefix_is_shared_by_block_over_workers(three: Path, workers: lis
         assert scheduler.stats.hits == 1 and scheduler.stats.tokens_saved >= 192
     finally:
         engine.shutdown()
+
+
+def test_hostile_tables_on_the_wire_are_refused_and_change_nothing(three: Path, workers: list[Proc]) -> None:
+    """A coordinator's frames to a paged worker process over a real link: a table outside the
+    session's pool, one too short for its tokens, a block one sequence writes in another's table
+    are each refused (StepFailed, the link open); the step after them gets the token it gets
+    without them. A coordinator that is not paged, or whose pool does not fit, is refused."""
+    from dataclasses import replace
+
+    from shardline.wire.messages import MAX_BLOCKS, Refuse, Route, Sampled, StepFailed
+    from tests.model.test_paged_worker import _step
+    from tests.multiproc.test_worker_hostile import Peer, _hello
+
+    m = load_manifest(three)
+    last = workers[1].addr
+    paged = replace(_hello(m, 2), block_size=32, blocks=300)
+
+    def token(peer: Peer, seqs: list[tuple[int, int, list[int]]], seed: int) -> int:
+        peer.send(_step(seqs, seed=seed))
+        reply = peer.recv()
+        assert isinstance(reply, Sampled), reply
+        return int(reply.tokens[-1])
+
+    clean = Peer(last, paged)
+    clean.send(Route(""))
+    token(clean, [(5, 0, [0])], 0)
+    want = token(clean, [(1, 5, [0])], 1)
+    peer = Peer(last, replace(paged, session="ab" * 16))
+    peer.send(Route(""))
+    token(peer, [(5, 0, [0])], 0)
+    for seqs, why in [([(5, 0, [0]), (1, 0, [300])], "points outside the pool of 300 blocks"),
+                      ([(5, 0, [0]), (40, 0, [1])], "40 tokens need 2 blocks, its table has 1"),
+                      ([(5, 0, [0]), (1, 32, [0, 1])], "sequence 1 reads block 0, which sequence 0 writes")]:
+        peer.send(_step(seqs, seed=7))
+        reply = peer.recv()
+        assert isinstance(reply, StepFailed) and why in reply.reason, reply
+    assert token(peer, [(1, 5, [0])], 1) == want
+    for hello, why in [(_hello(m, 2), "the coordinator's stages are not paged"),
+                       (replace(paged, blocks=MAX_BLOCKS, session="cd" * 16), "does not fit this worker's")]:
+        refused = Peer(last)
+        refused.send(hello)
+        reply = refused.recv()
+        assert isinstance(reply, Refuse) and why in reply.reason, reply
+    assert workers[1].proc.poll() is None
