@@ -16,7 +16,8 @@ Systems, each built by the composition root (server.py) as `shardline serve` bui
 - disagg: 1 prefill + 1 decode instance (TetriInfer): the running streams decode on the decode
   instance while the prompts prefill on the other;
 - paged: the default model's paged export (issue 41: every stream's decode token and the prompt's
-  chunk fused in one call of each stage, sized by the same pacing), in this process only.
+  chunk fused in one call of each stage, sized by the same pacing); over workers, one fused step
+  in flight per stage.
 Placements: in this process, and with 2 workers (`shardline worker` on loopback, stage 1 each
 instance's; stage 0 here). Targets (coupled, new, defaults): the longest gap <= 4x the steady
 median, >= 50% of the steady rate in the window, TTFT <= 2x idle.
@@ -150,13 +151,14 @@ def system(name: str, folder: Path, placement: str, pacing: PacingConfig, prefix
     base = ServeConfig(max_streams=8, pacing=None if name == "old" else pacing,
                        prefix_cache_mb=None if prefix else 0)
     instances = 2 if name == "disagg" else 1
+    folder = default_paged_shards(False) if name == "paged" else folder
     workers = [Proc(["worker", "--shards", str(folder), "--stage", "1", "--listen", "127.0.0.1:0", "--insecure"],
                     "listening on ") for _ in range(instances if placement == "workers" else 0)]
     addrs = [w.addr for w in workers] or None
     serving: Serving
     try:
         if name == "paged":
-            serving, _ = open_engine(default_paged_shards(False), RunConfig(), base, addrs)
+            serving, _ = open_engine(folder, RunConfig(), base, addrs)
         elif name == "disagg":
             cfg = replace(base, disaggregate=(1, 1), length_predictor="max-tokens")
             serving, _ = open_disaggregated(folder, RunConfig(), cfg, addrs)
@@ -247,8 +249,6 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
     for placement in args.placements.split(","):
         for name in args.systems.split(","):
-            if name == "paged" and placement == "workers":
-                continue  # a paged export runs every stage in one process for now
             with system(name, folder, placement, PacingConfig(args.budget, args.share), args.prefix) as serving:
                 first_tokens(serving, [chats[0]])  # warm-up
                 results[f"{name} {placement}"] = scenario(serving, chats, longs, args.steady, not args.quick)

@@ -75,12 +75,14 @@ def test_a_leaving_stream_s_prompt_is_kept_before_its_lease_is_released() -> Non
     assert kept.releases == (0,) and [x.lease for x in kept.exports] == [0]
     for c in kept.copies:
         c.done.set_result(None)
+        sched.moved(c)  # what the engine does with its Moved
     second = Stream(2, system + [9, 9, 9], SamplingParams(), 8, key=sched.kv.lease(), prefix_scope="")
     sched.add(second)
     start = sched.plan()  # the copy of the entry's first 10 slots, then the rest once it is in
     (copy,) = start.copies
     assert (copy.src, copy.dst, copy.index.tolist(), start.steps) == (kept.copies[0].dst, 2, list(range(10)), ())
     copy.done.set_result(None)
+    sched.moved(copy)
     rest = _rounds(sched, 2)
     assert rest[0].steps[0].inputs.position_ids.tolist() == [[10, 11, 12]]
     assert [(x.lease, x.start) for x in rest[1].exports] == [(2, 0)] and sched.take_left() == [first, second]

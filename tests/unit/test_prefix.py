@@ -4,14 +4,12 @@ the scheduler's plans carry (KvCopy items before the releases; a failed copy is 
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import numpy as np
 import pytest
 
 from shardline.config import SamplingParams
 from shardline.errors import ShardlineError
-from shardline.pipeline.plan import Lease
+from shardline.pipeline.plan import KvCopy, Lease
 from shardline.serving.prefix import PrefixCache
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
 from shardline.serving.stream import Stream, new_stream_id
@@ -117,7 +115,7 @@ def test_an_ended_stream_is_kept_by_a_copy_before_its_release_and_a_later_prompt
     assert plan.releases == (first.key,) and keep.dst not in plan.releases
     (entry,) = cache.entries
     assert entry.tokens.tolist() == [*range(10, 30), 7, 8] and entry.lease == keep.dst
-    keep.done.set_result(None)
+    _land(sched, keep)
 
     second = _stream([*range(10, 30), 7, 8, 50, 51])
     second.key = sched.kv.lease()
@@ -128,7 +126,7 @@ def test_an_ended_stream_is_kept_by_a_copy_before_its_release_and_a_later_prompt
     (copy,) = plan.copies
     assert (copy.src, copy.dst, copy.index.tolist()) == (entry.lease, second.key, list(range(22)))
     assert plan.steps == () and entry.pins == 1  # no step before the copy is in
-    copy.done.set_result(None)
+    _land(sched, copy)
     (step,) = sched.plan().steps
     assert step.inputs.input_ids.tolist() == [[50, 51]] and not step.first  # type: ignore[attr-defined]
     assert step.inputs.position_ids.tolist() == [[22, 23]] and entry.pins == 0
@@ -138,16 +136,15 @@ def test_a_copy_that_failed_is_a_cold_start_and_an_opted_out_stream_neither_reus
     cache = _cache(1000)
     sched = _scheduler(cache)
     sched.remove(_ended(sched, list(range(10, 30)), [7, 8, 9]), keep=True)
-    sched.plan().copies[0].done.set_exception(ShardlineError("stage 1: no such key"))
+    _land(sched, sched.plan().copies[0], ShardlineError("stage 1: no such key"))
     sched.plan()
     assert cache.entries == []  # its own copy failed: forgotten
     sched.remove(_ended(sched, list(range(10, 30)), [7, 8, 9]), keep=True)
-    sched.plan().copies[0].done.set_result(None)
+    _land(sched, sched.plan().copies[0])
     again = _stream([*range(10, 30), 7, 8, 50])
     again.key = sched.kv.lease()
     sched.add(again)
-    failed: Future[None] = sched.plan().copies[0].done
-    failed.set_exception(ShardlineError("stage 0: unknown key"))
+    _land(sched, sched.plan().copies[0], ShardlineError("stage 0: unknown key"))
     (step,) = sched.plan().steps
     assert step.inputs.input_ids.shape == (1, 23) and step.first  # type: ignore[attr-defined]
     assert again.prefilled == 23 and cache.stats.tokens_saved == 0
@@ -203,11 +200,11 @@ def test_a_prompt_is_kept_once_in_so_that_one_arriving_meanwhile_starts_from_it(
     (copy,) = plan.copies  # before a's first decode step, in the same plan
     assert (copy.src, copy.index.tolist()) == (a.key, list(range(43))) and len(plan.steps) == 1
     assert a.prompt_kept and cache.entries[0].tokens.tolist() == [*system, 1, 2, 3]
-    copy.done.set_result(None)
+    _land(sched, copy)
     b = _stream([*system, 4, 5], prompt_kept=False)  # a is still decoding
     b.key = sched.kv.lease()
     sched.add(b)
-    sched.plan().copies[0].done.set_result(None)
+    _land(sched, sched.plan().copies[0])
     assert b.prefilled == 40 and cache.stats.hits == 1
     sched.plan()
     b.in_flight = False
@@ -249,7 +246,7 @@ def test_prompts_arriving_together_with_one_system_prompt_wait_for_the_first_the
     assert (into_b.dst, into_b.index.tolist(), into_c.index.tolist()) == (b.key, list(range(100)), list(range(100)))
     assert cache.stats.hits == 2 and not any(b.id in s.streams or c.id in s.streams for s in plan.steps)
     for x in plan.copies:
-        x.done.set_result(None)
+        _land(sched, x)
     steps = {s.streams[0]: s for s in sched.plan().steps}
     assert steps[b.id].inputs.input_ids.tolist() == [[4, 5, 6]]  # type: ignore[attr-defined]
     assert steps[c.id].inputs.input_ids.tolist() == [[7]]  # type: ignore[attr-defined]
@@ -266,3 +263,12 @@ def test_a_stream_waiting_for_an_earlier_prompt_starts_cold_when_that_one_ends_f
     (step,) = sched.plan().steps
     assert step.streams == (b.id,) and step.first and step.inputs.input_ids.shape == (1, 64)  # type: ignore[attr-defined]
     assert (cache.stats.hits, cache.stats.misses) == (0, 2)
+
+
+def _land(sched: Scheduler, copy: KvCopy, error: Exception | None = None) -> None:
+    """What the engine does when a copy's Moved comes out of the pipeline: it takes it in."""
+    if error is None:
+        copy.done.set_result(None)
+    else:
+        copy.done.set_exception(error)
+    sched.moved(copy)

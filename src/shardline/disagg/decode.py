@@ -26,7 +26,7 @@ from functools import partial
 from shardline.disagg.instance import Admission, Running, admits
 from shardline.disagg.prefill import Moving
 from shardline.disagg.state import DecodeLoad, LengthRange
-from shardline.pipeline.plan import Pipeline
+from shardline.pipeline.plan import KvMove, Pipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, EngineFailed, Event, Ticket
 from shardline.serving.replay import Replays
@@ -84,8 +84,10 @@ class DecodeRole:
         raise AssertionError("a decode instance hands no stream off")
 
     def tend(self) -> None:
-        self._land()
         self._take_arrivals()
+
+    def moved(self, item: KvMove) -> None:
+        self._land()
 
     def _take_arrivals(self) -> None:
         """Arrivals in order, while the head is admitted (it waits rather than being overtaken)."""
@@ -116,7 +118,6 @@ class DecodeRole:
         stream.book, stream.owner = table.book(stream.key), m.ticket
         stream.in_flight, stream.sent = False, None
         self._landing.append((m, done))
-        done.add_done_callback(lambda _: self.engine.pipe.wake())
 
     def _land(self) -> None:
         while self._landing and self._landing[0][1].done():

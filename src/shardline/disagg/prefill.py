@@ -30,7 +30,7 @@ from shardline.disagg.policies import DEFAULT_PREFILL_BATCH, PrefillPolicy, Queu
 from shardline.disagg.state import LengthRange, PrefillLoad, bucket
 from shardline.errors import ShardlineError
 from shardline.pipeline.kv import Handoff, KvSnapshot, handoff, join
-from shardline.pipeline.plan import Pipeline
+from shardline.pipeline.plan import KvMove, Pipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Ticket, ticket_of
 from shardline.serving.prefix import PrefixCache
@@ -156,11 +156,13 @@ class PrefillRole:
             predicted = self.predict(stream)
             stream.handover.expect = predicted.lo
             self._leaving.append(_Leaving(ticket, stream, predicted, slices))
-            for f in slices:
-                f.add_done_callback(lambda _: self.engine.pipe.wake())
 
     def tend(self) -> None:
-        """Exports that finished go on to `send`, in the order they left."""
+        pass
+
+    def moved(self, item: KvMove) -> None:
+        """An export landed: the streams whose exports are all in go on to `send`, in the order
+        they left."""
         while self._leaving and self._leaving[0].done():
             x = self._leaving.popleft()
             kv, error = None, x.error()

@@ -39,6 +39,7 @@ from shardline.pipeline.plan import (
     KvExport,
     KvImport,
     KvMove,
+    Moved,
     Outcome,
     Placed,
     PrefillStep,
@@ -149,7 +150,9 @@ class LocalPipeline:
         not hold, a start past its slots, or stages that disagree. An import opens its lease on
         every stage with the snapshot's state, before every step submitted after; it fails,
         leaving the lease closed everywhere, for a snapshot of another export or layout (checked
-        here, before any stage sees it) or a lease already open."""
+        here, before any stage sees it) or a lease already open. Either way a Moved for it comes
+        out of `outcomes`."""
+        self.outbox.watch(item)
         if unfit(item, self.identity, self.layout):
             return
         self._start_threads()
@@ -162,7 +165,7 @@ class LocalPipeline:
             self._layout = [_stage_layout(stage) for stage in self.stages]
         return self._layout
 
-    def outcomes(self, timeout: float | None = None) -> list[Outcome]:
+    def outcomes(self, timeout: float | None = None) -> list[Outcome | Moved]:
         return self.outbox.take(timeout)
 
     def wake(self) -> None:

@@ -27,7 +27,7 @@ from shardline.model.manifest import Manifest, load_manifest, verify
 from shardline.pipeline import metrics
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import StageLayout
-from shardline.pipeline.plan import AnyStep, KvMove, Outcome, Placed
+from shardline.pipeline.plan import AnyStep, KvMove, Moved, Outcome, Placed
 from shardline.pipeline.ragged_step import RaggedStep, sample
 from shardline.pipeline.timing import Timing
 from shardline.stage.paged_runner import PagedRunner
@@ -99,12 +99,13 @@ class PagedPipeline:
 
     def move(self, item: KvMove) -> None:
         why = "a paged pipeline moves no KV by lease (its blocks are the scheduler's)"
+        self.outbox.watch(item)
         item.done.set_exception(ShardlineError(why))
 
     def layout(self) -> list[StageLayout]:
         return []
 
-    def outcomes(self, timeout: float | None = None) -> list[Outcome]:
+    def outcomes(self, timeout: float | None = None) -> list[Outcome | Moved]:
         return self.outbox.take(timeout)
 
     def wake(self) -> None:

@@ -251,6 +251,15 @@ class Outcome:
         return bool(self.error)
 
 
+@dataclass(frozen=True, eq=False)
+class Moved:
+    """A plan's KV move finished (issue 41 point 5): what came out, or why not, is in its
+    `done`, which is complete when this arrives. Comes out of `outcomes` beside the steps'
+    Outcomes: a move's result is taken when it lands, never polled for on later rounds."""
+
+    item: KvMove
+
+
 @dataclass(frozen=True)
 class Placed:
     """Where a run of stages runs and whether it is up (the fleet page's chain, api/fleet.py)."""
@@ -270,12 +279,12 @@ class Pipeline(Protocol):
     context: int  # the longest sequence it serves (RunConfig.context resolved; every stage agrees)
 
     # The plan's items, each in order with the others (pipeline/kv.py for what a KV move holds);
-    # a move's result or error lands in its `done`.
+    # a move's result or error lands in its `done`, and a Moved for it comes out of `outcomes`.
     def submit(self, step: AnyStep) -> None: ...
     def release(self, key: int) -> None: ...
     def move(self, item: KvMove) -> None: ...
-    def outcomes(self, timeout: float | None = None) -> list[Outcome]: ...
-    def wake(self) -> None: ...
+    def outcomes(self, timeout: float | None = None) -> list[Outcome | Moved]: ...
+    def wake(self) -> None: ...  # a caller's message waits: end an `outcomes` wait now
     def idle(self) -> bool: ...  # no graph work of this pipeline runs or waits on this machine
     def shutdown(self) -> None: ...
     def placement(self) -> list[Placed]: ...  # in chain order, from stage 0 (any thread)
@@ -346,5 +355,5 @@ def run(pipe: Pipeline, step: Step, timeout: float | None = 600.0) -> list[Outco
         outs = pipe.outcomes(left)
         if not outs and left == 0.0:
             raise ShardlineError(f"no result for step of key {step.key} within {timeout} s")
-        got.update({o.stream: o for o in outs if o.stream in want})
+        got.update({o.stream: o for o in outs if isinstance(o, Outcome) and o.stream in want})
     return [got[s] for s in step.streams]

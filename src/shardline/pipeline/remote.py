@@ -60,6 +60,7 @@ from shardline.pipeline.plan import (
     KvExport,
     KvImport,
     KvMove,
+    Moved,
     Outcome,
     Placed,
     PrefillStep,
@@ -216,13 +217,14 @@ class RemotePipeline:
 
     def move(self, item: KvMove) -> None:
         """As LocalPipeline's; a move also fails when the chain breaks under it."""
+        self.outbox.watch(item)
         if self.paged0 is not None:
             return item.done.set_exception(ShardlineError("a paged pipeline moves no KV by lease (its blocks are "
                                                           "the scheduler's)"))
         if not unfit(item, self.kv.identity, self.kv.layout):
             self._inbox.put(item)
 
-    def outcomes(self, timeout: float | None = None) -> list[Outcome]:
+    def outcomes(self, timeout: float | None = None) -> list[Outcome | Moved]:
         return self.outbox.take(timeout)
 
     def wake(self) -> None:

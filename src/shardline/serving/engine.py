@@ -35,7 +35,7 @@ from shardline.decoding.masks import Constraint
 from shardline.decoding.sampler import Choice
 from shardline.errors import ShardlineError
 from shardline.host import trim_memory_every
-from shardline.pipeline.plan import AnyStep, DecodeStep, Lease, Outcome, Pipeline, Plan, execute
+from shardline.pipeline.plan import AnyStep, DecodeStep, KvMove, Lease, Moved, Outcome, Pipeline, Plan, execute
 from shardline.pipeline.ragged_step import RaggedStep
 from shardline.serving.admission import Limits, accepts, to_admit
 from shardline.serving.engine_spec import SpecDriver
@@ -284,9 +284,9 @@ class Engine:
         arriving streams), then plan and execute the round."""
         drew = self.spec.draft_ahead()  # this machine is idle while every step is out on workers
         for outcome in self.pipe.outcomes(timeout=0.0 if drew else 1.0):
-            self._apply(outcome)
+            self._moved(outcome.item) if isinstance(outcome, Moved) else self._apply(outcome)
         self._apply_cancels()
-        self.role.tend()  # a role's own queues: KV moves done, streams arriving
+        self.role.tend()  # a role's own queue: streams arriving
         self._admit()
         self.spec.draft()  # drafts before planning: the plan places them in the rows
         self._dispatch()
@@ -298,8 +298,6 @@ class Engine:
         for step in plan.steps:
             if isinstance(step, DecodeStep | RaggedStep):
                 self.spec.launched(step)
-        for c in plan.copies:  # a stream waits for its prefix's copy: its landing wakes the loop
-            c.done.add_done_callback(lambda _: self.pipe.wake())
         execute(self.pipe, plan, self._step_failed)
         if left := self.scheduler.take_left():
             self.role.left(left)
@@ -345,6 +343,12 @@ class Engine:
             stream = ticket.stream
             if stream is not None and stream.id in self.scheduler.streams and not stream.in_flight:
                 self._finish(stream, "cancelled")
+
+    def _moved(self, item: KvMove) -> None:
+        """A KV move landed: whoever asked for it takes it now (the scheduler's prefix reuse a
+        copy, the role an export or an import)."""
+        self.scheduler.moved(item)
+        self.role.moved(item)
 
     def _apply(self, outcome: Outcome) -> None:
         stream = self.scheduler.streams.get(outcome.stream)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from shardline.decoding.drafts import NO_DRAFTS, Proposal, drafted
 from shardline.errors import ShardlineError
-from shardline.pipeline.plan import Lease, Plan
+from shardline.pipeline.plan import KvMove, Lease, Plan
 from shardline.pipeline.ragged_step import Part, RaggedStep
 from shardline.pipeline.timing import Timing
 from shardline.serving.constrained import late_masks
@@ -108,6 +108,9 @@ class PagedScheduler:
 
     def releases(self) -> list[int]:
         return list(self.kv.take_freed())
+
+    def moved(self, item: KvMove) -> None:
+        """Nothing: a paged pipeline moves no KV by lease (its blocks are shared, not copied)."""
 
     def take_left(self) -> list[Stream]:
         return []

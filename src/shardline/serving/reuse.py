@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardline.pipeline.plan import Lease
+from shardline.pipeline.plan import KvMove, Lease
 from shardline.serving.kv_table import KvTable
 from shardline.serving.prefix import Entry, PrefixCache, common_prefix
 from shardline.serving.stream import Stream
@@ -110,20 +110,20 @@ class Reuse:
         if entry is not None:
             self._copying.append((entry, done, None))
 
-    def landed(self) -> None:
-        """Take in the copies that are done (each round, before planning)."""
-        still = []
-        for entry, done, into in self._copying:
-            if not done.done():
-                still.append((entry, done, into))
-            elif into is not None:
-                self.cache.unpin(entry)
-                self._arrived(into, done)
-                if done.exception() is not None:  # its source is not whole (a worker restarted): gone
-                    self._forget(entry)
-            elif done.exception() is not None:  # nothing of it is held: its lease was closed everywhere
+    def moved(self, item: KvMove) -> None:
+        """A KV move landed: if it is one of these copies, it is taken in now."""
+        mine = next((c for c in self._copying if c[1] is item.done), None)
+        if mine is None:
+            return
+        self._copying.remove(mine)
+        entry, done, into = mine
+        if into is not None:
+            self.cache.unpin(entry)
+            self._arrived(into, done)
+            if done.exception() is not None:  # its source is not whole (a worker restarted): gone
                 self._forget(entry)
-        self._copying = still
+        elif done.exception() is not None:  # nothing of it is held: its lease was closed everywhere
+            self._forget(entry)
 
     def settled(self) -> bool:
         """No copy is under way (any thread: for tests and tools that wait for one)."""

@@ -34,7 +34,7 @@ from typing import Protocol
 from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK, PacingConfig
 from shardline.decoding.drafts import NO_DRAFTS, Proposal, drafted
 from shardline.errors import ShardlineError
-from shardline.pipeline.plan import Lease, Plan, Step, decode_step, prefill_step, reserve
+from shardline.pipeline.plan import KvMove, Lease, Plan, Step, decode_step, prefill_step, reserve
 from shardline.pipeline.timing import Timing
 from shardline.serving.constrained import late_masks
 from shardline.serving.groups import MAX_ROWS, Groups
@@ -119,12 +119,16 @@ class Scheduler:
     def releases(self) -> list[int]:
         return list(self.kv.take_freed())
 
+    def moved(self, item: KvMove) -> None:
+        """A KV move landed: a prefix copy is taken in (reuse.py); the rest are the role's."""
+        if self.reuse is not None:
+            self.reuse.moved(item)
+
     def plan(self, drafts: Mapping[int, Proposal] | None = None) -> Plan:
         """This round's plan; `drafts`: the drafts each stream about to decode offers, by stream
         (the engine's speculation chose them; the scheduler only places them in the rows)."""
         self._hand_off()
         if self.reuse is not None:
-            self.reuse.landed()
             for s in self.streams.values():  # prompts just in, before they join a decode group
                 if s.decoding and not s.prompt_kept and not s.in_flight and not self.groups.has(s.id):
                     self.reuse.keep_prompt(s)
