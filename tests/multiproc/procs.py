@@ -9,7 +9,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
@@ -123,6 +124,20 @@ def worker(folder: Path, stage: str, port: int = 0, ignore: Iterable[signal.Sign
     security = ["--credentials", str(credentials)] if credentials else ["--insecure"]
     return Proc(["worker", "--shards", str(folder), "--stage", stage, "--listen", f"127.0.0.1:{port}", *security,
                  *extra], "listening on ", ignore=ignore, nofile=nofile)
+
+
+@contextmanager
+def workers_of(folder: Path, *stages: str) -> Iterator[list[Proc]]:
+    """A `shardline worker` for each of `stages` of `folder`, stopped when the block ends (those
+    already started too, if a later one fails to start)."""
+    procs: list[Proc] = []
+    try:
+        for stage in stages:
+            procs.append(worker(folder, stage))
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
 
 
 def relay(to: str, delay_ms: float, ignore: Iterable[signal.Signals] = ()) -> Proc:

@@ -29,7 +29,7 @@ from shardline.pipeline.remote import RemotePipeline
 from shardline.pipeline.timing import Timing
 from shardline.stage.cache import KVBook
 from tests.helpers import GREEDY, ok
-from tests.multiproc.procs import SHARDLINE, Proc, relay, worker
+from tests.multiproc.procs import SHARDLINE, Proc, relay, workers_of
 
 N_STEPS = 10
 
@@ -41,10 +41,8 @@ def three(shards: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def workers(three: Path) -> Iterator[list[Proc]]:
-    ws = [worker(three, "1"), worker(three, "2")]
-    yield ws
-    for w in ws:
-        w.stop()
+    with workers_of(three, "1", "2") as ws:
+        yield ws
 
 
 def _prompt(folder: Path) -> list[int]:

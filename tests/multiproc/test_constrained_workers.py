@@ -22,7 +22,7 @@ from shardline.serving.drafters import LookupDrafter
 from shardline.serving.engine import Engine
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import Drafts
-from tests.multiproc.procs import Proc, worker
+from tests.multiproc.procs import Proc, workers_of
 from tests.serving.test_constrained import ASK, PERSON, _request, _run
 
 
@@ -33,10 +33,8 @@ def three(shards: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def workers(three: Path) -> Iterator[list[Proc]]:
-    ws = [worker(three, "1"), worker(three, "2")]
-    yield ws
-    for w in ws:
-        w.stop()
+    with workers_of(three, "1", "2") as ws:
+        yield ws
 
 
 def test_masks_travel_to_the_last_worker(three: Path, workers: list[Proc]) -> None:

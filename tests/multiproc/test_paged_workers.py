@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.config import RunConfig, SamplingConfig, ServeConfig
+from shardline.config import RunConfig, SamplingConfig, ServeConfig, SpeculationConfig
 from shardline.model.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.paged_local import PagedPipeline
@@ -28,7 +28,7 @@ from shardline.serving.paged_scheduler import PagedScheduler
 from shardline.serving.scheduler import SchedulerConfig
 from tests.conftest import CHAT_PROMPTS
 from tests.helpers import Faulty, staggered
-from tests.multiproc.procs import Proc, worker
+from tests.multiproc.procs import Proc, worker, workers_of
 
 LENGTHS = [20, 12, 16, 9]
 MiB = 2**20
@@ -48,10 +48,8 @@ def prompts(three: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def workers(three: Path) -> Iterator[list[Proc]]:
-    ws = [worker(three, "1"), worker(three, "2")]
-    yield ws
-    for w in ws:
-        w.stop()
+    with workers_of(three, "1", "2") as ws:
+        yield ws
 
 
 @contextmanager
@@ -205,3 +203,23 @@ def test_hostile_tables_on_the_wire_are_refused_and_change_nothing(three: Path, 
         reply = refused.recv()
         assert isinstance(reply, Refuse) and why in reply.reason, reply
     assert workers[1].proc.poll() is None
+
+
+def test_speculation_over_workers_gives_the_plain_tokens(three: Path, workers: list[Proc]) -> None:
+    """Prompt-lookup drafts ride after each stream's token in the Ragged frame; the last worker
+    verifies every position. Greedy and seeded sampling give the tokens of the same export in
+    this process without speculation, and drafts stood."""
+    tok = ChatTokenizer(three)
+    text = "The cat sat on the mat. The dog sat on the log. " * 4
+    prompts = [tok.encode_chat([{"role": "user", "content": f"Repeat this text exactly: {text}"}])] * 2
+    samplings = [SamplingConfig(max_tokens=24), SamplingConfig(max_tokens=24, temperature=0.8, seed=5)]
+    with _engine(PagedPipeline(three, RunConfig(), KV), 1) as engine:
+        plain = [_answers(engine, [p], s)[0] for p, s in zip(prompts, samplings, strict=True)]
+    cfg = ServeConfig(kv_cache_mb=KV // MiB, max_streams=4)
+    engine, _ = open_engine(three, RunConfig(), cfg, workers=[w.addr for w in workers], activations="f32",
+                            spec=SpeculationConfig(draft="ngram", k=4))
+    try:
+        assert [_answers(engine, [p], s)[0] for p, s in zip(prompts, samplings, strict=True)] == plain
+        assert engine.spec.ended.accepted > 5  # drafts did stand
+    finally:
+        engine.shutdown()

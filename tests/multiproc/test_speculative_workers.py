@@ -24,7 +24,7 @@ from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import Drafts
 from shardline.stage.draft_model import DraftModel
 from tests.helpers import engine_tokens, staggered
-from tests.multiproc.procs import Proc, worker
+from tests.multiproc.procs import Proc, workers_of
 
 LONG = 160
 TEXTS = ["Rewrite this more formally: the boss is sick so the meeting moved to friday, bring the reports then.",
@@ -44,10 +44,8 @@ def first6(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def workers(three: Path) -> Iterator[list[Proc]]:
-    ws = [worker(three, "1"), worker(three, "2")]
-    yield ws
-    for w in ws:
-        w.stop()
+    with workers_of(three, "1", "2") as ws:
+        yield ws
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from shardline.serving.scheduler import SchedulerConfig
 from shardline.stage.cache import KVBook
 from tests.conftest import CHAT_PROMPTS
 from tests.helpers import GREEDY, engine_tokens, greedy_ours, ok, staggered
-from tests.multiproc.procs import Proc, worker
+from tests.multiproc.procs import Proc, worker, workers_of
 
 N_NEW = 24
 
@@ -37,10 +37,8 @@ def three(shards: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def workers(three: Path) -> Iterator[list[Proc]]:
-    ws = [worker(three, "1"), worker(three, "2")]
-    yield ws
-    for w in ws:
-        w.stop()
+    with workers_of(three, "1", "2") as ws:
+        yield ws
 
 
 @pytest.fixture(scope="module")
