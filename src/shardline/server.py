@@ -9,7 +9,7 @@ import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from shardline.config import COMPACT_AT, RecoveryConfig, RunConfig, ServeConfig, SpeculationConfig, default_activations
 from shardline.errors import ShardlineError
@@ -157,15 +157,8 @@ def open_paged_engine(folder: Path, manifest: Manifest, run: RunConfig, cfg: Ser
     (each allocating the same pool for this coordinator's session); the block pools sized by
     the memory budget (up to PAGED_STREAMS streams at the full context), streams admitted by
     the blocks they hold."""
-    if cfg.disaggregate:
-        raise ShardlineError("a paged export does not serve --disaggregate yet")
     drafts, _ = open_drafts(spec or SpeculationConfig(), manifest, run)
-    budget = int(available_memory() * cfg.memory_fraction)
-    if cfg.kv_cache_mb is not None and cfg.kv_cache_mb << 20 > budget:
-        raise ShardlineError(f"--kv-cache-mb {cfg.kv_cache_mb} is more than --memory-fraction of the memory "
-                             f"available ({budget >> 20} MiB)")
-    # the pool is reserved: not all the budget (as the stateful runner's, taken as used), a few streams' worth
-    kv_bytes, streams = (cfg.kv_cache_mb << 20, None) if cfg.kv_cache_mb is not None else (budget, PAGED_STREAMS)
+    kv_bytes, streams = paged_pool(cfg)
     pipe: PagedPipeline | RemotePipeline
     if workers:
         from shardline.pipeline.deadline import Deadlines
@@ -190,6 +183,19 @@ def open_paged_engine(folder: Path, manifest: Manifest, run: RunConfig, cfg: Ser
     scheduler = PagedScheduler(scheduling(cfg, manifest, False), pool, prefix=cfg.prefix_cache_mb != 0,
                                in_flight=len(manifest.stages) if workers else 1, block_bytes=pipe.block_bytes)
     return Engine(pipe, limits, pipe.context, drafts=drafts, replays=replays, scheduler=scheduler)
+
+
+def paged_pool(cfg: ServeConfig, instances: int = 1) -> tuple[int, int | None]:
+    """A paged pool's KV bytes (each of `instances` pipelines'), and the streams at the full
+    context it holds at most. The pool is reserved: not all the budget (as the stateful runner's,
+    taken as used), a few streams' worth; `--kv-cache-mb` sets it (shared by the instances)."""
+    budget = int(available_memory() * cfg.memory_fraction)
+    if cfg.kv_cache_mb is not None and cfg.kv_cache_mb << 20 > budget:
+        raise ShardlineError(f"--kv-cache-mb {cfg.kv_cache_mb} is more than --memory-fraction of the memory "
+                             f"available ({budget >> 20} MiB)")
+    if cfg.kv_cache_mb is not None:
+        return (cfg.kv_cache_mb << 20) // instances, None
+    return budget // instances, PAGED_STREAMS
 
 
 def prefix_cache(cfg: ServeConfig, pipe: Pipeline, instances: int = 1) -> PrefixCache | None:
@@ -231,6 +237,8 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
 
     assert cfg.disaggregate is not None
     manifest = load_manifest(folder)
+    if is_paged(manifest):
+        return open_paged_disaggregated(folder, manifest, run, cfg, workers), manifest
     n_prefill, n_decode = cfg.disaggregate
     chains = instance_workers(workers, n_prefill + n_decode)
     cores = os.cpu_count() or 1
@@ -271,6 +279,58 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
     decodes = {f"instance-{i}": decode_on(pipes[i]) for i in range(n_prefill, n_prefill + n_decode)}
     front.start(prefills, decodes, make)
     return front, manifest
+
+
+def open_paged_disaggregated(folder: Path, manifest: Manifest, run: RunConfig, cfg: ServeConfig,
+                             workers: list[str] | None) -> Disaggregated:
+    """`cfg.disaggregate` on a paged export: each instance a PagedPipeline in this process with
+    its own pool (the KV budget shared out), a stream's blocks moved from a prefill instance's
+    pool into blocks a decode instance takes. Decode lengths by max_tokens (the trained
+    predictor reads stage 0's prompt summaries, which paged stages do not make)."""
+    from shardline.disagg.decode import decode_instance
+    from shardline.disagg.front import Disaggregated, FrontConfig
+    from shardline.disagg.instance import Admission
+    from shardline.disagg.policies import PrefillPolicy
+    from shardline.disagg.prefill import prefill_instance
+    from shardline.disagg.state import HEAVY_DECODE_FROM
+    from shardline.pipeline.paged_local import PagedPipeline
+
+    assert cfg.disaggregate is not None
+    if workers:
+        raise ShardlineError("a paged export serves --disaggregate in one process for now: serve it without --worker")
+    if cfg.flip or cfg.kv_transfer == "chunk":
+        raise ShardlineError("a paged export's disaggregated serving moves a stream's blocks whole, once: "
+                             "no --flip, no --kv-transfer chunk")
+    if cfg.length_predictor not in ("auto", "max-tokens"):
+        raise ShardlineError("--length-predictor: a paged export predicts decode lengths by max_tokens (a trained "
+                             "predictor reads stage 0's prompt summaries, which paged stages do not make)")
+    n_prefill, n_decode = cfg.disaggregate
+    instances = n_prefill + n_decode
+    run = replace(run, threads=run.threads or max(1, (os.cpu_count() or 1) // instances), pinned=False)
+    kv_bytes, streams = paged_pool(cfg, instances)
+    pipes = [PagedPipeline(folder, run, kv_bytes, streams) for _ in range(instances)]
+    limits = Limits(cfg.max_streams or STREAM_CAP, cfg.max_queue)
+    replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
+    front = Disaggregated(FrontConfig(heavy_from=HEAVY_DECODE_FROM, flip=None))
+    predict, _ = length_prediction("max-tokens", manifest)
+    sched = scheduling(cfg, manifest, False)
+
+    def blocks(pipe: PagedPipeline, cfg: SchedulerConfig, prefix: bool) -> PagedScheduler:
+        return PagedScheduler(cfg, BlockPool(pipe.blocks, pipe.block_size), prefix=prefix, block_bytes=pipe.block_bytes)
+
+    prefill_cfg = SchedulerConfig(chunk=sched.chunk, groups=0, max_prefills=1, pacing=None)
+    prefills = {f"instance-{i}": prefill_instance(
+        pipes[i], limits, pipes[i].context, sched.chunk, front.dispatch, predict, PrefillPolicy(cfg.prefill_policy),
+        replays=replays, paged=blocks(pipes[i], prefill_cfg, cfg.prefix_cache_mb != 0)) for i in range(n_prefill)}
+    decodes = {f"instance-{i}": decode_instance(
+        pipes[i], limits, pipes[i].context, sched, Admission(cfg.admission), limits.max_streams * pipes[i].context,
+        HEAVY_DECODE_FROM, replays=replays, paged=blocks(pipes[i], sched, False)) for i in range(n_prefill, instances)}
+    front.start(prefills, decodes, lambda role, pipe: _no_flip())
+    return front
+
+
+def _no_flip() -> NoReturn:
+    raise ShardlineError("a paged export's instances do not flip roles")
 
 
 def instance_workers(workers: list[str] | None, instances: int) -> list[list[str] | None]:

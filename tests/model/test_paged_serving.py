@@ -19,7 +19,7 @@ from shardline.model.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.paged_local import PagedPipeline
-from shardline.server import open_engine
+from shardline.server import open_disaggregated, open_engine
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Request
 from shardline.serving.kv_blocks import BlockPool
@@ -155,8 +155,13 @@ def test_speculation_on_paged_gives_the_plain_tokens(paged: Path, shards: Callab
 
 
 def test_a_paged_export_refuses_what_it_does_not_run(paged: Path, shards: Callable[..., Path]) -> None:
-    with pytest.raises(ShardlineError, match="does not serve --disaggregate"):
-        open_engine(paged, RunConfig(), ServeConfig(disaggregate=(1, 1)))
+    for cfg, why in [(ServeConfig(disaggregate=(1, 1), flip=True), "no --flip, no --kv-transfer chunk"),
+                     (ServeConfig(disaggregate=(1, 1), kv_transfer="chunk"), "no --flip, no --kv-transfer chunk"),
+                     (ServeConfig(disaggregate=(1, 1), length_predictor="model.json"), "predicts decode lengths by")]:
+        with pytest.raises(ShardlineError, match=why):
+            open_disaggregated(paged, RunConfig(), cfg)
+    with pytest.raises(ShardlineError, match="--disaggregate in one process for now"):
+        open_disaggregated(paged, RunConfig(), ServeConfig(disaggregate=(1, 1)), workers=["127.0.0.1:1", "127.0.0.1:2"])
     with pytest.raises(ShardlineError, match="blocks of 32 tokens; one stream at the context of 8192 needs 256"):
         PagedPipeline(paged, RunConfig(), 1 * MiB)
     with pytest.raises(ShardlineError, match="is not a paged export"):
@@ -193,3 +198,19 @@ def _tokens(engine: Engine, prompt: list[int], n: int,
     engine.submit(Request(prompt, sampling or SamplingConfig(max_tokens=n), frozenset()), on)
     assert done.wait(300)
     return got, stats[0]
+
+
+def test_disaggregated_serving_moves_blocks_and_gives_the_stateful_tokens(paged: Path, prompts: list[list[int]],
+                                                                          alone: list[list[int]]) -> None:
+    """1 prefill + 1 decode instance, each a paged pipeline with its own pool: a prefilled
+    stream's blocks are read out of the prefill instance's pool and written into blocks the
+    decode instance takes (whatever their ids there); every stream gets its tokens alone on the
+    stateful stages, and every block goes back on both."""
+    front, _ = open_disaggregated(paged, RunConfig(), ServeConfig(disaggregate=(1, 1), kv_cache_mb=1024))
+    try:
+        assert staggered(front, prompts, LENGTHS) == alone  # type: ignore[arg-type]
+        for role in (*front.prefills.values(), *front.decodes.values()):
+            sched = role.engine.scheduler
+            assert isinstance(sched, PagedScheduler) and sched.pool.held == 0
+    finally:
+        front.shutdown()

@@ -132,3 +132,25 @@ def test_what_a_paged_worker_refuses(worker: StageWorker, shards: Callable[..., 
     stateful.sessions[plain.id] = plain
     reply = _send(stateful, plain, _step([(5, 0, [0])]))
     assert isinstance(reply, StepFailed) and "not paged: it runs Forward steps, not Ragged" in reply.reason
+
+
+def test_blocks_read_out_and_written_elsewhere_hold_the_same_kv(worker: StageWorker) -> None:
+    """A move's two ends (disaggregated serving): a stream's blocks read out as one row of slots
+    and written into other blocks of another pool read back the same; blocks that are not
+    distinct blocks of the pool, or too few for the tokens, are refused."""
+    from shardline.errors import ShardlineError
+    from shardline.stage.paged_batch import PagedBatch
+
+    stage = worker.shard.paged[0]
+    here, there = stage.pool(8), stage.pool(8)
+    hidden = np.random.default_rng(3).standard_normal((40, WIDTH)).astype(np.float32)
+    stage.run(PagedBatch.of([(40, 0, (2, 5))], logits_at=[39]), hidden, here)
+    kv = stage.read((2, 5), 40, here)
+    assert {a.shape for a in kv.values()} == {(1, 3, 40, 64)} and any(np.abs(a).sum() > 0 for a in kv.values())
+    stage.write((7, 1), kv, there)
+    assert all(np.array_equal(stage.read((7, 1), 40, there)[n], a) for n, a in kv.items())
+    for blocks, tokens, why in [((2, 2), 10, "not distinct blocks of a pool of 8"),
+                                ((8,), 5, "not distinct blocks of a pool of 8"),
+                                ((2,), 40, "40 tokens do not fit 1 blocks of 32")]:
+        with pytest.raises(ShardlineError, match=why):
+            stage.read(blocks, tokens, here)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from shardline.config import SamplingParams
 from shardline.decoding.drafts import Proposal
 from shardline.pipeline.ragged_step import RaggedStep
-from shardline.serving.kv_blocks import BlockPool
+from shardline.serving.kv_blocks import BlockPool, BlockTable
 from shardline.serving.paged_scheduler import PagedScheduler
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.stream import Stream, new_stream_id
@@ -201,3 +201,36 @@ def test_a_lost_stream_forgets_every_kept_prefix() -> None:
     assert sched.pool.cached == 0
     _run(sched, 1)
     assert sched.stats.tokens_saved == 0 and b.prefilled == len(b.prompt)
+
+
+def test_a_stream_that_leaves_has_its_blocks_read_out_and_one_that_arrives_takes_blocks() -> None:
+    """Disaggregated serving on paged pipelines: a prefilled stream's blocks are exported (before
+    any later step may take them) and go back; on the other side it takes blocks for its tokens,
+    the snapshot is imported into them, and it decodes from there."""
+    from shardline.disagg.prefill import PrefillOnly
+    from shardline.pipeline.kv import KvSnapshot
+
+    here = _sched(chunk=64)
+    here.handoffs = PrefillOnly()
+    s = _stream(list(range(10, 19)))  # 9 tokens: 3 blocks of 4
+    here.add(s)
+    _run(here, 1)  # the whole prompt, and its first token
+    plan = here.plan()
+    (out,) = plan.exports
+    assert (out.blocks, out.tokens, plan.steps) == ((0, 1, 2), 9, ())
+    assert here.take_left() == [s] and s.handover.kv_sent == [out.done] and here.pool.held == 0
+    kv = KvSnapshot("export", 1, 9, ())
+    there = _sched(blocks=8)
+    there.pool.grow(BlockTable(), 4)  # another stream holds block 0 there: ids need not match
+    landed = there.arrive(s, there.handoff(s, kv))
+    (into,) = there.plan().imports
+    assert into.snap is kv and into.blocks == (1, 2, 3) and into.done is landed and s.blocks is not None
+    landed.set_result(None)
+    there.add(s)
+    step = _step(there)
+    assert step is not None and step.streams == (s.id,) and step.batch.past_lens.tolist() == [9]
+    assert step.ids.tolist() == [7]  # its first token, sampled on the prefill instance, fed here
+    full = _sched(blocks=2)
+    assert not full.room(9)
+    failed = full.arrive(_stream([1, 2]), full.handoff(s, kv))
+    assert "no free KV blocks for 9 tokens" in str(failed.exception())

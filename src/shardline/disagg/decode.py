@@ -29,6 +29,7 @@ from shardline.disagg.state import DecodeLoad, LengthRange
 from shardline.pipeline.plan import KvMove, Pipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, EngineFailed, Event, Ticket
+from shardline.serving.paged_scheduler import PagedScheduler
 from shardline.serving.replay import Replays
 from shardline.serving.scheduler import Handoffs, SchedulerConfig
 from shardline.serving.speculation import Drafts
@@ -107,16 +108,15 @@ class DecodeRole:
     def _fits(self, m: Moving) -> bool:
         streams = list(self.engine.scheduler.streams.values())
         running = [Running(len(s.prefix()), len(s.generated), LengthRange(s.handover.expect)) for s in streams]
-        return admits(self.admission, self._load(streams, 0), m.predicted, m.prompt_tokens, running)
+        return (admits(self.admission, self._load(streams, 0), m.predicted, m.prompt_tokens, running)
+                and self.engine.scheduler.room(m.handoff.kv.slots))
 
     def _import(self, m: Moving) -> None:
         """`m`'s KV goes in on a fresh lease of this engine with the next plan; the stream joins
         the scheduler once it is in (its id is the one it had on the prefill instance)."""
         stream = m.stream
-        table = self.engine.scheduler.kv
-        stream.key, done = table.import_(m.handoff.kv, m.handoff.book())
-        stream.book, stream.owner = table.book(stream.key), m.ticket
-        stream.in_flight, stream.sent = False, None
+        done = self.engine.scheduler.arrive(stream, m.handoff)
+        stream.owner, stream.in_flight, stream.sent = m.ticket, False, None
         self._landing.append((m, done))
 
     def _land(self) -> None:
@@ -124,10 +124,11 @@ class DecodeRole:
             m, done = self._landing.popleft()
             if (error := done.exception()) is not None:
                 self.engine.release_slot()
+                self.engine.scheduler.unarrive(m.stream)
                 m.ticket.on_event(Event(None, finish="error", error=f"the KV import failed: {error}"))
             elif m.ticket.cancelled:
                 self.engine.release_slot()
-                self.engine.scheduler.kv.free(m.stream.key)
+                self.engine.scheduler.unarrive(m.stream)
                 m.ticket.on_event(Event(None, finish="cancelled"))
             else:
                 m.ticket.stream = m.stream
@@ -144,10 +145,11 @@ class DecodeRole:
 
 def decode_instance(pipe: Pipeline, limits: Limits, max_context: int, scheduling: SchedulerConfig,
                     admission: Admission, kv_tokens: int, heavy_from: int, drafts: Drafts | None = None,
-                    replays: Replays | None = None) -> DecodeRole:
-    """An engine over `pipe` in the decode role."""
+                    replays: Replays | None = None, paged: PagedScheduler | None = None) -> DecodeRole:
+    """An engine over `pipe` in the decode role (`paged`: a paged pipeline's scheduler, an
+    arriving stream's KV written into blocks it takes)."""
     role = DecodeRole(admission, kv_tokens, heavy_from)
-    Engine(pipe, limits, max_context, scheduling, drafts, replays, role)
+    Engine(pipe, limits, max_context, scheduling, drafts, replays, role, scheduler=paged)
     return role
 
 

@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING
 from shardline.disagg.policies import DEFAULT_PREFILL_BATCH, PrefillPolicy, Queued, next_batch
 from shardline.disagg.state import LengthRange, PrefillLoad, bucket
 from shardline.errors import ShardlineError
-from shardline.pipeline.kv import Handoff, KvSnapshot, handoff, join
+from shardline.pipeline.kv import Handoff, KvSnapshot, join
 from shardline.pipeline.plan import KvMove, Pipeline
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Ticket, ticket_of
+from shardline.serving.paged_scheduler import PagedScheduler
 from shardline.serving.prefix import PrefixCache
 from shardline.serving.replay import Replays
 from shardline.serving.scheduler import Handoffs, SchedulerConfig
@@ -180,7 +181,7 @@ class PrefillRole:
 
     def _send(self, x: _Leaving, kv: KvSnapshot) -> None:
         try:
-            self.send(Moving(x.ticket, x.stream, handoff(kv, x.stream.book), x.predicted))
+            self.send(Moving(x.ticket, x.stream, self.engine.scheduler.handoff(x.stream, kv), x.predicted))
         except Exception as e:  # noqa: BLE001 - no decode instance takes it: this request alone fails
             log.warning("request %d: no decode instance took it (%s: %s)", x.ticket.id, type(e).__name__, e)
             x.ticket.on_event(Event(None, finish="error", error=f"no decode instance took the request: {e}"))
@@ -193,15 +194,17 @@ class PrefillRole:
 def prefill_instance(pipe: Pipeline, limits: Limits, max_context: int, chunk: int, send: Callable[[Moving], None],
                      predict: Predict, policy: PrefillPolicy = PrefillPolicy.FCFS, batch: int = DEFAULT_PREFILL_BATCH,
                      replays: Replays | None = None, chunked_kv: bool = False,
-                     prefix: PrefixCache | None = None) -> PrefillRole:
+                     prefix: PrefixCache | None = None, paged: PagedScheduler | None = None) -> PrefillRole:
     """An engine over `pipe` in the prefill role (`chunked_kv`: chunk-level KV transfer; else the
     whole cache is exported as a stream leaves). No decode groups: a stream never decodes here;
     one prompt at a time, in fixed chunks (TetriInfer), in the policy's order. With `prefix`,
     each leaving stream's prompt is kept here, and a prompt starting with a kept one prefills
-    only the rest: its export still carries its whole KV (the copy's slots and the rest's)."""
+    only the rest: its export still carries its whole KV (the copy's slots and the rest's).
+    `paged`: a paged pipeline's scheduler (its blocks, its prefix reuse by block), the stream's
+    blocks exported whole as it leaves."""
     role = PrefillRole(send, predict, policy, batch, chunked_kv)
     scheduling = SchedulerConfig(chunk=chunk, groups=0, max_prefills=1, pacing=None)
-    Engine(pipe, limits, max_context, scheduling, None, replays, role, prefix)
+    Engine(pipe, limits, max_context, scheduling, None, replays, role, prefix, scheduler=paged)
     return role
 
 

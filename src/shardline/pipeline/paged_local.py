@@ -7,6 +7,11 @@ nothing to open, merge, compact or release here, and a released lease is a no-op
 Every stage's pool has the same number of blocks, so one block table serves all stages. The pool
 is sized by a byte budget over every stage here, and holds at least one stream at the full
 context: a request the engine accepts always fits once the others are done.
+
+A stream's KV moves by its blocks (disaggregated serving: a prefill instance's pipeline to a
+decode instance's): an export reads them on every stage, an import writes a snapshot into
+blocks the importer's scheduler took, each in order with the steps, as one row of slots (a
+snapshot does not depend on either pool's block size or block ids).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +32,23 @@ from shardline.model.context import run_context
 from shardline.model.manifest import Manifest, load_manifest, verify
 from shardline.pipeline import metrics
 from shardline.pipeline.inflight import Outbox
-from shardline.pipeline.kv import StageLayout
-from shardline.pipeline.plan import AnyStep, KvMove, Moved, Outcome, Placed
+from shardline.pipeline.kv import StageKv, StageLayout, export_identity, frozen, snapshot
+from shardline.pipeline.plan import AnyStep, KvExport, KvImport, KvMove, Moved, Outcome, Placed, unfit
 from shardline.pipeline.ragged_step import RaggedStep, sample
 from shardline.pipeline.timing import Timing
 from shardline.stage.paged_runner import PagedRunner
 
-_Item = tuple[RaggedStep, "np.ndarray", dict[int, float], float] | None  # None stops the thread
+
+@dataclass(eq=False)
+class _Move:
+    """A KV move on its way down the stages: each reads (or writes) its part of the blocks."""
+
+    item: KvExport | KvImport
+    identity: str  # the export's (pipeline/kv.py): what a snapshot says it came from
+    parts: list[StageKv] = field(default_factory=list)
+
+
+_Item = tuple[RaggedStep, "np.ndarray", dict[int, float], float] | _Move | None  # None stops the thread
 
 
 def is_paged(manifest: Manifest) -> bool:
@@ -98,12 +114,20 @@ class PagedPipeline:
         """Nothing: the stages hold no state per lease (the blocks are the scheduler's)."""
 
     def move(self, item: KvMove) -> None:
-        why = "a paged pipeline moves no KV by lease (its blocks are the scheduler's)"
+        """A stream's KV out of its blocks, or a snapshot into blocks, on every stage, in order
+        with the steps (a move by lease, or a copy, is refused: blocks are shared, not copied)."""
         self.outbox.watch(item)
-        item.done.set_exception(ShardlineError(why))
+        identity = export_identity(self.manifest)
+        if isinstance(item, KvExport | KvImport) and not unfit(item, identity, self.layout, paged=True):
+            self._start_threads()
+            self._inboxes[0].put(_Move(item, identity))
+        elif not item.done.done():
+            item.done.set_exception(ShardlineError("a paged pipeline copies no KV (its blocks are shared)"))
 
     def layout(self) -> list[StageLayout]:
-        return []
+        """Each stage's layers and pools (dtype, kv_heads, head_dim): what a moved stream fits."""
+        return [StageLayout(e.first_layer, e.last_layer, s.kv_layout())
+                for e, s in zip(self.manifest.stages, self.stages, strict=True)]
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome | Moved]:
         return self.outbox.take(timeout)
@@ -146,6 +170,9 @@ def _stage_loop(k: int, stage: PagedRunner, inbox: queue.Queue[_Item], nxt: queu
     """Stage k's thread: run each step on what the stage before gave; the last one samples. A
     step that fails fails its streams alone; the stage goes on with the next."""
     while (item := inbox.get()) is not None:
+        if isinstance(item, _Move):
+            _move(k, stage, item, nxt)
+            continue
         step, x, graph_s, start = item
         try:
             began = time.perf_counter()
@@ -161,6 +188,31 @@ def _stage_loop(k: int, stage: PagedRunner, inbox: queue.Queue[_Item], nxt: queu
                 outbox.put(Outcome(s, error=f"stage {k}: {why}"))
     if nxt is not None:
         nxt.put(None)
+
+
+def _move(k: int, stage: PagedRunner, move: _Move, nxt: queue.Queue[_Item] | None) -> None:
+    """Stage k's part of a move; the last stage completes it. A stage that fails ends it there
+    (an import's blocks written on the stages before hold nothing anyone reads: the importer
+    frees them)."""
+    item, e = move.item, stage.entry
+    assert e is not None
+    try:
+        if isinstance(item, KvExport):
+            move.parts.append(StageKv(e.first_layer, e.last_layer, frozen(stage.read(item.blocks, item.tokens))))
+        else:
+            stage.write(item.blocks, dict(item.snap.stages[k].arrays))
+    except Exception as err:  # noqa: BLE001 - the move fails alone; the stage goes on
+        why = str(err) if isinstance(err, ShardlineError) else f"{type(err).__name__}: {err}"
+        return item.done.set_exception(ShardlineError(f"stage {k}: {why}"))
+    if nxt is not None:
+        return nxt.put(move)
+    if isinstance(item, KvExport):
+        try:
+            item.done.set_result(snapshot(move.identity, move.parts))
+        except ShardlineError as err:
+            item.done.set_exception(err)
+    else:
+        item.done.set_result(None)
 
 
 def _finish(outbox: Outbox, step: RaggedStep, choices: list[Choice], graph_s: dict[int, float], start: float) -> None:

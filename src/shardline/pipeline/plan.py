@@ -118,11 +118,15 @@ class Release:
 @dataclass(frozen=True, eq=False)
 class KvExport:
     """A lease's KV out of every stage, from slot `start` on (the lease stays open), after every
-    step submitted before it; what came out (or why not: ShardlineError) lands in `done`."""
+    step submitted before it; what came out (or why not: ShardlineError) lands in `done`. On a
+    paged pipeline (issue 41) a stream's `blocks` instead: the KV of their first `tokens`
+    tokens, as one row of that many slots (the snapshot does not depend on the block size)."""
 
     lease: int
     start: int = 0
     done: Future[KvSnapshot] = field(default_factory=_started)
+    blocks: tuple[int, ...] = ()
+    tokens: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -134,6 +138,7 @@ class KvImport:
     snap: KvSnapshot
     done: Future[None] = field(default_factory=_started)
     made: float = field(default_factory=time.perf_counter, compare=False)  # as a step's
+    blocks: tuple[int, ...] = ()  # a paged pipeline's: the blocks the snapshot's slots go into
 
 
 @dataclass(frozen=True, eq=False)
@@ -161,9 +166,14 @@ KvMove = KvExport | KvImport | KvCopy
 AnyStep = Step | RaggedStep
 
 
-def unfit(item: KvMove, identity: str, layout: Callable[[], list[StageLayout]]) -> bool:
+def unfit(item: KvMove, identity: str, layout: Callable[[], list[StageLayout]], paged: bool = False) -> bool:
     """Whether `item` is an import whose snapshot another export made or that does not fit
-    `layout`: then its `done` fails here, before any stage sees it."""
+    `layout`, or a move by blocks on a pipeline that is not `paged` (or by lease on one that
+    is): then its `done` fails here, before any stage sees it."""
+    if (isinstance(item, KvExport | KvImport) and bool(item.blocks)) != paged:
+        why = "a paged pipeline moves KV by blocks only" if paged else "KV blocks move on a paged pipeline only"
+        item.done.set_exception(ShardlineError(why))
+        return True
     if isinstance(item, KvImport):
         try:
             check(item.snap, identity, layout())

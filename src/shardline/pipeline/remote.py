@@ -219,8 +219,8 @@ class RemotePipeline:
         """As LocalPipeline's; a move also fails when the chain breaks under it."""
         self.outbox.watch(item)
         if self.paged0 is not None:
-            return item.done.set_exception(ShardlineError("a paged pipeline moves no KV by lease (its blocks are "
-                                                          "the scheduler's)"))
+            return item.done.set_exception(ShardlineError("a paged chain of workers moves no KV yet (a paged "
+                                                          "export serves --disaggregate in one process)"))
         if not unfit(item, self.kv.identity, self.kv.layout):
             self._inbox.put(item)
 

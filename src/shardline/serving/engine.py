@@ -149,8 +149,8 @@ class Engine:
         self.replays = replays or Replays()  # how often and how long a lost stream is replayed
         self.limits = limits
         self.max_context = max_context
-        if scheduler is not None and role is not None:
-            raise ShardlineError("a paged pipeline's engine does not serve a disaggregated role yet")
+        if scheduler is not None:  # the role says which streams leave, whichever the scheduler
+            scheduler.handoffs = self.role.handoffs
         self.scheduler = scheduler or Scheduler(scheduling, self.role.handoffs, prefix)
         self.spec = SpecDriver(drafts, self.scheduler, pipe)
         self._waiting: deque[Ticket] = deque()

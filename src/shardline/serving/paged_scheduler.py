@@ -17,6 +17,11 @@ over its block table (serving/kv_blocks.py), fused into one call of every stage.
   block is hashed only once the step that wrote it came back (the stream is idle again), so no
   stream ever reads a block still being written.
 
+- Disaggregated serving: a stream that leaves (the `Handoffs` policy) has its blocks read out
+  (a KvExport of its blocks, before any later step may reuse them) and goes; one that arrives
+  takes blocks for its tokens here and has the snapshot written into them (a KvImport) before
+  it joins.
+
 No groups, no merges, no compaction, nothing to release on the stages: a stream's state is its
 block table. No processes, no I/O: tested as plain objects.
 """
@@ -24,11 +29,13 @@ block table. No processes, no I/O: tested as plain objects.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from shardline.decoding.drafts import NO_DRAFTS, Proposal, drafted
 from shardline.errors import ShardlineError
-from shardline.pipeline.plan import KvMove, Lease, Plan
+from shardline.pipeline.kv import Handoff, KvSnapshot
+from shardline.pipeline.plan import KvExport, KvImport, KvMove, Lease, Plan
 from shardline.pipeline.ragged_step import Part, RaggedStep
 from shardline.pipeline.timing import Timing
 from shardline.serving.constrained import late_masks
@@ -38,8 +45,9 @@ from shardline.serving.kv_table import KvTable
 from shardline.serving.pacing import Pacing
 from shardline.serving.prefix import PrefixStats
 from shardline.serving.ragged import Budget, Want, pack
-from shardline.serving.scheduler import SchedulerConfig
+from shardline.serving.scheduler import Handoffs, SchedulerConfig
 from shardline.serving.stream import Stream
+from shardline.stage.cache import KVBook
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,7 @@ class _Sent:
 
 class PagedScheduler:
     def __init__(self, cfg: SchedulerConfig | None, pool: BlockPool, prefix: bool = False, in_flight: int = 1,
-                 block_bytes: int = 0) -> None:
+                 block_bytes: int = 0, handoffs: Handoffs | None = None) -> None:
         """`block_bytes`: what a block costs over every stage (for the bytes kept, reported).
         `in_flight`: ragged steps out at once. One where every stage shares this machine's
         cores: then every stream's tokens wait for the step out and ride in the next, fused (a
@@ -72,6 +80,9 @@ class PagedScheduler:
         self.preempted = 0
         self.stats = PrefixStats()  # prefix reuse by shared blocks (hits, and the prompt tokens they saved)
         self._sent: dict[int, _Sent] = {}
+        self.handoffs = handoffs  # which streams leave (a prefill instance's policy), None: none
+        self._left: list[Stream] = []
+        self._moves: tuple[list[KvExport], list[KvImport]] = ([], [])
 
     def add(self, stream: Stream) -> None:
         self.streams[stream.id] = stream
@@ -113,21 +124,68 @@ class PagedScheduler:
         """Nothing: a paged pipeline moves no KV by lease (its blocks are shared, not copied)."""
 
     def take_left(self) -> list[Stream]:
-        return []
+        """The streams handed off since the last call, each with its blocks' export (kv_sent)."""
+        out, self._left = self._left, []
+        return out
+
+    def handoff(self, stream: Stream, kv: KvSnapshot) -> Handoff:
+        """`stream` as it moves: its tokens' KV, one attended slot per token (no masked slots)."""
+        return Handoff(kv, KVBook.filled(kv.slots))
+
+    def room(self, tokens: int) -> bool:
+        """Whether a stream arriving with `tokens` tokens' KV finds blocks for them now."""
+        return self.pool.fits([(BlockTable(), tokens)])
+
+    def arrive(self, stream: Stream, moving: Handoff) -> Future[None]:
+        """A prefilled stream arrives: blocks for its tokens, its KV written into them by the
+        next plan (a KvImport); it joins (`add`) once that is in."""
+        tokens, table = moving.kv.slots, BlockTable()
+        if not self.pool.fits([(table, tokens)]):
+            failed: Future[None] = Future()
+            failed.set_exception(ShardlineError(f"no free KV blocks for {tokens} tokens"))
+            return failed
+        self.pool.grow(table, tokens)
+        table.written, stream.blocks, stream.key = tokens, table, self.kv.lease()
+        item = KvImport(stream.key, moving.kv, blocks=tuple(table.blocks))
+        self._moves[1].append(item)
+        return item.done
+
+    def unarrive(self, stream: Stream) -> None:
+        """An arrival that will not join (its import failed, its caller cancelled): blocks back."""
+        if stream.blocks is not None:
+            self.pool.free(stream.blocks)
+            stream.blocks = None
+        self.kv.free(stream.key)
+
+    def _hand_off(self) -> None:
+        """Streams that leave now: their blocks read out (in order: before any later step may
+        take them), their prompts kept for reuse here, their blocks back."""
+        if self.handoffs is None:
+            return
+        for s in [s for s in self.streams.values() if not s.in_flight and self.handoffs.leaves(s)]:
+            assert s.blocks is not None
+            item = KvExport(s.key, blocks=tuple(s.blocks.blocks), tokens=_fed(s))
+            self._moves[0].append(item)
+            s.handover.kv_sent, s.handover.kv_through = [item.done], _fed(s)
+            self.remove(s, keep=self.prefix)
+            self._left.append(s)
 
     def plan(self, drafts: Mapping[int, Proposal] | None = None) -> Plan:
         """This round's plan: a ragged step for each step that may still go out (`in_flight`),
         the decoding streams shared among them; `drafts`: the drafts each stream about to
         decode offers (the engine's speculation chose them), fed after its token and verified."""
+        for s in self.streams.values():
+            if not s.in_flight:
+                self._wrote(s)
+        self._hand_off()
         idle = [s for s in self.streams.values() if not s.in_flight]
-        for s in idle:
-            self._wrote(s)
         steps = []
         free = self.in_flight - len({id(self._sent.get(s.id)) for s in self.streams.values() if s.in_flight})
         while free > 0 and (parts := self._parts([s for s in idle if not s.in_flight], drafts or {}, free)):
             steps.append(self._step(parts, drafts or {}))
             free -= 1
-        return Plan(tuple(self.releases()), tuple(steps))
+        (exports, imports), self._moves = self._moves, ([], [])
+        return Plan(tuple(self.releases()), tuple(steps), tuple(exports), tuple(imports))
 
     def _parts(self, idle: list[Stream], drafts: Mapping[int, Proposal], free: int) -> list[tuple[Stream, int]]:
         """(stream, new tokens) of this round's step, each with the blocks for them. With `free`

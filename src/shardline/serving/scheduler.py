@@ -28,12 +28,14 @@ No processes, no I/O: tested as plain objects.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK, PacingConfig
 from shardline.decoding.drafts import NO_DRAFTS, Proposal, drafted
 from shardline.errors import ShardlineError
+from shardline.pipeline.kv import Handoff, KvSnapshot, handoff
 from shardline.pipeline.plan import KvMove, Lease, Plan, Step, decode_step, prefill_step, reserve
 from shardline.pipeline.timing import Timing
 from shardline.serving.constrained import late_masks
@@ -141,6 +143,25 @@ class Scheduler:
                 s.in_flight = True
         exports, imports = self.kv.take_moves()
         return Plan(releases, tuple(steps), exports, imports, self.kv.take_copies())
+
+    def handoff(self, stream: Stream, kv: KvSnapshot) -> Handoff:
+        """`stream` as it moves: its KV and a copy of its book (masked slots and all)."""
+        return handoff(kv, stream.book)
+
+    def room(self, tokens: int) -> bool:
+        """A stream arriving always finds room here (its instance's admission policy decides)."""
+        return True
+
+    def arrive(self, stream: Stream, moving: Handoff) -> Future[None]:
+        """A prefilled stream arrives: its KV imported on a fresh lease by the next plan (a
+        KvImport); it joins (`add`) once that is in."""
+        stream.key, done = self.kv.import_(moving.kv, moving.book())
+        stream.book = self.kv.book(stream.key)
+        return done
+
+    def unarrive(self, stream: Stream) -> None:
+        """An arrival that will not join: its lease goes."""
+        self.kv.free(stream.key)
 
     def take_left(self) -> list[Stream]:
         """The streams handed off since the last call, each with its KV's exports (handover.kv_sent)."""

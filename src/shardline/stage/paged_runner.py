@@ -99,6 +99,42 @@ class PagedRunner:
         runner.entry = entry
         return runner
 
+    def kv_layout(self) -> dict[str, tuple[np.dtype, int, int]]:
+        """Each pool's (dtype, kv_heads, head_dim), as a moved stream's KV must fit it."""
+        return {i.get_any_name(): (np.dtype(i.get_element_type().to_dtype()), d[0], d[2])
+                for i, d in zip(self._pools, self._dims, strict=True)}
+
+    def read(self, blocks: tuple[int, ...], tokens: int, pool: Pool | None = None) -> dict[str, np.ndarray]:
+        """The KV of the first `tokens` tokens held in `blocks` (in order), per pool, as one row
+        of that many slots: [1, kv_heads, tokens, head_dim] (a copy)."""
+        self._movable(blocks, tokens, pool or self.own)
+        out = {}
+        for i in self._pools:
+            a = (pool or self.own).request.get_tensor(i).data[list(blocks)]  # [n, heads, block, dim]
+            out[i.get_any_name()] = np.ascontiguousarray(
+                a.transpose(1, 0, 2, 3).reshape(a.shape[1], -1, a.shape[3])[None, :, :tokens])
+        return out
+
+    def write(self, blocks: tuple[int, ...], arrays: dict[str, np.ndarray], pool: Pool | None = None) -> None:
+        """`arrays` ([1, kv_heads, tokens, head_dim] per pool, as `read` gives them) into `blocks`."""
+        pool = pool or self.own
+        tokens = next(iter(arrays.values())).shape[2] if arrays else 0
+        self._movable(blocks, tokens, pool)
+        for i in self._pools:
+            name, data = i.get_any_name(), pool.request.get_tensor(i).data
+            a = arrays[name][0]  # [heads, tokens, dim]
+            padded = np.zeros((a.shape[0], len(blocks) * self.block_size, a.shape[2]), a.dtype)
+            padded[:, :tokens] = a
+            data[list(blocks)] = padded.reshape(a.shape[0], len(blocks), self.block_size, -1).transpose(1, 0, 2, 3)
+
+    def _movable(self, blocks: tuple[int, ...], tokens: int, pool: Pool) -> None:
+        if any(d[1] != self.block_size for d in self._dims):
+            raise ShardlineError("this device lays KV blocks out in a way a move does not know (not tokens on axis 2)")
+        if not blocks or min(blocks) < 0 or max(blocks) >= pool.blocks or len(set(blocks)) != len(blocks):
+            raise ShardlineError(f"KV blocks {list(blocks)[:8]} are not distinct blocks of a pool of {pool.blocks}")
+        if not 0 < tokens <= len(blocks) * self.block_size:
+            raise ShardlineError(f"{tokens} tokens do not fit {len(blocks)} blocks of {self.block_size}")
+
     def pool_bytes(self, pool: Pool | None = None) -> int:
         return (pool or self.own).nbytes([i.get_any_name() for i in self._pools])
 
