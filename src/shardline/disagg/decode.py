@@ -118,6 +118,8 @@ class DecodeRole:
         done = self.engine.scheduler.arrive(stream, m.handoff)
         stream.owner, stream.in_flight, stream.sent = m.ticket, False, None
         self._landing.append((m, done))
+        if done.done():  # refused before any plan took it (no room after all): no Moved will come
+            self._land()
 
     def _land(self) -> None:
         while self._landing and self._landing[0][1].done():
