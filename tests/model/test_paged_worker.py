@@ -154,3 +154,17 @@ def test_blocks_read_out_and_written_elsewhere_hold_the_same_kv(worker: StageWor
                                 ((2,), 40, "40 tokens do not fit 1 blocks of 32")]:
         with pytest.raises(ShardlineError, match=why):
             stage.read(blocks, tokens, here)
+
+
+def test_sessions_pools_together_fit_the_worker_s_memory(worker: StageWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool's pages are committed only as its blocks are written, so each coordinator's Hello
+    is checked against the memory beside the pools the other sessions already hold: a few
+    hundred bytes may not reserve more than the machine has."""
+    one = POOL * sum(s.block_bytes() for s in worker.shard.paged)
+    monkeypatch.setattr(paged, "available_memory", lambda: one * 3 // 2)
+    first = paged.pools_for(worker.shard.paged, _hello(worker))
+    assert not isinstance(first, str)
+    second = paged.pools_for(worker.shard.paged, _hello(worker), paged.reserved([first, None]))
+    assert isinstance(second, str) and "does not fit" in second and "beside" in second
+    assert not isinstance(paged.pools_for(worker.shard.paged, _hello(worker, blocks=POOL // 4),
+                                          paged.reserved([first])), str)

@@ -23,26 +23,31 @@ from shardline.stage.paged_sample import choices, logits_rows
 from shardline.wire.messages import Hello, Ragged, Sampled
 
 
-def pools_for(stages: list[PagedRunner], peer: Hello) -> list[Pool] | str:
+def pools_for(stages: list[PagedRunner], peer: Hello, reserved: int = 0) -> list[Pool] | str:
     """A coordinator's pools on every stage here, or why not (a chain that is not paged, blocks
-    of another size, a pool that does not fit this machine's memory)."""
+    of another size, a pool that does not fit this machine's memory beside the `reserved` bytes
+    of the other sessions' pools: their pages are committed as their blocks are written, so a
+    Hello of a few hundred bytes may not reserve more than the machine holds)."""
     size = stages[0].block_size
     if peer.block_size != size or peer.blocks < 1:
         return (f"this worker's stages are paged, in blocks of {size} tokens; the coordinator's "
                 + (f"in blocks of {peer.block_size}" if peer.block_size else "are not paged"))
-    need = peer.blocks * sum(s.block_bytes() for s in stages)
-    if need > available_memory():
+    need, free = peer.blocks * sum(s.block_bytes() for s in stages), available_memory()
+    if need + reserved > free:
         return (f"a KV pool of {peer.blocks} blocks ({need / 2**20:.0f} MiB) does not fit this worker's "
-                f"{available_memory() / 2**20:.0f} MiB available")
+                f"{free / 2**20:.0f} MiB available beside {reserved / 2**20:.0f} MiB of other sessions' pools")
     return [s.pool(peer.blocks) for s in stages]
+
+
+def reserved(pools: list[list[Pool] | None]) -> int:
+    """The bytes of the sessions' pools."""
+    return sum(p.nbytes for session in pools if session for p in session)
 
 
 def batch_of(msg: Ragged) -> PagedBatch:
     """The step's batch as every stage here checks and runs it."""
-    b = PagedBatch(msg.positions, msg.past_lens, msg.begins, msg.block_indices, msg.block_begins,
-                   np.zeros(0, np.int64))
-    return PagedBatch(b.positions, b.past_lens, b.begins, b.block_indices, b.block_begins,
-                      np.asarray(logits_rows(b, msg.sample_at), np.int64))
+    return PagedBatch(msg.positions, msg.past_lens, msg.begins, msg.block_indices, msg.block_begins,
+                      np.asarray(logits_rows(msg.begins, msg.sample_at), np.int64))
 
 
 def run(stages: list[PagedRunner], pools: list[Pool], msg: Ragged, batch: PagedBatch, graph_s: list[float],

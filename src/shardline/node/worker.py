@@ -240,7 +240,8 @@ class StageWorker:
         the previous worker of a chain; or why not (checked by _check_peer, re-checked here under
         the race)."""
         if peer.role == Role.COORDINATOR:
-            pools = paged.pools_for(self.shard.paged, peer) if self.shard.paged else None
+            taken = paged.reserved([s.pools for s in list(self.sessions.values())])
+            pools = paged.pools_for(self.shard.paged, peer, taken) if self.shard.paged else None
             if isinstance(pools, str):
                 return pools
             session = Session(peer.session, next(self._session_nos), link, pools=pools)

@@ -23,7 +23,7 @@ from shardline.decoding.sampler import Choice
 from shardline.decoding.speculative import Drafted
 from shardline.errors import ShardlineError
 from shardline.stage.paged_batch import PagedBatch
-from shardline.stage.paged_sample import choices
+from shardline.stage.paged_sample import choices, logits_rows
 from shardline.wire.messages import Phase
 
 
@@ -63,10 +63,7 @@ class RaggedStep:
         at = np.array([[q, t] for q, s in enumerate(seqs) if s.sample
                        for t in (range(len(s.tokens)) if s.every else [len(s.tokens) - 1])], np.int64).reshape(-1, 2)
         begins = np.cumsum([0] + [len(s.tokens) for s in seqs])
-        # a step of prompt chunks alone samples nothing, but the head's graph needs a row: the
-        # first token's logits are computed and dropped (one row of [T, H] x [H, V])
-        batch = PagedBatch.of([(len(s.tokens), s.past, s.blocks) for s in seqs],
-                              logits_at=[int(begins[q]) + t for q, t in at.tolist()] or [0])
+        batch = PagedBatch.of([(len(s.tokens), s.past, s.blocks) for s in seqs], logits_at=logits_rows(begins, at))
         ids = np.array([t for s in seqs for t in s.tokens], np.int64)
         prompt = sum(len(s.tokens) for s in seqs if s.prompt)
         if drafted is not None and drafted.tokens.shape[0] != at.shape[0]:

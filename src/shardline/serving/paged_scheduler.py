@@ -60,7 +60,7 @@ class _Sent:
 
 class PagedScheduler:
     def __init__(self, cfg: SchedulerConfig | None, pool: BlockPool, prefix: bool = False, in_flight: int = 1,
-                 block_bytes: int = 0, handoffs: Handoffs | None = None) -> None:
+                 block_bytes: int = 0) -> None:
         """`block_bytes`: what a block costs over every stage (for the bytes kept, reported).
         `in_flight`: ragged steps out at once. One where every stage shares this machine's
         cores: then every stream's tokens wait for the step out and ride in the next, fused (a
@@ -80,7 +80,7 @@ class PagedScheduler:
         self.preempted = 0
         self.stats = PrefixStats()  # prefix reuse by shared blocks (hits, and the prompt tokens they saved)
         self._sent: dict[int, _Sent] = {}
-        self.handoffs = handoffs  # which streams leave (a prefill instance's policy), None: none
+        self.handoffs: Handoffs | None = None  # which streams leave (set by the engine from its role)
         self._left: list[Stream] = []
         self._moves: tuple[list[KvExport], list[KvImport]] = ([], [])
 
@@ -121,7 +121,8 @@ class PagedScheduler:
         return list(self.kv.take_freed())
 
     def moved(self, item: KvMove) -> None:
-        """Nothing: a paged pipeline moves no KV by lease (its blocks are shared, not copied)."""
+        """Nothing: a moved stream's blocks are the role's to wait for (exports as it leaves,
+        imports as it arrives); no prefix is copied (shared blocks)."""
 
     def take_left(self) -> list[Stream]:
         """The streams handed off since the last call, each with its blocks' export (kv_sent)."""
@@ -140,7 +141,7 @@ class PagedScheduler:
         """A prefilled stream arrives: blocks for its tokens, its KV written into them by the
         next plan (a KvImport); it joins (`add`) once that is in."""
         tokens, table = moving.kv.slots, BlockTable()
-        if not self.pool.fits([(table, tokens)]):
+        if not self.room(tokens):
             failed: Future[None] = Future()
             failed.set_exception(ShardlineError(f"no free KV blocks for {tokens} tokens"))
             return failed

@@ -32,9 +32,7 @@ class Pool:
 
     request: ov.InferRequest
     blocks: int
-
-    def nbytes(self, names: list[str]) -> int:
-        return sum(self.request.get_tensor(n).data.nbytes for n in names)
+    nbytes: int  # its block tensors' bytes (reserved: pages are committed as blocks are written)
 
 
 class PagedRunner:
@@ -46,7 +44,7 @@ class PagedRunner:
         self.has_head = "logits_index" in names
         width = self.compiled.input(self._input).partial_shape
         self.hidden = None if self._input == "input_ids" else int(width[1].get_length())
-        self.vocab, self.context, self.blocks = vocab, context, blocks
+        self.vocab, self.context = vocab, context
         self.entry: StageEntry | None = None  # the manifest's, when loaded from an export
         self._pools = [i for i in self.compiled.inputs if "_cache." in i.get_any_name()]
         if not self._pools:
@@ -69,12 +67,15 @@ class PagedRunner:
         for i, dims in zip(self._pools, self._dims, strict=True):
             zeros = np.zeros([blocks, *dims], i.get_element_type().to_dtype())
             request.set_tensor(i.get_any_name(), ov.Tensor(zeros))
-        return Pool(request, blocks)
+        return Pool(request, blocks, blocks * self.block_bytes())
 
     def allocate(self, blocks: int) -> None:
         """This runner's own pool: `blocks` blocks (the one `run` uses unless given another)."""
         self.own = self.pool(blocks)
-        self.blocks = blocks
+
+    @property
+    def blocks(self) -> int:
+        return self.own.blocks
 
     @property
     def request(self) -> ov.InferRequest:
@@ -136,7 +137,7 @@ class PagedRunner:
             raise ShardlineError(f"{tokens} tokens do not fit {len(blocks)} blocks of {self.block_size}")
 
     def pool_bytes(self, pool: Pool | None = None) -> int:
-        return (pool or self.own).nbytes([i.get_any_name() for i in self._pools])
+        return (pool or self.own).nbytes
 
     def run(self, batch: PagedBatch, x: np.ndarray, pool: Pool | None = None) -> np.ndarray:
         """The batch's hidden states [T, H], or on the last stage the logits [N, V] at

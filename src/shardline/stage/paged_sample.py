@@ -40,7 +40,8 @@ def choices(batch: PagedBatch, sample_at: np.ndarray, sampling: Sequence[Samplin
     return out
 
 
-def logits_rows(batch: PagedBatch, sample_at: np.ndarray) -> list[int]:
-    """The batch positions whose logits the last stage computes: one per sampled entry, or the
-    first token's when nothing samples (the head's graph needs a row; it is dropped)."""
-    return [int(batch.begins[q]) + t for q, t in sample_at.tolist()] or [0]
+def logits_rows(begins: Sequence[int] | np.ndarray, sample_at: np.ndarray) -> list[int]:
+    """The batch positions whose logits the last stage computes (`begins`: where each sequence
+    starts): one per sampled entry, or the first token's when nothing samples (the head's graph
+    needs a row; it is dropped)."""
+    return [int(begins[q]) + t for q, t in sample_at.tolist()] or [0]
