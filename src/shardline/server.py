@@ -159,20 +159,7 @@ def open_paged_engine(folder: Path, manifest: Manifest, run: RunConfig, cfg: Ser
     the blocks they hold."""
     drafts, _ = open_drafts(spec or SpeculationConfig(), manifest, run)
     kv_bytes, streams = paged_pool(cfg)
-    pipe: PagedPipeline | RemotePipeline
-    if workers:
-        from shardline.pipeline.deadline import Deadlines
-        from shardline.pipeline.remote import RemotePipeline
-
-        rec = cfg.recovery
-        pipe = RemotePipeline(folder, workers, run, activations or default_activations(run.precision), topology,
-                              credentials, deadlines=Deadlines(rec.step_floor_s, rec.step_multiple),
-                              reconnect_s=rec.reconnect_s, heartbeat_s=rec.heartbeat_s, kv_bytes=kv_bytes,
-                              streams=streams)
-    else:
-        from shardline.pipeline.paged_local import PagedPipeline
-
-        pipe = PagedPipeline(folder, run, kv_bytes, streams)
+    pipe = paged_pipeline(folder, run, cfg, kv_bytes, streams, workers, activations, topology, credentials)
     limits = Limits(cfg.max_streams or STREAM_CAP, cfg.max_queue)
     replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
     pool = BlockPool(pipe.blocks, pipe.block_size)
@@ -183,6 +170,24 @@ def open_paged_engine(folder: Path, manifest: Manifest, run: RunConfig, cfg: Ser
     scheduler = PagedScheduler(scheduling(cfg, manifest, False), pool, prefix=cfg.prefix_cache_mb != 0,
                                in_flight=len(manifest.stages) if workers else 1, block_bytes=pipe.block_bytes)
     return Engine(pipe, limits, pipe.context, drafts=drafts, replays=replays, scheduler=scheduler)
+
+
+def paged_pipeline(folder: Path, run: RunConfig, cfg: ServeConfig, kv_bytes: int, streams: int | None,
+                   workers: list[str] | None, activations: str | None, topology: str,
+                   credentials: Credentials | None) -> PagedPipeline | RemotePipeline:
+    """A paged export's pipeline: every stage here, or stage 0 here and the rest on `workers`."""
+    if workers:
+        from shardline.pipeline.deadline import Deadlines
+        from shardline.pipeline.remote import RemotePipeline
+
+        rec = cfg.recovery
+        return RemotePipeline(folder, workers, run, activations or default_activations(run.precision), topology,
+                              credentials, deadlines=Deadlines(rec.step_floor_s, rec.step_multiple),
+                              reconnect_s=rec.reconnect_s, heartbeat_s=rec.heartbeat_s, kv_bytes=kv_bytes,
+                              streams=streams)
+    from shardline.pipeline.paged_local import PagedPipeline
+
+    return PagedPipeline(folder, run, kv_bytes, streams)
 
 
 def paged_pool(cfg: ServeConfig, instances: int = 1) -> tuple[int, int | None]:
@@ -238,7 +243,7 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
     assert cfg.disaggregate is not None
     manifest = load_manifest(folder)
     if is_paged(manifest):
-        return open_paged_disaggregated(folder, manifest, run, cfg, workers), manifest
+        return open_paged_disaggregated(folder, manifest, run, cfg, workers, credentials, activations), manifest
     n_prefill, n_decode = cfg.disaggregate
     chains = instance_workers(workers, n_prefill + n_decode)
     cores = os.cpu_count() or 1
@@ -282,22 +287,23 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
 
 
 def open_paged_disaggregated(folder: Path, manifest: Manifest, run: RunConfig, cfg: ServeConfig,
-                             workers: list[str] | None) -> Disaggregated:
+                             workers: list[str] | None, credentials: Credentials | None = None,
+                             activations: str | None = None) -> Disaggregated:
     """`cfg.disaggregate` on a paged export: each instance a PagedPipeline in this process with
-    its own pool (the KV budget shared out), a stream's blocks moved from a prefill instance's
-    pool into blocks a decode instance takes. Decode lengths by max_tokens (the trained
-    predictor reads stage 0's prompt summaries, which paged stages do not make)."""
+    its own pool (the KV budget shared out), or stage 0 here and the rest on a chain of workers
+    of its own (as open_disaggregated splits them; each worker allocates the instance's pool for
+    its session); a stream's blocks moved from a prefill instance's pool into blocks a decode
+    instance takes (over the workers' links: KvPull / KvPush of blocks). Decode lengths by
+    max_tokens (the trained predictor reads stage 0's prompt summaries, which paged stages do
+    not make)."""
     from shardline.disagg.decode import decode_instance
     from shardline.disagg.front import Disaggregated, FrontConfig
     from shardline.disagg.instance import Admission
     from shardline.disagg.policies import PrefillPolicy
     from shardline.disagg.prefill import prefill_instance
     from shardline.disagg.state import HEAVY_DECODE_FROM
-    from shardline.pipeline.paged_local import PagedPipeline
 
     assert cfg.disaggregate is not None
-    if workers:
-        raise ShardlineError("a paged export serves --disaggregate in one process for now: serve it without --worker")
     if cfg.flip or cfg.kv_transfer == "chunk":
         raise ShardlineError("a paged export's disaggregated serving moves a stream's blocks whole, once: "
                              "no --flip, no --kv-transfer chunk")
@@ -308,14 +314,15 @@ def open_paged_disaggregated(folder: Path, manifest: Manifest, run: RunConfig, c
     instances = n_prefill + n_decode
     run = replace(run, threads=run.threads or max(1, (os.cpu_count() or 1) // instances), pinned=False)
     kv_bytes, streams = paged_pool(cfg, instances)
-    pipes = [PagedPipeline(folder, run, kv_bytes, streams) for _ in range(instances)]
+    pipes = [paged_pipeline(folder, run, cfg, kv_bytes, streams, chain, activations, "chain", credentials)
+             for chain in instance_workers(workers, instances)]
     limits = Limits(cfg.max_streams or STREAM_CAP, cfg.max_queue)
     replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
     front = Disaggregated(FrontConfig(heavy_from=HEAVY_DECODE_FROM, flip=None))
     predict, _ = length_prediction("max-tokens", manifest)
     sched = scheduling(cfg, manifest, False)
 
-    def blocks(pipe: PagedPipeline, cfg: SchedulerConfig, prefix: bool) -> PagedScheduler:
+    def blocks(pipe: PagedPipeline | RemotePipeline, cfg: SchedulerConfig, prefix: bool) -> PagedScheduler:
         return PagedScheduler(cfg, BlockPool(pipe.blocks, pipe.block_size), prefix=prefix, block_bytes=pipe.block_bytes)
 
     prefill_cfg = SchedulerConfig(chunk=sched.chunk, groups=0, max_prefills=1, pacing=None)

@@ -160,8 +160,6 @@ def test_a_paged_export_refuses_what_it_does_not_run(paged: Path, shards: Callab
                      (ServeConfig(disaggregate=(1, 1), length_predictor="model.json"), "predicts decode lengths by")]:
         with pytest.raises(ShardlineError, match=why):
             open_disaggregated(paged, RunConfig(), cfg)
-    with pytest.raises(ShardlineError, match="--disaggregate in one process for now"):
-        open_disaggregated(paged, RunConfig(), ServeConfig(disaggregate=(1, 1)), workers=["127.0.0.1:1", "127.0.0.1:2"])
     with pytest.raises(ShardlineError, match="blocks of 32 tokens; one stream at the context of 8192 needs 256"):
         PagedPipeline(paged, RunConfig(), 1 * MiB)
     with pytest.raises(ShardlineError, match="is not a paged export"):

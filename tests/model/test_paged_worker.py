@@ -168,3 +168,61 @@ def test_sessions_pools_together_fit_the_worker_s_memory(worker: StageWorker, mo
     assert isinstance(second, str) and "does not fit" in second and "beside" in second
     assert not isinstance(paged.pools_for(worker.shard.paged, _hello(worker, blocks=POOL // 4),
                                           paged.reserved([first])), str)
+
+
+def _sent(worker: StageWorker, session: Session, *msgs: Message) -> list[Message]:
+    """What the worker sends its coordinator for `msgs` (a pull's parts and done, a push's done)."""
+    coordinator: Any = session.coordinator
+    before = len(coordinator.sent)
+    for msg in msgs:
+        worker._handle(Received(coordinator, session, msg, 0.0, 0.0))
+    return list(coordinator.sent[before:])
+
+
+def test_blocks_pulled_and_pushed_over_the_link_hold_the_same_kv(worker: StageWorker,
+                                                                 shards: Callable[..., Path]) -> None:
+    """Protocol 14's paged moves through the worker's dispatch: a stream's blocks pulled (a
+    KvPart per pool, as one row of its tokens) and pushed into other blocks of another session's
+    pool: the step after reads them and gives the token it gives on the blocks they came from.
+    Hostile moves get a KvDone saying why, with the session's blocks unchanged: blocks outside the
+    pool, too few for the tokens, a part of another shape, a move by key to a paged worker and
+    one by blocks to a stateful worker."""
+    from shardline.wire.messages import KvCopy, KvDone, KvPart, KvPull, KvPush
+
+    def blocks(*ids: int) -> np.ndarray:
+        return np.asarray(ids, np.int32)
+
+    a, b = _session(worker, 8), _session(worker, 9)
+    _send(worker, a, _step([(40, 0, [2, 5])], seed=5))
+    want = _token(_send(worker, a, _step([(1, 40, [2, 5])], seed=6)))
+    *parts, done = _sent(worker, a, KvPull(1, 77, blocks=blocks(2, 5), tokens=40))
+    n = sum(len(s.kv_layout()) for s in worker.shard.paged)
+    assert done == KvDone(1, n, "") and len(parts) == n
+    assert all(isinstance(p, KvPart) and p.state.shape == (1, 3, 40, 64) for p in parts)
+    hostile: list[tuple[list[Message], str]] = [
+        ([KvPull(2, 77, blocks=blocks(POOL), tokens=5)], f"not distinct blocks of a pool of {POOL}"),
+        ([KvPull(3, 77, blocks=blocks(1), tokens=40)], "40 tokens do not fit 1 blocks of 32"),
+        ([KvPull(4, 77)], "this worker's stages are paged: a KV move names blocks"),
+        ([KvCopy(5, 77, 78, 0, np.arange(3, dtype=np.int64))], "a paged worker copies no KV"),
+        ([KvPush(6, 78, 1, 40, n, blocks(POOL)), *parts], f"KV blocks up to {POOL} in a pool of {POOL}"),
+        ([KvPush(7, 78, 1, 40, n, blocks(9)), *parts], "40 tokens do not fit 1 blocks of 32"),
+        ([KvPush(8, 78, 1, 40, n, blocks(7, 1)), replace(parts[0], state=parts[0].state[:, :, :39]), *parts[1:]],
+         "is float32 [1, 3, 39, 64]; expected float32 [1, 3, 40, 64]"),
+        ([KvPush(9, 78, 1, 40, n), *parts], "this worker's stages are paged: a KV move names blocks")]
+    for msgs, why in hostile:
+        seq = msgs[0].seq  # type: ignore[attr-defined]
+        replies = _sent(worker, b, *[replace(m, seq=seq) if isinstance(m, KvPart) else m for m in msgs])
+        assert len(replies) == 1 and isinstance(replies[0], KvDone) and why in replies[0].error, (why, replies)
+    pushed = _sent(worker, b, KvPush(10, 78, 1, 40, n, blocks(7, 1)), *[replace(p, seq=10) for p in parts])
+    assert pushed == [KvDone(10, n, "")]
+    assert _token(_send(worker, b, _step([(1, 40, [7, 1])], seed=6))) == want
+    stateful = StageWorker(shards("gguf", layers=DEFAULT_SPLIT), 1, 1)
+    plain = Session("2" * 32, 10, Recorder(), routed=True)  # type: ignore[arg-type]
+    stateful.sessions[plain.id] = plain
+    for msgs in ([KvPull(1, 5, blocks=blocks(0), tokens=3)], [KvPush(2, 5, 1, 40, n, blocks(0)), *parts]):
+        seq = msgs[0].seq  # type: ignore[attr-defined]
+        replies = _sent(stateful, plain, *[replace(m, seq=seq) if isinstance(m, KvPart) else m for m in msgs])
+        assert len(replies) == 1 and isinstance(replies[0], KvDone), replies
+        assert "this worker's stages are not paged: a KV move names no blocks" in replies[0].error
+    for no in (8, 9):
+        del worker.sessions[f"{no:032x}"]

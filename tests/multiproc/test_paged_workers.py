@@ -223,3 +223,26 @@ def test_speculation_over_workers_gives_the_plain_tokens(three: Path, workers: l
         assert engine.spec.ended.accepted > 5  # drafts did stand
     finally:
         engine.shutdown()
+
+
+def test_disaggregated_over_workers_moves_blocks_and_gives_the_in_process_tokens(
+        three: Path, workers: list[Proc], prompts: list[list[int]], here: list[list[int]]) -> None:
+    """`serve --disaggregate 1,1` on a paged export over workers: each instance has stage 0 here
+    and a session of its own on the same two worker processes (a pool each); a prefilled
+    stream's blocks are pulled out of the prefill instance's pools (stage 0's here, each
+    worker's over its link) and pushed into blocks the decode instance's scheduler took. Every
+    answer is the in-process one, and every block goes back on both instances."""
+    from shardline.server import open_disaggregated
+
+    chain = [w.addr for w in workers]
+    cfg = ServeConfig(disaggregate=(1, 1), kv_cache_mb=2 * KV // MiB)
+    front, _ = open_disaggregated(three, RunConfig(), cfg, workers=chain * 2, activations="f32")
+    try:
+        assert staggered(front, prompts, LENGTHS) == here  # type: ignore[arg-type]
+        for role in (*front.prefills.values(), *front.decodes.values()):
+            sched = role.engine.scheduler
+            assert isinstance(role.engine.pipe, RemotePipeline)
+            assert isinstance(sched, PagedScheduler) and sched.pool.held == 0
+    finally:
+        front.shutdown()
+    assert all(w.proc.poll() is None for w in workers)

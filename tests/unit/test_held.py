@@ -73,3 +73,22 @@ def test_a_paged_step_that_reads_blocks_the_chain_did_not_write_is_lost() -> Non
     assert held.unwritten(RaggedStep.of([Part(2, (9,), 9, (7, 8, 5), P, sample=True, prompt=False)])) == 5
     held.clear()
     assert held.unwritten(token) == 7
+
+
+def test_blocks_an_import_wrote_are_held_until_a_break() -> None:
+    """Disaggregated serving over workers: an import writes a stream's blocks on the chain (no
+    step of it was sent), so the steps that read them run; after a break they are lost."""
+    from concurrent.futures import Future
+
+    from shardline.pipeline.kv import KvSnapshot
+    from shardline.pipeline.plan import KvImport
+    from shardline.pipeline.ragged_step import Part, RaggedStep
+    from shardline.pipeline.remote_kv import KvHeld
+
+    held = KvHeld(block_size=4)
+    token = RaggedStep.of([Part(1, (9,), 5, (3, 6), P, sample=True, prompt=False)])
+    assert held.unwritten(token) == 3
+    held.imported(KvImport(1, KvSnapshot("x", 1, 4, ()), Future(), blocks=(3, 6)))
+    assert held.unwritten(token) is None and 1 not in held  # blocks, not the lease
+    held.clear()
+    assert held.unwritten(token) == 3

@@ -12,6 +12,7 @@ import pytest
 
 from shardline.wire.codec import HEADER, WireError, decode, encode
 from shardline.wire.messages import (
+    MAX_BLOCKS,
     MAX_KV_PARTS,
     MAX_ROWS,
     MAX_SLOTS,
@@ -50,6 +51,8 @@ def test_kv_pulls_from_a_start_slot_since_protocol_7() -> None:
     KvPart(3, 0, (1 << 16) - 1, "n" * 256, np.zeros((MAX_ROWS, 1, 1, 1), np.float32)),
     KvDone(9, 0, "unknown key 4 on stage1"),
     KvCopy(0, -2, 5, MAX_ROWS - 1, np.array([1, 3, MAX_SLOTS - 1], np.int64)),  # a group's row into a new key
+    KvPull(5, 7, 0, np.array([4, 0, 9], np.int32), 70),  # a paged stream's blocks (protocol 14)
+    KvPush(6, 7, 1, 70, 22, np.array([MAX_BLOCKS - 1, 3, 2], np.int32)),
 ], ids=lambda m: type(m).__name__)
 def test_round_trip(msg: Message) -> None:
     assert equal(decode(encode(msg)), msg)
@@ -88,15 +91,17 @@ def test_a_part_keeps_its_bits_and_big_endian_travels_little_endian() -> None:
 
 
 @pytest.mark.parametrize("msg,meta,message", [
-    (PULL, {"seq": -1, "key": 7, "start": 0}, "negative seq -1"),
-    (PULL, {"seq": 1, "key": True, "start": 0}, "key: True is not an integer"),
-    (PULL, {"seq": "1", "key": 7, "start": 0}, "seq: '1' is not an integer"),
-    (PULL, {"seq": 1, "key": 1 << 63, "start": 0}, "outside the 64-bit range"),
-    (PULL, {"seq": 1, "key": 7, "start": -1}, "a start slot of -1"),
-    (PULL, {"seq": 1, "key": 7, "start": MAX_SLOTS + 1}, "a start slot of"),
-    (PULL, {"seq": 1, "key": 7, "start": "3"}, "start: '3' is not an integer"),
-    (PULL, {"seq": 1, "key": 7, "start": False}, "start: False is not an integer"),
+    (PULL, {"seq": -1, "key": 7, "start": 0, "tokens": 0}, "negative seq -1"),
+    (PULL, {"seq": 1, "key": True, "start": 0, "tokens": 0}, "key: True is not an integer"),
+    (PULL, {"seq": "1", "key": 7, "start": 0, "tokens": 0}, "seq: '1' is not an integer"),
+    (PULL, {"seq": 1, "key": 1 << 63, "start": 0, "tokens": 0}, "outside the 64-bit range"),
+    (PULL, {"seq": 1, "key": 7, "start": -1, "tokens": 0}, "a start slot of -1"),
+    (PULL, {"seq": 1, "key": 7, "start": MAX_SLOTS + 1, "tokens": 0}, "a start slot of"),
+    (PULL, {"seq": 1, "key": 7, "start": "3", "tokens": 0}, "start: '3' is not an integer"),
+    (PULL, {"seq": 1, "key": 7, "start": False, "tokens": 0}, "start: False is not an integer"),
     (PULL, {"seq": 1, "key": 7}, "fields"),  # protocol 6's pull: no start
+    (PULL, {"seq": 1, "key": 7, "start": 0}, "fields"),  # protocol 13's pull: no tokens
+    (PULL, {"seq": 1, "key": 7, "start": 0, "tokens": 3}, "KvPull.tokens without blocks"),
     (PULL, {"seq": 1}, "fields"),
     (PUSH, split(PUSH)[0] | {"rows": 0}, "0 rows of 9 slots"),
     (PUSH, split(PUSH)[0] | {"rows": MAX_ROWS + 1}, "rows of 9 slots"),
@@ -186,6 +191,12 @@ def test_what_does_not_fit_cannot_be_sent(build: Any, message: str) -> None:
     lambda: KvPush(1, 0, 2, 9, 4),  # a push opens one row (protocol 11)
     lambda: KvCopy(1, 4, 5, 0, np.zeros(16384, np.int64)),  # the audit's copy: slot 0 16,384 times
     lambda: KvCopy(1, 4, 5, 0, np.array([0, 2, 1])),  # out of order
+    # paged moves (protocol 14): blocks distinct and in range, some tokens, a pull from slot 0
+    lambda: KvPull(1, 4, 0, np.array([1, 1], np.int32), 5), lambda: KvPull(1, 4, 0, np.array([-1], np.int32), 5),
+    lambda: KvPull(1, 4, 0, np.array([MAX_BLOCKS], np.int32), 5), lambda: KvPull(1, 4, 0, np.zeros(0, np.int32), 5),
+    lambda: KvPull(1, 4, 0, np.array([1], np.int32), 0), lambda: KvPull(1, 4, 3, np.array([1], np.int32), 5),
+    lambda: KvPull(1, 4, 0, None, 5), lambda: KvPush(1, 4, 1, 0, 2, np.array([1], np.int32)),
+    lambda: KvPush(1, 4, 1, 5, 2, np.array([2, 2], np.int32)),
 ])
 def test_our_own_messages_are_checked_when_made(build: Any) -> None:
     with pytest.raises(ValueError):

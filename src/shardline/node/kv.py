@@ -11,21 +11,31 @@ touched). Keys are scoped by the session, as every step's are.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from shardline.errors import StepRefused
+from shardline.model.manifest import StageEntry
 from shardline.stage.runners import Stage, copy_kv
 from shardline.wire.messages import KvCopy, KvDone, KvPart, KvPull, KvPush, Message
 
 States = dict[str, tuple[np.dtype[Any], int, int]]  # name -> (dtype, kv_heads, head_dim)
-_WIRE = (np.dtype("<f4"), np.dtype("<f2"))  # what a KvPart may carry (messages.KvPart)
+WIRE = (np.dtype("<f4"), np.dtype("<f2"))  # what a KvPart may carry (messages.KvPart)
 
 
-def states(stage: Stage) -> States:
+class Layered(Protocol):
+    """What a push's parts are checked against: a stage's layers and KV variables (a Stage, or a
+    paged worker's stage: node/paged.py)."""
+
+    @property
+    def entry(self) -> StageEntry: ...
+    def kv_layout(self) -> States: ...
+
+
+def states(stage: Layered) -> States:
     """The stage's KV variables (made once per stage: Stage.kv_layout)."""
     return stage.kv_layout()
 
@@ -54,7 +64,7 @@ def pull(stages: list[Stage], key: Hashable, msg: KvPull) -> Iterator[Message]:
             yield KvDone(msg.seq, sent, f"{stage.entry.name}: {type(e).__name__}: {e}")
             return
         for name, state in arrays:
-            if state.dtype not in _WIRE or state.ndim != 4 or state.shape[0] < 1:
+            if state.dtype not in WIRE or state.ndim != 4 or state.shape[0] < 1:
                 yield KvDone(msg.seq, sent, f"{stage.entry.name} state {name} is {state.dtype} "
                                             f"{list(state.shape)}: it cannot travel")
                 return
@@ -63,7 +73,7 @@ def pull(stages: list[Stage], key: Hashable, msg: KvPull) -> Iterator[Message]:
     yield KvDone(msg.seq, sent, "")
 
 
-def begin(stages: list[Stage], msg: KvPush, refused: str | None = None) -> Push:
+def begin(stages: Sequence[Layered], msg: KvPush, refused: str | None = None) -> Push:
     """A push under way; `refused` (node/bounds.py) makes it keep none of its parts."""
     push = Push(msg, arrays=[{} for _ in stages])
     if refused:
@@ -73,7 +83,7 @@ def begin(stages: list[Stage], msg: KvPush, refused: str | None = None) -> Push:
     return push
 
 
-def add(stages: list[Stage], push: Push, part: KvPart) -> None:
+def add(stages: Sequence[Layered], push: Push, part: KvPart) -> None:
     """Keep `part` if it fits one of `stages`; a part of layers no stage here runs is skipped (a
     coordinator that cannot tell which worker runs which stages sends each of them all)."""
     push.got += 1
@@ -92,7 +102,7 @@ def add(stages: list[Stage], push: Push, part: KvPart) -> None:
             return
 
 
-def _misfit(stage: Stage, push: KvPush, part: KvPart, kept: dict[str, np.ndarray]) -> str:
+def _misfit(stage: Layered, push: KvPush, part: KvPart, kept: dict[str, np.ndarray]) -> str:
     """Why `part` does not fit `stage` ("" when it does)."""
     spec = states(stage).get(part.name)
     if spec is None:
@@ -111,7 +121,7 @@ def finish(stages: list[Stage], key: Hashable, push: Push) -> KvDone:
     """Open `key` with the pushed state on every stage, or on none (the answer says why)."""
     msg = push.msg
     if not push.error:
-        push.error = _incomplete(stages, push)
+        push.error = incomplete(stages, push)
     if push.error:
         return KvDone(msg.seq, push.got, f"key {msg.key}: {push.error}")
     opened: list[Stage] = []
@@ -128,7 +138,7 @@ def finish(stages: list[Stage], key: Hashable, push: Push) -> KvDone:
     return KvDone(msg.seq, push.got, "")
 
 
-def _incomplete(stages: list[Stage], push: Push) -> str:
+def incomplete(stages: Sequence[Layered], push: Push) -> str:
     for stage, arrays in zip(stages, push.arrays, strict=True):
         if missing := sorted(states(stage).keys() - arrays.keys()):
             return f"{stage.entry.name} lacks state {', '.join(missing[:4])}"

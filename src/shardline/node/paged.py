@@ -1,26 +1,36 @@
-"""A Ragged step (issue 41) through a worker's paged stages, over its session's pools.
+"""A Ragged step (issue 41) through a worker's paged stages, over its session's pools, and a
+paged stream's KV moved by its blocks (disaggregated serving: KvPull / KvPush with `blocks`).
 
 Each coordinator's session has pools of its own on every paged stage here (sized by the
 coordinator's Hello: one block table serves every stage of the chain), allocated when it joins
 and freed when its link drops. A step is checked against them before any stage runs
 (stage/paged_batch.py): a table outside the pool, too short for its tokens, or a block written
 by one sequence and read by another is refused (StepFailed) with every pool as it was.
+
+A pull reads the first `tokens` tokens of its blocks on every stage, as one row of slots (as
+in one process: PagedRunner.read); a push keeps its parts until the last, each checked as it
+comes (node/kv.py), then writes them into its blocks on every stage, or on none: blocks outside
+the session's pools or too few for the tokens are refused before any stage is written. The
+blocks are the coordinator's to give (its scheduler took them for the arriving stream).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
 from shardline.decoding.masks import TokenMasks
 from shardline.decoding.speculative import Drafted
 from shardline.host import available_memory
+from shardline.model.manifest import StageEntry
+from shardline.node import kv
 from shardline.node.execute import tops
 from shardline.stage.paged_batch import PagedBatch
 from shardline.stage.paged_runner import PagedRunner, Pool
 from shardline.stage.paged_sample import choices, logits_rows
-from shardline.wire.messages import Hello, Ragged, Sampled
+from shardline.wire.messages import Hello, KvDone, KvPart, KvPull, KvPush, Message, Ragged, Sampled
 
 
 def pools_for(stages: list[PagedRunner], peer: Hello, reserved: int = 0) -> list[Pool] | str:
@@ -75,3 +85,78 @@ def sampled(msg: Ragged, batch: PagedBatch, logits: np.ndarray, hops: Callable[[
     logits_out = np.stack([c.logits for c in made if c.logits is not None]) if msg.want_logits and made else None
     return Sampled(0, msg.seq, np.array([c.token for c in made], np.int64),
                    np.array([c.logprob for c in made], np.float32), top_ids, top_lp, logits_out, hops())
+
+
+@dataclass(frozen=True)
+class _Layers:
+    """A paged stage as a push's parts are checked against it (node/kv.py's Layered)."""
+
+    entry: StageEntry
+    runner: PagedRunner
+
+    def kv_layout(self) -> kv.States:
+        return self.runner.kv_layout()
+
+
+def layered(stages: list[PagedRunner]) -> list[_Layers]:
+    out = []
+    for s in stages:
+        assert s.entry is not None  # a worker's stages are loaded from its export
+        out.append(_Layers(s.entry, s))
+    return out
+
+
+def pull(stages: list[PagedRunner], pools: list[Pool], msg: KvPull) -> Iterator[Message]:
+    """A KvPart per pool of every stage (the blocks' first `tokens` tokens), then a KvDone;
+    a KvDone saying why when a stage cannot read them (blocks outside its pool, too few)."""
+    assert msg.blocks is not None
+    blocks, sent = tuple(msg.blocks.tolist()), 0
+    for layers, pool in zip(layered(stages), pools, strict=True):
+        e = layers.entry
+        try:
+            arrays = sorted(layers.runner.read(blocks, msg.tokens, pool).items())
+        except Exception as err:  # noqa: BLE001 - the coordinator hears why, the worker goes on
+            yield KvDone(msg.seq, sent, f"{e.name}: {err}")
+            return
+        for name, state in arrays:
+            if state.dtype not in kv.WIRE:
+                yield KvDone(msg.seq, sent, f"{e.name} pool {name} is {state.dtype}: it cannot travel")
+                return
+            yield KvPart(msg.seq, e.first_layer, e.last_layer, name, state)
+            sent += 1
+    yield KvDone(msg.seq, sent, "")
+
+
+def begin(stages: list[PagedRunner], pools: list[Pool], msg: KvPush, refused: str | None) -> kv.Push:
+    """A paged push under way: refused at once (its parts only counted) when its blocks do not
+    fit the session's pools or hold fewer tokens than it announces."""
+    assert msg.blocks is not None
+    n, size = msg.blocks.size, stages[0].block_size
+    if not refused and int(msg.blocks.max()) >= pools[0].blocks:
+        refused = f"KV blocks up to {int(msg.blocks.max())} in a pool of {pools[0].blocks}"
+    elif not refused and msg.slots > n * size:
+        refused = f"{msg.slots} tokens do not fit {n} blocks of {size}"
+    return kv.begin(layered(stages), msg, refused)
+
+
+def add(stages: list[PagedRunner], push: kv.Push, part: KvPart) -> None:
+    kv.add(layered(stages), push, part)
+
+
+def finish(stages: list[PagedRunner], pools: list[Pool], push: kv.Push) -> KvDone:
+    """The pushed tokens written into their blocks on every stage (checked whole first: a
+    write fails only for a fault of the device, and then the blocks hold nothing anyone reads:
+    the coordinator frees them with the failed move)."""
+    msg, states = push.msg, layered(stages)
+    if not push.error:
+        push.error = kv.incomplete(states, push)
+    if push.error:
+        return KvDone(msg.seq, push.got, f"blocks of key {msg.key}: {push.error}")
+    assert msg.blocks is not None
+    blocks = tuple(msg.blocks.tolist())
+    for stage, pool, arrays in zip(stages, pools, push.arrays, strict=True):
+        try:
+            stage.write(blocks, arrays, pool)
+        except Exception as err:  # noqa: BLE001 - the coordinator hears why, the worker goes on
+            return KvDone(msg.seq, push.got, f"blocks of key {msg.key}: {type(err).__name__}: {err}")
+    return KvDone(msg.seq, push.got, "")

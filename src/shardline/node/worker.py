@@ -362,11 +362,16 @@ class StageWorker:
         link carries, and it is closed (the session ends; the worker and its others go on)."""
         link = session.coordinator
         if isinstance(msg, KvPull):
-            for reply in kv.pull(self.stages, (session.no, msg.key), msg):
+            if why := self._not_for_me(msg, session):
+                return self._send(link, KvDone(msg.seq, 0, why))
+            replies = kv.pull(self.stages, (session.no, msg.key), msg) if session.pools is None else \
+                paged.pull(self.shard.paged, session.pools, msg)
+            for reply in replies:
                 self._send(link, reply)
             return
         if isinstance(msg, KvCopy):
-            why = self.bounds.copy(msg)
+            why = self.bounds.copy(msg) or ("a paged worker copies no KV (its blocks are shared)"
+                                            if session.pools is not None else None)
             return self._send(link, KvDone(msg.seq, 0, why) if why else kv.copy(self.stages, session.no, msg))
         push = session.push
         in_order = isinstance(msg, KvPush) if push is None else (isinstance(msg, KvPart) and msg.seq == push.msg.seq)
@@ -377,15 +382,34 @@ class StageWorker:
         link.close()
 
     def _push(self, session: Session, msg: KvPush | KvPart) -> None:
+        """A push's parts, each checked as it comes; the last writes them (a key's state, or a
+        paged session's blocks) or says why not."""
+        pools = session.pools
         if isinstance(msg, KvPush):
-            session.push = push = kv.begin(self.stages, msg, self.bounds.push(msg))
+            refused = self._not_for_me(msg, session) or self.bounds.push(msg)
+            session.push = push = kv.begin(self.stages, msg, refused) if pools is None or refused else \
+                paged.begin(self.shard.paged, pools, msg, refused)
         else:
             assert session.push is not None
             push = session.push
-            kv.add(self.stages, push, msg)
+            if pools is None:
+                kv.add(self.stages, push, msg)
+            else:
+                paged.add(self.shard.paged, push, msg)
         if push.got == push.msg.parts:
             session.push = None
-            self._send(session.coordinator, kv.finish(self.stages, (session.no, push.msg.key), push))
+            done = kv.finish(self.stages, (session.no, push.msg.key), push) if pools is None else \
+                paged.finish(self.shard.paged, pools, push)
+            self._send(session.coordinator, done)
+
+    @staticmethod
+    def _not_for_me(msg: KvPull | KvPush, session: Session) -> str | None:
+        """Why a move does not fit this worker's kind of stages: blocks to one holding keys, a
+        key's state to one holding blocks."""
+        if (msg.blocks is None) == (session.pools is None):
+            return None
+        return ("this worker's stages are paged: a KV move names blocks" if session.pools is not None else
+                "this worker's stages are not paged: a KV move names no blocks")
 
     def _step(self, item: Received) -> None:
         """A step through this worker's stages, then on: to the next worker or back. A step that

@@ -24,7 +24,9 @@ A stream's first step reopens the chain, within `reconnect_s`.
 A paged export (issue 41) runs ragged steps instead (`Ragged` frames): stage 0's block pool is
 here, and each worker allocates one of the same blocks for the session when it joins, so one
 block table serves every stage. Nothing is held by key: a broken chain loses the blocks its
-workers held, and a step that reads one of them is lost (held.py), its streams replayed.
+workers held, and a step that reads one of them is lost (held.py), its streams replayed. A
+stream's KV moves by its blocks (disaggregated serving: remote_kv.py); a step that reads or
+writes blocks still moving waits for the move to land on every worker.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from shardline.pipeline.chain import Delivered, open_chain
 from shardline.pipeline.deadline import Deadlines, StepClock
 from shardline.pipeline.frames import choice, forward, ragged
 from shardline.pipeline.heartbeat import beat, quiet_for, settle_for
-from shardline.pipeline.held import needs
+from shardline.pipeline.held import needs, reads, writes
 from shardline.pipeline.hidden import HiddenChunk
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import StageLayout
@@ -152,7 +154,7 @@ class RemotePipeline:
         self._seq = count()
         self._clock = StepClock(deadlines or Deadlines())  # when a step in flight counts as lost
         floor = self._clock.limits.floor_s
-        self.kv = KvMoves(self.manifest, self.stage0, max(KV_S, floor), copy_s=floor)
+        self.kv = KvMoves(self.manifest, self.stage0, max(KV_S, floor), copy_s=floor, paged0=self.paged0)
         self.life = ChainLife(self._open, self._read, reconnect_s)
         self.life.held.block_size = self.block_size
         # Pings only where replies come back on every link (a star reads its links in turn).
@@ -218,10 +220,7 @@ class RemotePipeline:
     def move(self, item: KvMove) -> None:
         """As LocalPipeline's; a move also fails when the chain breaks under it."""
         self.outbox.watch(item)
-        if self.paged0 is not None:
-            return item.done.set_exception(ShardlineError("a paged chain of workers moves no KV yet (a paged "
-                                                          "export serves --disaggregate in one process)"))
-        if not unfit(item, self.kv.identity, self.kv.layout):
+        if not unfit(item, self.kv.identity, self.kv.layout, paged=self.paged0 is not None):
             self._inbox.put(item)
 
     def outcomes(self, timeout: float | None = None) -> list[Outcome | Moved]:
@@ -232,7 +231,7 @@ class RemotePipeline:
 
     def layout(self) -> list[StageLayout]:
         """Each stage's layers and state variables, as an import must fit them (remote_kv.py)."""
-        return [] if self.paged0 is not None else self.kv.layout()
+        return self.kv.layout()
 
     def placement(self) -> list[Placed]:
         """Stage 0 here, then each worker with the layers it answered its handshake with. While
@@ -312,7 +311,7 @@ class RemotePipeline:
             if not broken:
                 self.kv.track(move, links, self.workers)
                 if isinstance(work, KvImport | KvCopy):
-                    life.held.imported(work.lease)
+                    life.held.imported(work)
         if broken:
             return self.kv.end(move, f"the chain broke: {broken}")
         try:
@@ -354,6 +353,8 @@ class RemotePipeline:
         with life.lock:
             if (block := life.held.unwritten(step)) is not None:
                 raise Lost(f"KV block {block} went with a chain that broke: {life.broken or life.last_break}")
+        if self.kv.busy():  # a block moving on a later worker's own link: this step must not overtake it
+            self.kv.settle(reads(step, self.block_size) | writes(step, self.block_size))
         sent = Sent(step)
         began = time.perf_counter()
         hidden = self.paged0.run(step.batch, step.ids)

@@ -14,6 +14,11 @@ Chain: the answers come on the links' readers. Star: there are none, and the sta
 reads each worker's answers itself (no step is in flight then: star runs one step at a time).
 In a daisy chain a step after a move reaches a later worker through the earlier ones, not on
 the link that carried the move: `settle` holds such a step back until the move has landed.
+
+A paged export's stream moves by its blocks (protocol 14): stage 0's are read out of (or
+written into) its pool here, each worker's with a KvPull / KvPush naming them, the snapshot one
+row of the stream's tokens as in one process. Nothing is opened, so a failed import has nothing
+to undo: its blocks hold nothing anyone reads, and the importer's scheduler frees them.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from shardline.pipeline.held import Held
 from shardline.pipeline.kv import KvSnapshot, StageKv, StageLayout, check, export_identity, frozen, snapshot
 from shardline.pipeline.local import write_kv
 from shardline.pipeline.plan import KvCopy, KvExport, KvImport
+from shardline.stage.paged_runner import PagedRunner
 from shardline.stage.runners import Stage, copy_kv
 from shardline.wire.codec import WireError
 from shardline.wire.link import Link, LinkClosed
@@ -45,10 +51,14 @@ KV_S = 60.0  # a worker that has not finished its part of a move by then is take
 
 
 class KvHeld(Held):
-    """Held, plus keys whose state an import put on the chain (no step of theirs was sent)."""
+    """Held, plus what an import put on the chain (no step of its stream was sent): a key's
+    state, or a paged stream's blocks."""
 
-    def imported(self, key: int) -> None:
-        self._keys.add(key)
+    def imported(self, work: KvImport | KvCopy) -> None:
+        if isinstance(work, KvImport) and work.blocks:
+            self._blocks.update(work.blocks)
+        else:
+            self._keys.add(work.lease)
 
 
 @dataclass(eq=False)
@@ -69,19 +79,24 @@ class _Move:
         return _verb(self.work)
 
     def keys(self) -> set[int]:
-        """The keys a step must not overtake it on: the one it opens, and a copy's source."""
-        return {self.work.lease, self.work.src} if isinstance(self.work, KvCopy) else {self.work.lease}
+        """The keys a step must not overtake it on: the one it opens, and a copy's source (a
+        paged move's: its blocks)."""
+        if isinstance(self.work, KvCopy):
+            return {self.work.lease, self.work.src}
+        return set(self.work.blocks) if self.work.blocks else {self.work.lease}
 
 
 class KvMoves:
     """The moves under way, by seq: started on the stage-0 thread, answered on the links' readers
     (chain) or on the stage-0 thread itself (star), ended by their last answer or by a break."""
 
-    def __init__(self, manifest: Manifest, stage0: Stage | None, limit_s: float = KV_S, copy_s: float = KV_S) -> None:
-        """`stage0`: None where the stages hold no KV by lease (a paged export's: nothing moves).
-        `limit_s`: how long a worker may take over its part of an export or import (it moves a
-        whole cache over the link); `copy_s`: of a copy (on the worker alone: a step's bound)."""
+    def __init__(self, manifest: Manifest, stage0: Stage | None, limit_s: float = KV_S, copy_s: float = KV_S,
+                 paged0: PagedRunner | None = None) -> None:
+        """`stage0`: None on a paged export, whose stage 0 is `paged0` (a stream's KV moves by its
+        blocks). `limit_s`: how long a worker may take over its part of an export or import (it
+        moves a whole cache over the link); `copy_s`: of a copy (on the worker alone: a step's)."""
         self.manifest, self._stage0, self.limit_s, self.copy_s = manifest, stage0, limit_s, copy_s
+        self.paged0 = paged0
         self.identity = export_identity(manifest)
         self._layout: list[StageLayout] | None = None
         self._lock = threading.Lock()
@@ -93,12 +108,16 @@ class KvMoves:
             raise ShardlineError("a paged pipeline moves no KV by lease (its blocks are the scheduler's)")
         return self._stage0
 
+    def busy(self) -> bool:
+        """Whether any move is under way (a paged step then settles on its blocks)."""
+        return bool(self._moves)
+
     def layout(self) -> list[StageLayout]:
         """What an import must fit: stage 0 as its compiled model reports it; the workers' stages
         from the manifest (their variables, the model's kv_heads and head_dim, stage 0's dtype).
         Each worker checks its own parts again against its compiled stages."""
         if self._layout is None:
-            mine = self.stage0.kv_layout()
+            mine = self.paged0.kv_layout() if self.paged0 is not None else self.stage0.kv_layout()
             dtype = next(iter(mine.values()))[0]
             arch, (e0, *rest) = self.manifest.arch, self.manifest.stages
             spec = (dtype, arch.n_kv_heads, arch.head_dim)
@@ -112,13 +131,14 @@ class KvMoves:
         """The messages for each of `workers`, and stage 0's part: an export's copy, an import's
         write. ShardlineError, with stage 0 as it was, when either cannot be done."""
         if isinstance(work, KvExport):
-            sends: list[list[KvPull | KvPush | KvPart | KvCopyMsg]] = [[KvPull(seq, work.lease, work.start)]
-                                                                       for _ in range(workers)]
+            sends: list[list[KvPull | KvPush | KvPart | KvCopyMsg]] = [[_pull_msg(work, seq)] for _ in range(workers)]
         elif isinstance(work, KvCopy):
             sends = [[_copy_msg(work, seq)] for _ in range(workers)]
         else:
             sends = [list(_pushes(work, seq, i, workers)) for i in range(workers)]
         try:
+            if isinstance(work, KvExport | KvImport) and work.blocks:
+                return self._begin_paged(work, seq, sends)
             if isinstance(work, KvExport):
                 e = self.stage0.entry
                 head = StageKv(e.first_layer, e.last_layer, frozen(self.stage0.kv(work.lease, work.start)))
@@ -130,6 +150,18 @@ class KvMoves:
             return _Move(work, seq, sends, None)
         except Exception as e:  # noqa: BLE001 - the move fails with the reason; the thread goes on
             raise ShardlineError(f"stage 0: {_why(e)}") from None
+
+    def _begin_paged(self, work: KvExport | KvImport, seq: int,
+                     sends: list[list[KvPull | KvPush | KvPart | KvCopyMsg]]) -> _Move:
+        """Stage 0's part of a paged move: its blocks read out, or the snapshot written in."""
+        if self.paged0 is None:
+            raise ShardlineError("KV blocks move on a paged pipeline only")
+        if isinstance(work, KvImport):
+            self.paged0.write(work.blocks, dict(work.snap.stages[0].arrays))
+            return _Move(work, seq, sends, None)
+        e = self.manifest.stages[0]
+        return _Move(work, seq, sends, StageKv(e.first_layer, e.last_layer,
+                                               frozen(self.paged0.read(work.blocks, work.tokens))))
 
     def track(self, move: _Move, links: list[Link], workers: list[str]) -> None:
         """From now on its answers count, and a break ends it (called under the pipeline's lock,
@@ -266,7 +298,10 @@ class KvMoves:
 
     def _undo(self, move: _Move) -> None:
         """Close the key on stage 0 and on every worker that opened it (a worker that refused it
-        opened nothing: a key it held before is not touched)."""
+        opened nothing: a key it held before is not touched). A paged import's blocks hold
+        nothing anyone reads: its scheduler frees them with the failed move."""
+        if isinstance(move.work, KvImport) and move.work.blocks:
+            return
         self.stage0.close(move.work.lease)
         for link, done in zip(move.links, move.done, strict=True):
             if done is not None and not done.error:
@@ -283,9 +318,19 @@ def _pushes(work: KvImport, seq: int, i: int, workers: int) -> list[KvPull | KvP
     try:
         parts = [KvPart(seq, s.first_layer, s.last_layer, name, s.arrays[name])
                  for s in share for name in sorted(s.arrays)]
-        return [KvPush(seq, work.lease, snap.rows, snap.slots, len(parts)), *parts]
+        blocks = np.asarray(work.blocks, np.int32) if work.blocks else None
+        return [KvPush(seq, work.lease, snap.rows, snap.slots, len(parts), blocks), *parts]
     except ValueError as e:  # what messages.py checks of every message, ours too
         raise ShardlineError(f"a KV snapshot of {snap.rows} rows of {snap.slots} slots cannot travel: {e}") from None
+
+
+def _pull_msg(work: KvExport, seq: int) -> KvPull:
+    if not work.blocks:
+        return KvPull(seq, work.lease, work.start)
+    try:
+        return KvPull(seq, work.lease, 0, np.asarray(work.blocks, np.int32), work.tokens)
+    except ValueError as e:  # what messages.py checks of every message, ours too
+        raise ShardlineError(f"a pull of {len(work.blocks)} blocks cannot travel: {e}") from None
 
 
 def _copy_msg(work: KvCopy, seq: int) -> KvCopyMsg:

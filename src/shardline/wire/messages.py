@@ -1,4 +1,4 @@
-"""The closed set of messages that travel between coordinator and stage workers (protocol 13).
+"""The closed set of messages that travel between coordinator and stage workers (protocol 14).
 
 Every message is a frozen dataclass with a fixed kind number. Scalar fields travel as JSON and
 are checked against their declared types on decode (an int is not a bool, an enum takes only
@@ -28,8 +28,9 @@ from shardline.config import MAX_CONTEXT, SamplingParams
 # 11: what a frame may cost bounded (a key opens with one row: a first step, a push; a copy's
 # slots increasing), Ping/Pong on idle links; 12: Forward.allow_bits/allow_of, the tokens a
 # constrained entry may take (issue 40); 13: Ragged, a paged step (issue 41): every stream's new
-# tokens in one flat batch over block tables; Hello.block_size and Hello.blocks (the pool).
-PROTOCOL = 13
+# tokens in one flat batch over block tables; Hello.block_size and Hello.blocks (the pool);
+# 14: KvPull.blocks/tokens and KvPush.blocks, a paged stream's KV moved by its blocks.
+PROTOCOL = 14
 MAX_SUPPORT = 64  # token ids of a draft distribution sent per sampled position
 
 # One row of `hops` per stage a step has run through, appended by the process that ran it:
@@ -103,6 +104,13 @@ def _range(a: np.ndarray) -> tuple[int, int] | None:
 def _ids_in(a: np.ndarray, n: int, what: str) -> None:
     r = _range(a)
     _need(r is None or (r[0] >= 0 and r[1] < n), f"{what} out of range 0-{n - 1}")
+
+
+def _check_blocks(blocks: np.ndarray, what: str) -> None:
+    """A paged move's blocks: some, distinct, ids a pool may have (its own size is the worker's)."""
+    _need(1 <= blocks.size <= MAX_BLOCKS, f"{what}: {blocks.size} blocks")
+    _ids_in(blocks, MAX_BLOCKS, f"{what}.blocks")
+    _need(_distinct(blocks), f"{what}: a block twice")
 
 
 def _increasing(a: np.ndarray) -> bool:
@@ -419,32 +427,43 @@ class KvPull:
     """Coordinator -> worker: a copy of `key`'s KV from slot `start` on, on each of its stages
     (the key stays open). The answer: a KvPart per state variable, then a KvDone (its error says
     why none, e.g. an unknown key or a start past its slots). `key` is any key a step may hold
-    (a decode group's are negative)."""
+    (a decode group's are negative). On a paged chain (protocol 14) the KV of the first `tokens`
+    tokens held in `blocks` of the session's pools instead, as one row of that many slots."""
 
     KIND: ClassVar[int] = 10
-    ARRAYS: ClassVar[dict[str, Arr]] = {}
+    ARRAYS: ClassVar[dict[str, Arr]] = {"blocks": Arr(("i4",), 1, True)}
     seq: int
     key: int
     start: int = 0  # the first slot copied: the slots a chunk-level transfer has not sent yet
+    blocks: np.ndarray | None = None  # [B] i32, a paged stream's blocks in order
+    tokens: int = 0  # a paged pull's: how many tokens of them
 
     def __post_init__(self) -> None:
         _check_seq(self.seq)
         _need(0 <= self.start <= MAX_SLOTS, f"a start slot of {self.start}")
+        if self.blocks is None:
+            _need(self.tokens == 0, "KvPull.tokens without blocks")
+            return
+        _check_blocks(self.blocks, "KvPull")
+        _need(self.start == 0, "KvPull: a paged pull starts at slot 0")
+        _need(1 <= self.tokens <= MAX_SLOTS, f"KvPull: {self.tokens} tokens")
 
 
 @dataclass(frozen=True)
 class KvPush:
     """Coordinator -> worker: open `key` on every stage of the worker with the state of the
     `parts` KvParts that follow (same seq): `rows` rows of `slots` slots each. Answered by a
-    KvDone once the last part is in (its error says why nothing was opened)."""
+    KvDone once the last part is in (its error says why nothing was opened). On a paged chain
+    (protocol 14) the `slots` tokens go into `blocks` of the session's pools instead."""
 
     KIND: ClassVar[int] = 11
-    ARRAYS: ClassVar[dict[str, Arr]] = {}
+    ARRAYS: ClassVar[dict[str, Arr]] = {"blocks": Arr(("i4",), 1, True)}
     seq: int
     key: int
     rows: int
     slots: int
     parts: int
+    blocks: np.ndarray | None = None  # [B] i32, the blocks a paged stream's tokens are written into
 
     def __post_init__(self) -> None:
         _check_seq(self.seq)
@@ -452,6 +471,9 @@ class KvPush:
         _need(self.rows == 1 and 0 <= self.slots <= MAX_SLOTS, f"KvPush: {self.rows} rows of {self.slots} slots "
               f"(a push opens one row of at most {MAX_SLOTS})")
         _need(1 <= self.parts <= MAX_KV_PARTS, f"{self.parts} parts")
+        if self.blocks is not None:
+            _check_blocks(self.blocks, "KvPush")
+            _need(self.slots >= 1, "KvPush: a paged push of no tokens")
 
 
 @dataclass(frozen=True)
