@@ -323,7 +323,9 @@ def open_paged_disaggregated(folder: Path, manifest: Manifest, run: RunConfig, c
     sched = scheduling(cfg, manifest, False)
 
     def blocks(pipe: PagedPipeline | RemotePipeline, cfg: SchedulerConfig, prefix: bool) -> PagedScheduler:
-        return PagedScheduler(cfg, BlockPool(pipe.blocks, pipe.block_size), prefix=prefix, block_bytes=pipe.block_bytes)
+        # over workers, one step in flight per stage, as a coupled engine's (open_paged_engine)
+        return PagedScheduler(cfg, BlockPool(pipe.blocks, pipe.block_size), prefix=prefix, block_bytes=pipe.block_bytes,
+                              in_flight=len(manifest.stages) if workers else 1)
 
     prefill_cfg = SchedulerConfig(chunk=sched.chunk, groups=0, max_prefills=1, pacing=None)
     prefills = {f"instance-{i}": prefill_instance(
