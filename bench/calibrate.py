@@ -2,7 +2,7 @@
 a prefill chunk, a decode group's step and a KV transfer cost, fit `Costs.fit` to the samples,
 show how well the fitted model reproduces every one of them, and save it (`Costs.to_json`).
 
-The default model's default export (`default_shards()`: 2 balanced stages, gguf) in this process
+The default model's stateful export (`default_shards(paged=False)`: 2 balanced stages, gguf) in this process
 (LocalPipeline, every stage on its own thread) with the serving run config (`RunConfig()`: exact
 precision, OpenVINO's thread default), as `shardline serve` runs it. Every time is the wall time
 from submitting a step (or an export / import) to its result, what the engine waits for. Prompts
@@ -354,7 +354,7 @@ def main() -> int:
     if args.shards is not None:
         folder = args.shards
     else:
-        folder = shard_folder(args.work, args.stages) if args.stages else default_shards(progress=False)
+        folder = shard_folder(args.work, args.stages) if args.stages else default_shards(progress=False, paged=False)
     run_cfg = RunConfig(precision=args.precision, threads=args.threads)
     lengths = ({c - 1 for c in p_contexts if c} | set(t_lengths)
                | {decode_base(c, args.warm, args.steps, max(rows)) for c in d_contexts})

@@ -48,7 +48,7 @@ from kit import TEXT, Proc  # bench/ is on sys.path when this script runs
 from trackers import Tracker, wait_for
 
 from shardline.config import PacingConfig, RunConfig, SamplingConfig, ServeConfig
-from shardline.export.defaults import default_paged_shards, default_shards
+from shardline.export.defaults import default_shards
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.server import open_disaggregated, open_engine
 from shardline.serving.engine import Request, Serving
@@ -151,7 +151,7 @@ def system(name: str, folder: Path, placement: str, pacing: PacingConfig, prefix
     base = ServeConfig(max_streams=8, pacing=None if name == "old" else pacing,
                        prefix_cache_mb=None if prefix else 0)
     instances = 2 if name == "disagg" else 1
-    folder = default_paged_shards(False) if name == "paged" else folder
+    folder = default_shards(False, paged=True) if name == "paged" else folder
     workers = [Proc(["worker", "--shards", str(folder), "--stage", "1", "--listen", "127.0.0.1:0", "--insecure"],
                     "listening on ") for _ in range(instances if placement == "workers" else 0)]
     addrs = [w.addr for w in workers] or None
@@ -241,7 +241,7 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.systems, args.placements, args.lengths, args.steady = "old,new", "process", "300,600", 1.0
-    folder = default_shards(progress=False)
+    folder = default_shards(progress=False, paged=False)
     tok = ChatTokenizer(folder)
     chats = [tok.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
     text = tok.encode(TEXT)

@@ -404,7 +404,8 @@ def serve(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | N
                     grammars=grammars)
     sock = socket.create_server((cfg.host, cfg.port))  # bound here, so port 0 reports its real port
     host, port = sock.getsockname()[:2]
-    print(f"serving {served.model_id} ({len(manifest.stages)} stages, context {context} tokens, KV cache "
+    kinds = "/".join(sorted({e.runner for e in manifest.stages}))  # paged, stateful, static (or a mix)
+    print(f"serving {served.model_id} ({len(manifest.stages)} {kinds} stages, context {context} tokens, KV cache "
           f"{served.kv}, up to {engine.limits.max_streams} streams) on http://{host}:{port}/v1",
           file=sys.stderr, flush=True)
     # A stop (Ctrl-C, SIGTERM) waits for open streams at most this long, then ends them.

@@ -68,3 +68,21 @@ def test_every_family_module_is_found() -> None:
                                                             fromlist=["FAMILIES"]).FAMILIES}
     assert declared == set(FAMILIES) == {"gemma3", "llama", "mistral", "mistral3", "qwen2", "qwen3",
                                                     "qwen3moe", "smollm3", "gpt-oss", "mixtral"}
+
+
+@pytest.mark.parametrize("cfg,paged", [
+    ({}, True),  # serve and generate: the paged export (issue 41)
+    ({"prefix_cache_mb": 0, "max_streams": 1}, True),
+    ({"disaggregate": (1, 1)}, False),  # its bundled length predictor, flips, chunk transfer: stateful
+    ({"disaggregate": (2, 1), "flip": True}, False),
+])
+def test_the_default_model_is_served_paged_except_disaggregated(cfg: dict[str, object], paged: bool,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    import shardline.cli as cli
+    from shardline.config import ServeConfig
+
+    asked: list[bool] = []
+    monkeypatch.setattr(cli, "default_shards", lambda paged=True: asked.append(paged) or tmp_path)
+    assert cli.default_model(ServeConfig(**cfg)) == tmp_path  # type: ignore[arg-type]
+    assert asked == [paged]

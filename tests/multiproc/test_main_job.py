@@ -95,6 +95,7 @@ def test_serve_with_no_arguments_answers_the_openai_client(default_cache: Path) 
     assert got["finish_reason"] in ("stop", "length")
     assert got["exit_code"] == 143, got["stderr"]
     assert "preparing the default model" not in got["stderr"], got["stderr"]  # the prepared cache served
+    assert "(2 paged stages," in got["stderr"], got["stderr"]  # the default model is served paged (issue 41)
 
 
 def _drive_default_server() -> dict[str, Any]:

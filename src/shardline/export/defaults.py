@@ -22,18 +22,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SHARDLINE_CACHE", Path.home() / ".cache" / "shardline"))
 
 
-def default_shards(progress: bool = True) -> Path:
-    """The default model in DEFAULT_STAGES balanced stages, exported once and cached."""
-    folder = cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-{DEFAULT_STAGES}stages-balanced-{EXPORT_TAG}"
-    return _cached(folder, "the default model's shards", ExportConfig(
-        out=folder, stages=DEFAULT_STAGES, balance=True, weights=DEFAULT_WEIGHTS, progress=progress))
-
-
-def default_paged_shards(progress: bool = True) -> Path:
-    """The default model split as `default_shards`, its stages paged (export/paged.py)."""
-    folder = cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-{DEFAULT_STAGES}stages-balanced-paged-{EXPORT_TAG}"
-    return _cached(folder, "the default model's paged shards", ExportConfig(
-        out=folder, stages=DEFAULT_STAGES, balance=True, weights=DEFAULT_WEIGHTS, progress=progress, paged=True))
+def default_shards(progress: bool = True, paged: bool = True) -> Path:
+    """The default model in DEFAULT_STAGES balanced stages, exported once and cached: paged
+    stages (what serving runs by default, issue 41), or stateful ones (`paged=False`: the
+    paper's path, and what the serve options a paged export does not take need)."""
+    kind = "balanced-paged" if paged else "balanced"
+    folder = cache_dir() / f"{DEFAULT_PREFIX}{DEFAULT_WEIGHTS}-{DEFAULT_STAGES}stages-{kind}-{EXPORT_TAG}"
+    what = "the default model's paged shards" if paged else "the default model's shards"
+    return _cached(folder, what, ExportConfig(
+        out=folder, stages=DEFAULT_STAGES, balance=True, weights=DEFAULT_WEIGHTS, progress=progress, paged=paged))
 
 
 def planned_folder(spec: str) -> Path:
