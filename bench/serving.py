@@ -14,6 +14,12 @@ end-to-end latency at p50/p90/p99, throughput, and the client's own lag behind i
 
     python bench/serving.py --quick        # fewer tokens and requests
     python bench/serving.py
+    python bench/serving.py --runners      # part 2 only: the paged export against the stateful one
+
+With `--runners` (issue 41) part 2 runs `shardline serve` on the stateful export and on the paged
+one, each with every stage in its process (both cores) and with stage 1 on a worker (pinned as
+above), at the same seeded arrivals: the paged/stateful ratios of throughput and of the p50 TTFT,
+TPOT and end-to-end latency come first in the JSON line.
 
 The last line on stdout is one JSON object with the figures, ratios first.
 """
@@ -105,13 +111,17 @@ def part1(folder: Path, prompt: list[int], n: int, reps: int, pin: bool,
 # --- part 2: open-loop Poisson arrivals against the HTTP server ----------------------------------
 
 
-def part2(folder: Path, rates: list[float], count: int, tokens: int, pin: bool) -> list[dict[str, float]]:
-    threads = "1" if pin else "2"
+def part2(folder: Path, rates: list[float], count: int, tokens: int, pin: bool,
+          workers: bool = True) -> list[dict[str, float]]:
+    """The HTTP load at each rate against `shardline serve` on `folder`: stage 1 on a worker
+    (pinned: a core each), or (`workers` False) every stage in the server's process."""
+    threads = "1" if pin and workers else "2"
     worker = Proc(["worker", "--shards", str(folder), "--stage", "1", "--listen", "127.0.0.1:0",
-                   "--threads", threads, "--insecure"], "listening on ", cpus="1" if pin else None)
-    server = Proc(["serve", "--shards", str(folder), "--workers", worker.addr, "--port", "0", "--insecure",
+                   "--threads", threads, "--insecure"], "listening on ", cpus="1" if pin else None) if workers else None
+    chain = ["--workers", worker.addr] if worker is not None else []
+    server = Proc(["serve", "--shards", str(folder), *chain, "--port", "0", "--insecure",
                    "--model-id", "m", "--threads", threads, "--max-streams", "8"], "serving ",
-                  cpus="0" if pin else None, stream="stderr")
+                  cpus="0" if pin and workers else None, stream="stderr")
     url = server.url + "/completions"
     try:
         rows = []
@@ -122,7 +132,37 @@ def part2(folder: Path, rates: list[float], count: int, tokens: int, pin: bool) 
         return rows
     finally:
         server.stop()
-        worker.stop()
+        if worker is not None:
+            worker.stop()
+
+
+def runners(work: Path, balance: bool, rates: list[float], count: int, tokens: int) -> int:
+    """Part 2 on the stateful and the paged export side by side, in one process and over a worker."""
+    folders = {"stateful": shard_folder(work, 2, balance=balance), "paged": shard_folder(work, 2, balance=balance,
+                                                                                        paged=True)}
+    got: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for placement in ("process", "workers"):
+        for system, folder in folders.items():
+            print(f"{system}, {placement}: open-loop HTTP load", flush=True)
+            got[system, placement] = part2(folder, rates, count, tokens, pin=placement == "workers",
+                                           workers=placement == "workers")
+    print(f"\n{'system':>9} {'placement':>9} {'req/s':>6} {'tok/s':>7} {'ttft_p50':>9} {'ttft_p90':>9} "
+          f"{'tpot_p50':>9} {'tpot_p90':>9} {'e2e_p50':>9}")
+    for (system, placement), rows in got.items():
+        for r in rows:
+            print(f"{system:>9} {placement:>9} {r['rate']:6.1f} {r['throughput_tok_s']:7.1f} "
+                  + " ".join(f"{r[k]:9.1f}" for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms",
+                                                       "e2e_p50_ms")))
+    figures: dict[str, object] = {}
+    for placement in ("process", "workers"):
+        for new, old in zip(got["paged", placement], got["stateful", placement], strict=True):
+            at = f"{placement}_rate{new['rate']:g}"
+            figures[f"{at}_tok_s_paged_vs_stateful"] = round(new["throughput_tok_s"] / old["throughput_tok_s"], 3)
+            for k in ("ttft", "tpot", "e2e"):
+                figures[f"{at}_{k}_p50_paged_vs_stateful"] = round(new[f"{k}_p50_ms"] / old[f"{k}_p50_ms"], 3)
+    figures |= {"tokens": tokens, "requests": count, "http": {f"{s}-{p}": rows for (s, p), rows in got.items()}}
+    print(json.dumps(figures))
+    return 0
 
 
 def main() -> int:
@@ -131,9 +171,12 @@ def main() -> int:
     p.add_argument("--no-pin", action="store_true", help="let both processes use both cores")
     p.add_argument("--even", action="store_true", help="split layers evenly instead of by work per token")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "shardline-bench")
+    p.add_argument("--runners", action="store_true", help="part 2 only: the paged export against the stateful one")
     args = p.parse_args()
     n, reps, count = (24, 1, 8) if args.quick else (64, 3, 24)
     rates = [0.5, 2.0] if args.quick else [0.5, 1.0, 2.0, 4.0]
+    if args.runners:
+        return runners(args.work, not args.even, rates, count, n)
     pin = not args.no_pin
     if pin:  # before OpenVINO starts its threads: they inherit it. The worker gets core 1.
         os.sched_setaffinity(0, {0})
