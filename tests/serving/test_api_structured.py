@@ -6,7 +6,7 @@ naming the field, and the server keeps serving; /metrics counts constrained requ
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.conftest import DEFAULT_SPLIT
 from tests.serving.test_api import MODEL, Server
 from tests.serving.test_constrained import ASK, PERSON
 
@@ -26,9 +27,12 @@ class City(BaseModel):
     population_millions: float
 
 
-@pytest.fixture(scope="module")
-def server(two: Path) -> Iterator[Server]:
-    s = Server(two, "--max-streams", "4")
+@pytest.fixture(scope="module", params=["stateful", "paged"])
+def server(request: pytest.FixtureRequest, two: Path, shards: Callable[..., Path]) -> Iterator[Server]:
+    """The server on the stateful export, then on the paged one (the default model's runner
+    since issue 41): the masks ride in its fused ragged steps."""
+    folder = two if request.param == "stateful" else shards("gguf", layers=DEFAULT_SPLIT, paged=True)
+    s = Server(folder, "--max-streams", "4")
     yield s
     s.stop()
 

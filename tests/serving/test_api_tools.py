@@ -7,7 +7,7 @@ whole ones; a tool's result goes back by its call id; hostile tools and choices 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.conftest import DEFAULT_SPLIT
 from tests.serving.test_api import MODEL, Server
 
 WEATHER: Any = {"type": "function", "function": {
@@ -31,9 +32,12 @@ PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK: Any = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
-@pytest.fixture(scope="module")
-def server(two: Path) -> Iterator[Server]:
-    s = Server(two, "--max-streams", "4", "--chat-template", "chatml-tools")
+@pytest.fixture(scope="module", params=["stateful", "paged"])
+def server(request: pytest.FixtureRequest, two: Path, shards: Callable[..., Path]) -> Iterator[Server]:
+    """The server on the stateful export, then on the paged one (the default model's runner
+    since issue 41): a tool call's lazy grammar rides in its fused ragged steps."""
+    folder = two if request.param == "stateful" else shards("gguf", layers=DEFAULT_SPLIT, paged=True)
+    s = Server(folder, "--max-streams", "4", "--chat-template", "chatml-tools")
     yield s
     s.stop()
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -139,3 +141,37 @@ def test_a_bad_schema_does_not_compile(grammars: Grammars) -> None:
         grammars.constraint(GrammarSpec.json_schema({"type": "no-such-type"}))
     with pytest.raises(GrammarError, match="over the limit"):
         grammars.constraint(GrammarSpec("json_schema", json.dumps({"enum": ["x" * 300_000]})))
+
+
+def test_the_paged_runner_gives_the_same_constrained_tokens(pipe: LocalPipeline, tok: ChatTokenizer,
+                                                            grammars: Grammars, prompt: list[int],
+                                                            shards: Callable[..., Path]) -> None:
+    """The default runner (issue 41): a constrained stream's masks ride in the fused ragged step
+    beside an unconstrained stream's token and both streams' drafts (most of them breaking the
+    grammar). Greedy, each stream gets the stateful engine's tokens, and drafts were verified."""
+    from shardline.config import RunConfig
+    from shardline.pipeline.paged_local import PagedPipeline
+    from shardline.serving.kv_blocks import BlockPool
+    from shardline.serving.paged_scheduler import PagedScheduler
+    from tests.conftest import DEFAULT_SPLIT
+
+    other = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    plain = _engine(pipe, 0)
+    try:
+        want = [t for t, _ in _run(plain, [_request(prompt, tok, grammars, PERSON, speculative=False),
+                                           _request(other, tok, None, speculative=False)])]
+    finally:
+        plain.stop()
+    paged = PagedPipeline(shards("gguf", layers=DEFAULT_SPLIT, paged=True), RunConfig(), 400 << 20)
+    scheduler = PagedScheduler(SchedulerConfig(), BlockPool(paged.blocks, paged.block_size))
+    engine = Engine(paged, Limits(4, 4), paged.context, drafts=Drafts(lambda: Junk(tok.tokens("\n\n }}")), 4, 8),
+                    scheduler=scheduler)
+    stats: list[SpecStats | None] = [None, None]
+    try:
+        got = _run(engine, [_request(prompt, tok, grammars, PERSON), _request(other, tok, None)], stats)
+    finally:
+        engine.shutdown()
+        paged.shutdown()
+    assert [t for t, _ in got] == want
+    jsonschema.validate(json.loads(tok.decode(want[0])), PERSON)
+    assert stats[0] is not None and stats[0].drafted > 0
