@@ -226,3 +226,25 @@ def test_blocks_pulled_and_pushed_over_the_link_hold_the_same_kv(worker: StageWo
         assert "this worker's stages are not paged: a KV move names no blocks" in replies[0].error
     for no in (8, 9):
         del worker.sessions[f"{no:032x}"]
+
+
+def test_a_small_move_frame_cannot_make_a_worker_read_or_write_a_pool(worker: StageWorker) -> None:
+    """A move is one stream's blocks for its tokens: a pull or push naming more blocks than its
+    tokens take (a few bytes a block, each a whole block of every layer to copy or zero) or a pull
+    of more tokens than a stream holds is answered with why, nothing read or written (more blocks
+    than tokens is refused on decode: tests/unit/test_wire_kv.py)."""
+    from shardline.wire.messages import KvDone, KvPart, KvPull, KvPush
+
+    s = _session(worker, 11)
+    _send(worker, s, _step([(40, 0, [2, 5])], seed=5))
+    many = np.arange(POOL, dtype=np.int32)
+    n = sum(len(st.kv_layout()) for st in worker.shard.paged)
+    *parts, _ = _sent(worker, s, KvPull(1, 77, blocks=np.asarray([2, 5], np.int32), tokens=40))
+    for msgs, why in [([KvPull(2, 77, blocks=many, tokens=POOL)], f"{POOL} tokens take 10 blocks of 32, not {POOL}"),
+                      ([KvPull(3, 77, blocks=many[:257], tokens=257 * 32)], "at most the context of 8192"),
+                      ([KvPush(4, 78, 1, 40, n, many[:40]), *[replace(p, seq=4) for p in parts]],
+                       "40 tokens take 2 blocks of 32, not 40")]:
+        replies = _sent(worker, s, *msgs)
+        assert len(replies) == 1 and isinstance(replies[0], KvDone) and why in replies[0].error, (why, replies)
+    assert all(isinstance(p, KvPart) for p in parts)
+    del worker.sessions[s.id]

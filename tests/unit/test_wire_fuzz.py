@@ -215,7 +215,7 @@ def kv_copies(draw: Any) -> KvCopy:
     return KvCopy(draw(seqs), src, dst, draw(st.integers(0, MAX_ROWS - 1)), index)
 
 
-# a paged move's blocks: distinct ids of a pool
+# a paged move's blocks: distinct ids of a pool (at most 12: each holds at least one of its tokens)
 block_lists = st.lists(st.integers(0, MAX_BLOCKS - 1), min_size=1, max_size=12, unique=True).map(
     lambda ids: np.asarray(ids, np.int32))
 
@@ -224,9 +224,9 @@ MESSAGE_STRATEGIES: dict[type, Any] = {
     Release: st.builds(Release, i64), Forward: forwards(), Sampled: sampleds(),
     ShardRequest: st.builds(ShardRequest, text), ShardChunk: chunks(), Route: st.builds(Route, text),
     KvPull: st.builds(KvPull, seqs, i64) | st.builds(KvPull, seqs, i64, st.just(0), block_lists,
-                                                     st.integers(1, MAX_SLOTS)),
+                                                     st.integers(12, MAX_SLOTS)),
     KvPush: st.builds(KvPush, seqs, i64, st.just(1), st.integers(0, MAX_SLOTS), st.integers(1, MAX_KV_PARTS))
-    | st.builds(KvPush, seqs, i64, st.just(1), st.integers(1, MAX_SLOTS), st.integers(1, MAX_KV_PARTS),
+    | st.builds(KvPush, seqs, i64, st.just(1), st.integers(12, MAX_SLOTS), st.integers(1, MAX_KV_PARTS),
                 block_lists),
     KvPart: kv_parts(), KvDone: st.builds(KvDone, seqs, st.integers(0, MAX_KV_PARTS), text), KvCopy: kv_copies(),
     Ping: st.builds(Ping, seqs), Pong: st.builds(Pong, seqs), Ragged: raggeds(),

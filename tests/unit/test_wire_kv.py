@@ -197,6 +197,9 @@ def test_what_does_not_fit_cannot_be_sent(build: Any, message: str) -> None:
     lambda: KvPull(1, 4, 0, np.array([1], np.int32), 0), lambda: KvPull(1, 4, 3, np.array([1], np.int32), 5),
     lambda: KvPull(1, 4, 0, None, 5), lambda: KvPush(1, 4, 1, 0, 2, np.array([1], np.int32)),
     lambda: KvPush(1, 4, 1, 5, 2, np.array([2, 2], np.int32)),
+    # more blocks than tokens: a small frame naming a pool's worth of blocks
+    lambda: KvPull(1, 4, 0, np.arange(6, dtype=np.int32), 5),
+    lambda: KvPush(1, 4, 1, 5, 2, np.arange(6, dtype=np.int32)),
 ])
 def test_our_own_messages_are_checked_when_made(build: Any) -> None:
     with pytest.raises(ValueError):

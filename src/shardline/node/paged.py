@@ -110,6 +110,9 @@ def pull(stages: list[PagedRunner], pools: list[Pool], msg: KvPull) -> Iterator[
     """A KvPart per pool of every stage (the blocks' first `tokens` tokens), then a KvDone;
     a KvDone saying why when a stage cannot read them (blocks outside its pool, too few)."""
     assert msg.blocks is not None
+    if (context := stages[0].context) is not None and msg.tokens > context:
+        yield KvDone(msg.seq, 0, f"a pull of {msg.tokens} tokens; a stream holds at most the context of {context}")
+        return
     blocks, sent = tuple(msg.blocks.tolist()), 0
     for layers, pool in zip(layered(stages), pools, strict=True):
         e = layers.entry
@@ -136,6 +139,8 @@ def begin(stages: list[PagedRunner], pools: list[Pool], msg: KvPush, refused: st
         refused = f"KV blocks up to {int(msg.blocks.max())} in a pool of {pools[0].blocks}"
     elif not refused and msg.slots > n * size:
         refused = f"{msg.slots} tokens do not fit {n} blocks of {size}"
+    elif not refused and n != -(-msg.slots // size):
+        refused = f"{msg.slots} tokens take {-(-msg.slots // size)} blocks of {size}, not {n}"
     return kv.begin(layered(stages), msg, refused)
 
 

@@ -40,7 +40,7 @@ from shardline.pipeline.ragged_step import Part, RaggedStep
 from shardline.pipeline.timing import Timing
 from shardline.serving.constrained import late_masks
 from shardline.serving.groups import Groups
-from shardline.serving.kv_blocks import BlockPool, BlockTable
+from shardline.serving.kv_blocks import BlockPool, BlockTable, blocks_for
 from shardline.serving.kv_table import KvTable
 from shardline.serving.pacing import Pacing
 from shardline.serving.prefix import PrefixStats
@@ -165,9 +165,11 @@ class PagedScheduler:
             return
         for s in [s for s in self.streams.values() if not s.in_flight and self.handoffs.leaves(s)]:
             assert s.blocks is not None
-            item = KvExport(s.key, blocks=tuple(s.blocks.blocks), tokens=_fed(s))
+            fed = _fed(s)  # the blocks holding them (a table may hold one more, grown for a planned token)
+            item = KvExport(s.key, blocks=tuple(s.blocks.blocks[: blocks_for(fed, self.pool.block_size)]),
+                            tokens=fed)
             self._moves[0].append(item)
-            s.handover.kv_sent, s.handover.kv_through = [item.done], _fed(s)
+            s.handover.kv_sent, s.handover.kv_through = [item.done], fed
             self.remove(s, keep=self.prefix)
             self._left.append(s)
 

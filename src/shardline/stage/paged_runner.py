@@ -135,6 +135,10 @@ class PagedRunner:
             raise ShardlineError(f"KV blocks {list(blocks)[:8]} are not distinct blocks of a pool of {pool.blocks}")
         if not 0 < tokens <= len(blocks) * self.block_size:
             raise ShardlineError(f"{tokens} tokens do not fit {len(blocks)} blocks of {self.block_size}")
+        if len(blocks) != (need := -(-tokens // self.block_size)):
+            # a move is one stream's blocks for its tokens, no more: what it reads or writes
+            # stays in proportion to the tokens, whatever the list a peer sends
+            raise ShardlineError(f"{tokens} tokens take {need} blocks of {self.block_size}, not {len(blocks)}")
 
     def pool_bytes(self, pool: Pool | None = None) -> int:
         return (pool or self.own).nbytes

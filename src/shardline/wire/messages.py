@@ -446,7 +446,8 @@ class KvPull:
             return
         _check_blocks(self.blocks, "KvPull")
         _need(self.start == 0, "KvPull: a paged pull starts at slot 0")
-        _need(1 <= self.tokens <= MAX_SLOTS, f"KvPull: {self.tokens} tokens")
+        _need(self.blocks.size <= self.tokens <= MAX_SLOTS,
+              f"KvPull: {self.tokens} tokens in {self.blocks.size} blocks")
 
 
 @dataclass(frozen=True)
@@ -473,7 +474,7 @@ class KvPush:
         _need(1 <= self.parts <= MAX_KV_PARTS, f"{self.parts} parts")
         if self.blocks is not None:
             _check_blocks(self.blocks, "KvPush")
-            _need(self.slots >= 1, "KvPush: a paged push of no tokens")
+            _need(1 <= self.blocks.size <= self.slots, f"KvPush: {self.slots} tokens in {self.blocks.size} blocks")
 
 
 @dataclass(frozen=True)
