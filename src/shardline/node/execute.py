@@ -55,7 +55,15 @@ def sampled(msg: Forward, work: StageWork, logits: np.ndarray, hops: Callable[[]
     logits_out = np.stack([c.logits for c in choices if c.logits is not None]) if msg.want_logits and choices \
         else None
     return Sampled(msg.key, msg.seq, np.array([c.token for c in choices], np.int64),
-                   np.array([c.logprob for c in choices], np.float32), top_ids, top_lp, logits_out, hops())
+                   np.array([c.logprob for c in choices], np.float32), top_ids, top_lp, logits_out,
+                   failures(choices), hops())
+
+
+def failures(choices: list[Choice]) -> np.ndarray | None:
+    """Per entry -1 or why no token was chosen (wire Sampled.failed); None when all were."""
+    if all(c.failed < 0 for c in choices):
+        return None
+    return np.array([c.failed for c in choices], np.int32)
 
 
 def tops(choices: list[Choice], n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
