@@ -7,6 +7,7 @@ groups, where several streams share one call of every stage and one step's masks
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from shardline.config import RunConfig, SamplingConfig
-from shardline.model.grammar import GrammarConstraint, GrammarError, Grammars
+from shardline.model.grammar import GrammarConstraint, GrammarError, Grammars, GrammarSpec
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.paged_local import PagedPipeline
@@ -32,7 +33,7 @@ PLANTED = "PLANTED-b7e1c0de"  # text a bad request carries: it must reach no one
 # The audit's triggers, and one that fails only after its first token (its first mask allows "a").
 NOTHING = 'root ::= x\nx ::= x "a"'
 LOOP = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a", "description": PLANTED}
-LATER = f'root ::= "a" x\nx ::= x "{PLANTED}"'
+LATER = f'root ::= "a" x\nx ::= x y\ny ::= "{"z" * 30}{PLANTED}"'  # planted past what a log line shows
 PLAIN = [*CHAT_PROMPTS, "Name a planet.", "Count to five.", "What is 2 + 2?"]
 N = 8
 
@@ -51,10 +52,11 @@ def paged_pipe(paged_folder: Path) -> Iterator[PagedPipeline]:
 def _bad(grammars: Grammars) -> list[GrammarConstraint]:
     """The triggers' matchers, built as the engine would hold them but without the API's checks
     (which refuse some of them before admission): the engine must cope with any grammar."""
+    specs = [GrammarSpec("gbnf", NOTHING), GrammarSpec.json_schema(LOOP), GrammarSpec("gbnf", LATER)]
     texts = [llguidance.grammar_from("gbnf", NOTHING),
              llguidance.LLMatcher.grammar_from_json_schema(json.dumps(LOOP)), llguidance.grammar_from("gbnf", LATER)]
     return [GrammarConstraint(llguidance.LLMatcher(grammars.tokenizer(), str(t), log_level=0), grammars.vocab,
-                              frozenset(grammars.end_ids)) for t in texts]
+                              frozenset(grammars.end_ids), spec.label()) for spec, t in zip(specs, texts, strict=True)]
 
 
 def _run(engine: Engine, requests: list[Request]) -> list[Event]:
@@ -119,9 +121,12 @@ def _alone_and_beside(engine: Callable[[], Engine], tok: ChatTokenizer, grammars
 
 @pytest.mark.parametrize("speculate", [False, True], ids=["plain", "drafts"])
 def test_a_broken_grammar_fails_its_stream_alone_on_the_paged_runner(paged_pipe: PagedPipeline, tok: ChatTokenizer,
-                                                                    grammars: Grammars, speculate: bool) -> None:
+                                                                    grammars: Grammars, speculate: bool,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
     """Every stream's token is in the same fused ragged step, and the step's masks are computed
-    together; the broken ones end with their own reason, the others are untouched."""
+    together; the broken ones end with their own reason, the others are untouched. The log
+    names each failed grammar by a prefix and a hash, never its whole text."""
+    caplog.set_level(logging.INFO, logger="shardline")
     def engine() -> Engine:
         pool = BlockPool(paged_pipe.blocks, paged_pipe.block_size)
         scheduler = PagedScheduler(SchedulerConfig(max_prefills=16), pool)
@@ -129,6 +134,9 @@ def test_a_broken_grammar_fails_its_stream_alone_on_the_paged_runner(paged_pipe:
         return Engine(paged_pipe, Limits(16, 16), paged_pipe.context, drafts=drafts, scheduler=scheduler)
 
     _alone_and_beside(engine, tok, grammars)
+    failed = [r.getMessage() for r in caplog.records if "cannot go on" in r.getMessage()]
+    assert len(failed) == 6 and all("blake2b" in m for m in failed), failed
+    assert PLANTED not in caplog.text
 
 
 def test_a_broken_grammar_fails_its_stream_alone_in_a_decode_group(pipe: LocalPipeline, tok: ChatTokenizer,

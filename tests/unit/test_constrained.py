@@ -29,6 +29,7 @@ class Counting:
         self.last = start - 1
         self.calls = 0
         self.failure: str | None = None
+        self.label = "counting"
 
     def masks(self, drafts: list[int]) -> np.ndarray:
         self.calls += 1
@@ -212,3 +213,14 @@ def test_late_masks_are_checked_at_sampling() -> None:
         sample(work(np.zeros((1, mask_words(V)), np.int32)), logits)
     with pytest.raises(StepRefused, match="token masks of 2 words for a vocabulary of 70"):
         sample(work(np.full((1, 2), -1, np.int32)), logits)
+
+
+def test_a_grammar_is_logged_by_a_prefix_and_a_hash() -> None:
+    """Issue 54 point 2: a client's grammar may be 256 KiB and carry anything; a log line names it
+    by its kind, 40 characters and a hash, the same for the same text."""
+    from shardline.model.grammar import GrammarSpec
+
+    text = "root ::= " + "x" * 100 + "SECRET"
+    label = GrammarSpec("gbnf", text).label()
+    assert label.startswith("gbnf 'root ::= xxx") and "SECRET" not in label and f"({len(text)} chars" in label
+    assert label == GrammarSpec("gbnf", text).label() != GrammarSpec("gbnf", text + " ").label()

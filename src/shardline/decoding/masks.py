@@ -111,6 +111,7 @@ class Constraint(Protocol):
     # Why this stream's grammar cannot go on (set where its masks are computed: a step's masks
     # for several streams never fail together, serving/constrained.py); None while it can.
     failure: str | None
+    label: str  # what logs call it (never the whole grammar: a client's text)
 
     def masks(self, drafts: list[int]) -> np.ndarray | None:
         """[len(drafts) + 1, W] i32: what may follow the text so far, then after each draft

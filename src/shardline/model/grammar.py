@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import threading
 import time
@@ -59,6 +60,12 @@ class GrammarSpec:
     @staticmethod
     def json_schema(schema: dict[str, Any]) -> GrammarSpec:
         return GrammarSpec("json_schema", json.dumps(schema))  # its keys' order is the output's
+
+    def label(self) -> str:
+        """What logs call it: its kind, a short prefix and a hash. A grammar is a client's text
+        (up to MAX_GRAMMAR_CHARS) and may carry anything: a log line never holds more of it."""
+        digest = hashlib.blake2b(self.text.encode(errors="replace"), digest_size=8).hexdigest()
+        return f"{self.kind} {self.text[:40]!r}... ({len(self.text)} chars, blake2b {digest})"
 
 
 class Grammars:
@@ -127,7 +134,7 @@ class Grammars:
         matcher = llguidance.LLMatcher(self.tokenizer(), self.compile(spec), log_level=0)
         if matcher.is_error():
             raise GrammarError(_stopped(matcher))
-        return GrammarConstraint(matcher, self.vocab, frozenset(self.end_ids))
+        return GrammarConstraint(matcher, self.vocab, frozenset(self.end_ids), spec.label())
 
 
 def _grammar(spec: GrammarSpec) -> str:
@@ -163,6 +170,7 @@ class LazyConstraint:
         self._tail = b""  # the end of the text so far, as long as the trigger at most
         self.active: GrammarConstraint | None = None
         self.failure: str | None = None  # decoding/masks.Constraint: set where its masks are computed
+        self.label = f"{spec.label()} after {trigger!r}"
         grammars.compile(spec)  # a grammar that cannot compile is the request's 400, not a failure later
 
     def masks(self, drafts: list[int]) -> np.ndarray | None:
@@ -209,8 +217,8 @@ class LazyConstraint:
 class GrammarConstraint:
     """One stream's grammar state (it is a decoding/masks.Constraint)."""
 
-    def __init__(self, matcher: Any, vocab: int, end_ids: frozenset[int]) -> None:
-        self._m, self.vocab, self.end_ids = matcher, vocab, end_ids
+    def __init__(self, matcher: Any, vocab: int, end_ids: frozenset[int], label: str = "a grammar") -> None:
+        self._m, self.vocab, self.end_ids, self.label = matcher, vocab, end_ids, label
         self.failure: str | None = None  # decoding/masks.Constraint: set where its masks are computed
 
     def masks(self, drafts: list[int]) -> np.ndarray:

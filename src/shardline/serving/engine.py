@@ -369,7 +369,7 @@ class Engine:
                 return self._finish(stream, "error", outcome.error)
             stream.lost_at = None  # it runs again: a later loss is a new repair
             if stream.constraint is not None and stream.constraint.failure is not None:
-                return self._finish(stream, "error", stream.constraint.failure, cause="constraint")
+                return self._grammar_failed(stream, stream.constraint)
             if outcome.hidden is not None:  # a summarizing pipeline's (a prefill instance's)
                 stream.handover.saw(outcome.hidden)
             stood = self.spec.verified(stream, outcome)
@@ -440,8 +440,12 @@ class Engine:
             return True
         except Exception as e:  # noqa: BLE001 - whatever the grammar engine raises is this stream's alone
             constraint.failure = brief(e)
-            self._finish(stream, "error", constraint.failure, cause="constraint")
+            self._grammar_failed(stream, constraint)
             return False
+
+    def _grammar_failed(self, stream: Stream, constraint: Constraint) -> None:
+        log.info("stream %d: its grammar, %s, cannot go on: %s", stream.id, constraint.label, constraint.failure)
+        self._finish(stream, "error", constraint.failure or "", cause="constraint")
 
     def take_slot(self, fits: Callable[[], bool]) -> bool:
         """Hold a stream slot for a request that does not come through the queue (a decode
