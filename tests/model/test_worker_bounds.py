@@ -162,7 +162,7 @@ def test_a_key_opens_with_one_row() -> None:
 def _others() -> list[Message]:
     hello = Hello(PROTOCOL, Role.COORDINATOR, "h", 0, 0, "fp32", Activations.F16, "0" * 32, CONTEXT)
     return [hello, Refuse("no"), StepFailed(1, 2, "x"), Sampled(1, 2, np.zeros(1, np.int64), np.zeros(1, np.float32),
-            None, None, None, no_hops()), ShardRequest("a.bin"), ShardChunk("a.bin", 0, 1, "0" * 64,
+            None, None, None, None, no_hops()), ShardRequest("a.bin"), ShardChunk("a.bin", 0, 1, "0" * 64,
             np.zeros(1, np.uint8)), Route(""), KvDone(1, 0, ""), KvPull(1, 3), Release(3), Ping(1), Pong(1),
             ragged([(3, 0, [0]), (1, 40, [1, 2])])]  # a paged step: this stateful worker refuses it
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shardline.config import RunConfig, SamplingConfig, ServeConfig, SpeculationConfig
@@ -203,6 +204,30 @@ def test_hostile_tables_on_the_wire_are_refused_and_change_nothing(three: Path, 
         reply = refused.recv()
         assert isinstance(reply, Refuse) and why in reply.reason, reply
     assert workers[1].proc.poll() is None
+
+
+def test_a_worker_before_the_last_refuses_masks_the_last_would(three: Path, workers: list[Proc]) -> None:
+    """Token masks are checked by every worker as a step comes (issue 54), not passed on
+    unchecked to the last one: the first of two workers refuses masks that do not cover the
+    vocabulary or allow no token; the same step without them runs."""
+    from dataclasses import replace
+
+    from shardline.decoding.masks import mask_words
+    from shardline.wire.messages import Ragged, Route, StepFailed
+    from tests.model.test_paged_worker import _step
+    from tests.multiproc.test_worker_hostile import Peer, _hello
+
+    m = load_manifest(three)
+    peer = Peer(workers[0].addr, replace(_hello(m, 1), block_size=32, blocks=8))
+    peer.send(Route(""))  # a star: the first worker answers this coordinator itself
+    words = mask_words(m.arch.vocab)
+    for bits, why in [(np.full((1, 3), -1, np.int32), f"token masks of 3 words for a vocabulary of {m.arch.vocab}"),
+                      (np.zeros((1, words), np.int32), "a token mask that allows no token")]:
+        peer.send(replace(_step([(5, 0, [0])]), allow_bits=bits, allow_of=np.array([0], np.int64)))
+        reply = peer.recv()
+        assert isinstance(reply, StepFailed) and why in reply.reason, reply
+    peer.send(_step([(5, 0, [0])]))
+    assert isinstance(peer.recv(), Ragged)  # its hidden states, on their way to the last worker
 
 
 def test_speculation_over_workers_gives_the_plain_tokens(three: Path, workers: list[Proc]) -> None:

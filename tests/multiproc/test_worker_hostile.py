@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from shardline.config import RunConfig, SamplingParams
+from shardline.errors import Unsampleable
 from shardline.model.context import run_context
 from shardline.model.manifest import Manifest, load_manifest
 from shardline.node import worker as worker_module
@@ -402,9 +403,12 @@ def test_steps_that_do_not_fit_fail_alone(chain: list[Proc], manifest: Manifest,
         assert f"position {MAX_SLOTS - 1} is past the context of {context} tokens" in reply.reason
         p.send(_step(1, 5, seq=45, positions=np.array([[context]], np.int64)))
         assert isinstance(reply := p.recv(), StepFailed) and f"position {context} is past the context" in reply.reason
-        # Hidden states that are not numbers: no token can be chosen, the step fails.
+        # Hidden states that are not numbers: no token can be chosen, and the entry says why (its
+        # stream fails alone: the step's other rows, if any, are sampled as usual).
         p.send(_step(4, 0, 2, first=True, seq=43, hidden=np.full((1, 2, 576), np.nan, np.float32)))
-        assert isinstance(reply := p.recv(), StepFailed) and "not finite" in reply.reason
+        assert isinstance(reply := p.recv(), Sampled) and reply.tokens.tolist() == [-1]
+        assert reply.failed is not None
+        assert [Unsampleable.REASONS[c] for c in reply.failed] == ["the logits are not finite"]
         p.send(_step(5, 0, 3, first=True, seq=44))  # a following good step on another key
         assert isinstance(reply := p.recv(), Sampled) and reply.seq == 44
         assert p.quiet(0.2)

@@ -28,6 +28,8 @@ class Counting:
     def __init__(self, start: int) -> None:
         self.last = start - 1
         self.calls = 0
+        self.failure: str | None = None
+        self.label = "counting"
 
     def masks(self, drafts: list[int]) -> np.ndarray:
         self.calls += 1
@@ -104,6 +106,50 @@ def test_a_steps_masks_follow_its_rows_drafts() -> None:
     assert token_masks([None, None], [[1], []]) is None  # nothing constrained: the step carries nothing
 
 
+class Broken(Counting):
+    """A grammar that cannot say what follows: its engine raises (with its state and its whole
+    text after the first line, as llguidance's do), or it allows no token at all."""
+
+    def __init__(self, start: int, empty: bool = False) -> None:
+        super().__init__(start)
+        self.empty = empty
+
+    def masks(self, drafts: list[int]) -> np.ndarray:
+        self.calls += 1
+        if self.empty:
+            return np.zeros((len(drafts) + 1, mask_words(V)), np.int32)
+        raise ValueError("NoExtensionBias\n<state>...</state><grammar>root ::= SECRET</grammar>")
+
+
+def test_a_row_whose_grammar_fails_fails_alone() -> None:
+    """Issue 54: one row's grammar error, or a mask that allows nothing, is that row's `failure`
+    (a reason in a line); its entries go free and every other row's masks are as without it."""
+    a, b = Counting(10), Counting(40)
+    want = token_masks([a, None, b], [[10], [1], []])
+    for bad in (Broken(5), Broken(5, empty=True)):
+        a, b = Counting(10), Counting(40)
+        m = token_masks([a, bad, None, b], [[10], [5, 6], [1], []])
+        assert m is not None and want is not None
+        assert m.which.tolist() == [0, 1, -1, -1, -1, -1, -1, 2]  # the broken row's 3 entries free
+        assert np.array_equal(m.bits, want.bits)
+        assert bad.failure in ("NoExtensionBias", "the grammar allows no token here: no output can satisfy it")
+        assert a.failure is None and b.failure is None
+        assert token_masks([bad], [[]]) is None and bad.calls == 1  # a failed grammar is not asked again
+
+
+def test_an_entry_that_cannot_be_sampled_fails_alone() -> None:
+    """Logits that are not finite, or a mask that allows nothing, make entry e a failed Choice;
+    the others are chosen as they would be alone."""
+    logits = np.tile(np.arange(V, dtype=np.float32), (3, 1, 1))  # [B=3, N=1, V]
+    logits[1, 0, 7] = np.nan
+    masks = TokenMasks(np.stack([bits_of([5]), np.zeros(mask_words(V), np.int32)]), np.array([0, -1, 1], np.int64))
+    at = np.array([[0, 0], [1, 0], [2, 0]], np.int64)
+    got = choose_at(logits, at, np.zeros(3, np.int64), np.zeros((3, 1), np.int64), [SamplingParams()] * 3,
+                    masks=masks)
+    assert [(c.token, c.why) for c in got] == [(5, ""), (-1, "the logits are not finite"),
+                                               (-1, "its token mask allows no token")]
+
+
 def test_drafts_are_cut_where_the_grammar_ends_them() -> None:
     c = Counting(10)
     q = np.ones((3, 2), np.float32) / 2
@@ -167,3 +213,14 @@ def test_late_masks_are_checked_at_sampling() -> None:
         sample(work(np.zeros((1, mask_words(V)), np.int32)), logits)
     with pytest.raises(StepRefused, match="token masks of 2 words for a vocabulary of 70"):
         sample(work(np.full((1, 2), -1, np.int32)), logits)
+
+
+def test_a_grammar_is_logged_by_a_prefix_and_a_hash() -> None:
+    """Issue 54 point 2: a client's grammar may be 256 KiB and carry anything; a log line names it
+    by its kind, 40 characters and a hash, the same for the same text."""
+    from shardline.model.grammar import GrammarSpec
+
+    text = "root ::= " + "x" * 100 + "SECRET"
+    label = GrammarSpec("gbnf", text).label()
+    assert label.startswith("gbnf 'root ::= xxx") and "SECRET" not in label and f"({len(text)} chars" in label
+    assert label == GrammarSpec("gbnf", text).label() != GrammarSpec("gbnf", text + " ").label()

@@ -101,12 +101,14 @@ SAMPLES: list[Message] = [
     PREFILL,
     VERIFY,
     GROUP,
-    Sampled(7, 4, np.array([42], I64), np.array([-0.25], np.float32), None, None, None, HOPS),
+    Sampled(7, 4, np.array([42], I64), np.array([-0.25], np.float32), None, None, None, None, HOPS),
     Sampled(7, 4, np.array([42, 7], I64), np.array([-0.25, -1.5], np.float32),
             np.array([[42, 3, 9], [7, -1, -1]], I64), np.array([[-0.25, -2, -3], [-1.5, -np.inf, -np.inf]], np.float32),
-            None, HOPS),
+            None, None, HOPS),
     Sampled(7, 4, np.array([42], I64), np.array([-0.25], np.float32), None, None,
-            rng.standard_normal((1, 49152)).astype(np.float32), HOPS),
+            rng.standard_normal((1, 49152)).astype(np.float32), None, HOPS),
+    Sampled(7, 4, np.array([42, -1], I64), np.array([-0.25, 0], np.float32), None, None, None,
+            np.array([-1, 1], np.int32), HOPS),  # entry 1 could not be sampled: its stream fails alone
     ShardRequest("stage1.bin"),
     ShardChunk("stage1.bin", 1024, 4096, "cd" * 32, np.arange(256, dtype=np.uint8)),
     Route("127.0.0.1:7001"),
@@ -371,7 +373,11 @@ def _hidden(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     (SAMPLES[9], {"top_ids": array_bytes(None)}, "top ids and logprobs go together"),
     (SAMPLES[9], {"logprobs": array_bytes(np.zeros(2, np.float16))}, "logprobs is f2"),
     (SAMPLES[9], {"tokens": array_bytes(np.zeros(3, I64))}, "one logprob per token"),
-    (SAMPLES[12], {"data": array_bytes(np.zeros(4, np.float32))}, "data is f4 with 1 dims, not u1"),
+    (SAMPLES[11], {"failed": array_bytes(np.array([-1, 3], np.int32))}, "failure codes out of range"),
+    (SAMPLES[11], {"failed": array_bytes(np.array([-2, 0], np.int32))}, "failure codes out of range"),
+    (SAMPLES[11], {"failed": array_bytes(np.array([0], np.int32))}, "one failure code per token"),
+    (SAMPLES[11], {"failed": array_bytes(np.array([0, 1], I64))}, "failed is i8"),
+    (SAMPLES[13], {"data": array_bytes(np.zeros(4, np.float32))}, "data is f4 with 1 dims, not u1"),
 ])
 def test_wrong_arrays_are_refused(msg: Message, arrays: dict[str, bytes], message: str) -> None:
     with pytest.raises(WireError, match=f"malformed {type(msg).__name__}: .*{message}"):
@@ -483,7 +489,8 @@ def test_a_nan_cannot_be_sent() -> None:
 
 def test_big_endian_arrays_travel_little_endian() -> None:
     msg = ShardChunk("a", 0, 4, "x", np.arange(4, dtype=np.uint8))
-    sampled = Sampled(1, 2, np.arange(2, dtype=">i8"), np.zeros(2, ">f4"), None, None, None, HOPS.astype(">f8"))
+    sampled = Sampled(1, 2, np.arange(2, dtype=">i8"), np.zeros(2, ">f4"), None, None, None, None,
+                      HOPS.astype(">f8"))
     assert equal(decode(encode(msg)), msg)
     got = decode(encode(sampled))
     assert isinstance(got, Sampled) and got.tokens.dtype == np.dtype("<i8") and list(got.tokens) == [0, 1]

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from shardline.config import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, MAX_TOP_LOGPROBS, MIN_TEMPERATURE, SamplingParams
+from shardline.errors import Unsampleable
 from shardline.wire.codec import HEADER, MAGIC, WireError, decode, encode
 from shardline.wire.link import HANDSHAKE_PAYLOAD, Link, LinkClosed, TimedOut
 from shardline.wire.messages import (
@@ -176,7 +177,9 @@ def sampleds(draw: Any) -> Sampled:
     top = draw(st.booleans())
     return Sampled(draw(i64), draw(i64), draw(arrays("<i8", (e,))), draw(arrays("<f4", (e,))),
                    draw(arrays("<i8", (e, n))) if top else None, draw(arrays("<f4", (e, n))) if top else None,
-                   draw(st.none() | arrays("<f4", (e, vocab))), draw(hops()))
+                   draw(st.none() | arrays("<f4", (e, vocab))),
+                   draw(st.none() | st.lists(st.integers(-1, len(Unsampleable.REASONS) - 1), min_size=e, max_size=e)
+                        .map(lambda v: np.array(v, np.int32))), draw(hops()))
 
 
 @st.composite

@@ -89,7 +89,8 @@ def build_app(served: Served) -> FastAPI:
         wanted = (tools.constraint, "tools") if tools else body.grammar_spec()
         constraint = await constrain(served.grammars, wanted, metrics)
         return Generation(served.engine, served.tok, metrics, endpoint, prompt, body, default,
-                          served.retry_after_s, key_scope=key_scope, constraint=constraint)
+                          served.retry_after_s, key_scope=key_scope, constraint=constraint,
+                          constraint_param=wanted[1] if wanted else "")
 
     @app.get("/health")
     async def health() -> Response:

@@ -78,6 +78,7 @@ class Generation:
     retry_after_s: int = 1
     key_scope: str = ""  # the API key's scope (auth.py): kept prefixes are shared within it alone
     constraint: Constraint | None = None  # its grammar's state, when its output is constrained
+    constraint_param: str = ""  # the field it came from (response_format, grammar, tools...)
     completion_tokens: int = 0
     tokens: list[int] = field(default_factory=list)  # every token emitted (tool calls are read from them)
     start: float = field(default_factory=time.perf_counter)
@@ -160,9 +161,16 @@ class Generation:
                                  self.completion_tokens)
 
     def _check_failure(self, ev: Event) -> None:
-        if ev.finish == "error":
-            check_alive(self.engine)  # a dead engine is a 503, not this request's failure
-            raise ApiError(500, f"generation failed: {ev.error}", "server_error")
+        """An error event as the client's error: its own grammar's failure a 400 naming the field
+        it sent (the message is built from this request alone), the server's a 500."""
+        if ev.finish != "error":
+            return
+        check_alive(self.engine)  # a dead engine is a 503, not this request's failure
+        if ev.cause == "constraint":
+            param = self.constraint_param or "response_format"
+            raise ApiError(400, f"{param}: the output cannot follow this grammar: {ev.error}", param=param,
+                           code="grammar_failed")
+        raise ApiError(500, f"generation failed: {ev.error}", "server_error")
 
     async def collect(self) -> Collected:
         """The whole text, its finish reason and every token's entry (non-streaming responses)."""

@@ -20,6 +20,8 @@ from typing import Protocol
 
 import numpy as np
 
+from shardline.errors import Unsampleable
+
 MAX_VOCAB = 1 << 20  # the widest vocabulary a mask may describe (bounds a frame's masks)
 
 
@@ -99,12 +101,17 @@ def masked(logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
     if allowed is None:
         return logits
     if not allowed.any():
-        raise ValueError("the grammar allows no token here")
+        raise Unsampleable(1)
     return np.where(allowed, logits, np.float32(-np.inf))
 
 
 class Constraint(Protocol):
-    """A stream's grammar state, kept on the coordinator (decoding/grammar.py implements it)."""
+    """A stream's grammar state, kept on the coordinator (model/grammar.py implements it)."""
+
+    # Why this stream's grammar cannot go on (set where its masks are computed: a step's masks
+    # for several streams never fail together, serving/constrained.py); None while it can.
+    failure: str | None
+    label: str  # what logs call it (never the whole grammar: a client's text)
 
     def masks(self, drafts: list[int]) -> np.ndarray | None:
         """[len(drafts) + 1, W] i32: what may follow the text so far, then after each draft

@@ -14,6 +14,7 @@ import numpy as np
 from shardline.config import SamplingParams
 from shardline.decoding.masks import TokenMasks, masked
 from shardline.decoding.speculative import Drafted, dense, verify_draw
+from shardline.errors import Unsampleable
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,23 @@ class Choice:
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
     logits: np.ndarray | None = field(default=None, compare=False, repr=False)  # [vocab] f32
+    failed: int = -1  # an Unsampleable reason's code: no token could be chosen here (token is -1)
+
+    @staticmethod
+    def unsampleable(e: Unsampleable) -> Choice:
+        return Choice(-1, 0.0, failed=e.code)
+
+    @property
+    def why(self) -> str:
+        """Why no token was chosen ("" when one was)."""
+        return Unsampleable.REASONS[self.failed] if self.failed >= 0 else ""
 
 
-class BadLogits(ValueError):
+class BadLogits(Unsampleable):
     """Logits that are not all finite: no token can be chosen from them."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -100,7 +114,7 @@ def choose(logits: np.ndarray, p: SamplingParams, position: int, want_logits: bo
     """The token at logical `position` of a stream, from the logits that predict it, among the
     `allowed` tokens (None: any). Its log-probability is the model's own, unconstrained."""
     if not np.isfinite(logits).all():
-        raise BadLogits("the logits are not finite")
+        raise BadLogits()
     x = masked(logits, allowed)
     token = int(np.argmax(x)) if p.greedy else draw(probabilities(x, p), p.seed, position)
     return _choice(logits, token, p, want_logits)
@@ -114,10 +128,10 @@ def verify(logits: np.ndarray, p: SamplingParams, position: int, draft: int, q_i
     if p.greedy:
         return choose(logits, p, position, want_logits, allowed)
     if not np.isfinite(logits).all():
-        raise BadLogits("the logits are not finite")
+        raise BadLogits()
     vocab = logits.shape[-1]
     if draft >= vocab or (q_ids.size and int(q_ids.max()) >= vocab):
-        raise BadLogits(f"a draft or its support outside the vocabulary of {vocab}")
+        raise Unsampleable(2)
     x = masked(logits, allowed)
     token = verify_draw(probabilities(x, p), draft, dense(q_ids, q_probs, vocab), p.seed, position)
     return _choice(logits, token, p, want_logits)
@@ -130,14 +144,25 @@ def choose_at(logits: np.ndarray, sample_at: np.ndarray, pick: np.ndarray, posit
     `stage.cache.logits_index` (column `pick[e]` of row r); the token chosen after new token t
     sits at logical position position_ids[r, t] + 1. Where `drafted` offers a draft drawn from
     a distribution, the choice verifies it; where `masks` limits an entry, it chooses among the
-    tokens its mask allows."""
+    tokens its mask allows. An entry no token can be chosen for fails alone (`entry`)."""
     out = []
     for e, (r, t) in enumerate(sample_at.tolist()):
-        row, position = logits[r, pick[e]], int(position_ids[r, t]) + 1
-        allowed = masks.allowed(e, row.shape[-1]) if masks is not None else None
-        if drafted is not None and drafted.tokens[e] >= 0:
-            out.append(verify(row, params[r], position, int(drafted.tokens[e]), drafted.q_ids[e],
-                              drafted.q_probs[e], want_logits, allowed))
-        else:
-            out.append(choose(row, params[r], position, want_logits, allowed))
+        position = int(position_ids[r, t]) + 1
+        out.append(entry(logits[r, pick[e]], params[r], position, e, want_logits, drafted, masks))
     return out
+
+
+def entry(row: np.ndarray, p: SamplingParams, position: int, e: int, want_logits: bool, drafted: Drafted | None,
+          masks: TokenMasks | None) -> Choice:
+    """Entry `e`'s choice from its logits `row`: verified against its draft when one was drawn
+    from a distribution, among its mask's tokens when it has one. Entries share a step, never a
+    fate: one whose logits or mask leave nothing to choose is a failed Choice for its stream to
+    end with, and the step's other entries are chosen as if it were not there."""
+    allowed = masks.allowed(e, row.shape[-1]) if masks is not None else None
+    try:
+        if drafted is not None and drafted.tokens[e] >= 0:
+            return verify(row, p, position, int(drafted.tokens[e]), drafted.q_ids[e], drafted.q_probs[e],
+                          want_logits, allowed)
+        return choose(row, p, position, want_logits, allowed)
+    except Unsampleable as why:
+        return Choice.unsampleable(why)

@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import threading
 import time
@@ -38,7 +39,15 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 
 class GrammarError(ValueError):
-    """A grammar or schema the engine cannot compile (the message says why)."""
+    """A grammar or schema the engine cannot compile or follow (the message says why)."""
+
+
+def _stopped(matcher: Any) -> str:
+    """Why a matcher stopped, in a line: llguidance's message goes on with the matcher's state
+    and the whole grammar, which belong in no reply and no log."""
+    lines = str(matcher.get_error()).strip().splitlines()
+    first = lines[0] if lines else "the grammar engine stopped"
+    return first[:200] + ("..." if len(first) > 200 else "")
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,12 @@ class GrammarSpec:
     @staticmethod
     def json_schema(schema: dict[str, Any]) -> GrammarSpec:
         return GrammarSpec("json_schema", json.dumps(schema))  # its keys' order is the output's
+
+    def label(self) -> str:
+        """What logs call it: its kind, a short prefix and a hash. A grammar is a client's text
+        (up to MAX_GRAMMAR_CHARS) and may carry anything: a log line never holds more of it."""
+        digest = hashlib.blake2b(self.text.encode(errors="replace"), digest_size=8).hexdigest()
+        return f"{self.kind} {self.text[:40]!r}... ({len(self.text)} chars, blake2b {digest})"
 
 
 class Grammars:
@@ -118,8 +133,8 @@ class Grammars:
 
         matcher = llguidance.LLMatcher(self.tokenizer(), self.compile(spec), log_level=0)
         if matcher.is_error():
-            raise GrammarError(matcher.get_error())
-        return GrammarConstraint(matcher, self.vocab, frozenset(self.end_ids))
+            raise GrammarError(_stopped(matcher))
+        return GrammarConstraint(matcher, self.vocab, frozenset(self.end_ids), spec.label())
 
 
 def _grammar(spec: GrammarSpec) -> str:
@@ -154,6 +169,8 @@ class LazyConstraint:
             self._trigger_id = ids[0]
         self._tail = b""  # the end of the text so far, as long as the trigger at most
         self.active: GrammarConstraint | None = None
+        self.failure: str | None = None  # decoding/masks.Constraint: set where its masks are computed
+        self.label = f"{spec.label()} after {trigger!r}"
         grammars.compile(spec)  # a grammar that cannot compile is the request's 400, not a failure later
 
     def masks(self, drafts: list[int]) -> np.ndarray | None:
@@ -200,8 +217,9 @@ class LazyConstraint:
 class GrammarConstraint:
     """One stream's grammar state (it is a decoding/masks.Constraint)."""
 
-    def __init__(self, matcher: Any, vocab: int, end_ids: frozenset[int]) -> None:
-        self._m, self.vocab, self.end_ids = matcher, vocab, end_ids
+    def __init__(self, matcher: Any, vocab: int, end_ids: frozenset[int], label: str = "a grammar") -> None:
+        self._m, self.vocab, self.end_ids, self.label = matcher, vocab, end_ids, label
+        self.failure: str | None = None  # decoding/masks.Constraint: set where its masks are computed
 
     def masks(self, drafts: list[int]) -> np.ndarray:
         out = np.empty((len(drafts) + 1, (self.vocab + 31) // 32), np.int32)  # decoding/masks.py's layout
@@ -209,7 +227,7 @@ class GrammarConstraint:
         consumed = 0
         for i, d in enumerate(drafts):
             if not self._m.consume_token(d):  # drafts were cut by `valid`: not reached
-                raise GrammarError(f"draft {d} breaks the grammar: {self._m.get_error()}")
+                raise GrammarError(f"draft {d} breaks the grammar: {_stopped(self._m)}")
             consumed += 1
             self._fill(out[i + 1])
         if consumed:
@@ -223,11 +241,11 @@ class GrammarConstraint:
         """What the model already wrote of the grammar (a lazy grammar's trigger), however it
         was tokenized: the grammar reads bytes."""
         if not self._m.consume_tokens(tokens):
-            raise GrammarError(f"the grammar does not start with what was written: {self._m.get_error()}")
+            raise GrammarError(f"the grammar does not start with what was written: {_stopped(self._m)}")
 
     def advance(self, token: int) -> None:
         if not self._m.consume_token(int(token)):
-            raise GrammarError(f"token {token} is outside the grammar: {self._m.get_error()}")
+            raise GrammarError(f"token {token} is outside the grammar: {_stopped(self._m)}")
 
     def ends(self, token: int) -> bool:
         """`token` closes the output: an end-of-turn token where the grammar is complete."""
@@ -236,4 +254,4 @@ class GrammarConstraint:
     def _fill(self, row: np.ndarray) -> None:
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.size * row.itemsize)
         if self._m.is_error():
-            raise GrammarError(self._m.get_error())
+            raise GrammarError(_stopped(self._m))

@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable
 
 import numpy as np
 
-from shardline.decoding.masks import TokenMasks
+from shardline.decoding.masks import TokenMasks, mask_words
 from shardline.decoding.sampler import Choice
 from shardline.decoding.speculative import Drafted
 from shardline.stage import executor as stage_work
@@ -55,7 +55,28 @@ def sampled(msg: Forward, work: StageWork, logits: np.ndarray, hops: Callable[[]
     logits_out = np.stack([c.logits for c in choices if c.logits is not None]) if msg.want_logits and choices \
         else None
     return Sampled(msg.key, msg.seq, np.array([c.token for c in choices], np.int64),
-                   np.array([c.logprob for c in choices], np.float32), top_ids, top_lp, logits_out, hops())
+                   np.array([c.logprob for c in choices], np.float32), top_ids, top_lp, logits_out,
+                   failures(choices), hops())
+
+
+def masks_refusal(bits: np.ndarray | None, vocab: int) -> str | None:
+    """Why a step's token masks cannot limit this model's tokens (None: they can, or it has none):
+    checked by every worker as the step comes, not only by the last one that applies them, so a
+    step a later stage would refuse goes no further."""
+    if bits is None or not bits.shape[0]:
+        return None
+    if bits.shape[1] != mask_words(vocab):
+        return f"token masks of {bits.shape[1]} words for a vocabulary of {vocab}"
+    if not bits.any(axis=1).all():
+        return "a token mask that allows no token"
+    return None
+
+
+def failures(choices: list[Choice]) -> np.ndarray | None:
+    """Per entry -1 or why no token was chosen (wire Sampled.failed); None when all were."""
+    if all(c.failed < 0 for c in choices):
+        return None
+    return np.array([c.failed for c in choices], np.int32)
 
 
 def tops(choices: list[Choice], n: int) -> tuple[np.ndarray | None, np.ndarray | None]:

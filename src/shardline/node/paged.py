@@ -26,7 +26,7 @@ from shardline.decoding.speculative import Drafted
 from shardline.host import available_memory
 from shardline.model.manifest import StageEntry
 from shardline.node import kv
-from shardline.node.execute import tops
+from shardline.node.execute import failures, tops
 from shardline.stage.paged_batch import PagedBatch
 from shardline.stage.paged_runner import PagedRunner, Pool
 from shardline.stage.paged_sample import choices, logits_rows
@@ -84,7 +84,8 @@ def sampled(msg: Ragged, batch: PagedBatch, logits: np.ndarray, hops: Callable[[
     top_ids, top_lp = tops(made, max((p.top_logprobs for p in msg.sampling), default=0))
     logits_out = np.stack([c.logits for c in made if c.logits is not None]) if msg.want_logits and made else None
     return Sampled(0, msg.seq, np.array([c.token for c in made], np.int64),
-                   np.array([c.logprob for c in made], np.float32), top_ids, top_lp, logits_out, hops())
+                   np.array([c.logprob for c in made], np.float32), top_ids, top_lp, logits_out,
+                   failures(made), hops())
 
 
 @dataclass(frozen=True)

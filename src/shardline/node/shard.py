@@ -51,6 +51,7 @@ class Shard:
         self.stages: list[Stage] = []
         self.paged: list[PagedRunner] = []  # or, for a paged export (issue 41), these (pools per session)
         self.is_last = False
+        self.vocab = 0  # the model's, once loaded: what a step's token masks must cover
         self.indices: list[int] = []  # the stages' indices in the export
         self.hello: Hello | None = None  # set once the stages are loaded: the worker is ready
         self.received_bytes = 0  # shard bytes delivered by a coordinator since this start
@@ -86,6 +87,7 @@ class Shard:
             self.stages = [open_stage(self.folder, e, r, vocab=manifest.arch.vocab, context=context)
                            for e, r in zip(entries, runs, strict=True)]
         self.is_last = entries[-1].has_head
+        self.vocab = manifest.arch.vocab
         self.indices = [e.index for e in entries]
         devices = ",".join(r.device for r in runs)
         self.hello = Hello(PROTOCOL, Role.WORKER, manifest.model_hash, entries[0].first_layer,

@@ -47,7 +47,7 @@ from shardline.errors import ShardlineError, StepRefused
 from shardline.host import parse_hostport, trim_memory_every
 from shardline.node import kv, paged
 from shardline.node.bounds import Bounds
-from shardline.node.execute import run_stages, sampled, work_of
+from shardline.node.execute import masks_refusal, run_stages, sampled, work_of
 from shardline.node.session import MAX_QUEUED, Ended, Item, Received, Routed, Session, check_peer
 from shardline.node.shard import Shard
 from shardline.stage.runners import Stage
@@ -419,6 +419,8 @@ class StageWorker:
         graph_s: list[float] = []
         hops = lambda: self._hops(msg, graph_s, item)  # noqa: E731 - taken last, after sampling
         try:
+            if why := masks_refusal(msg.allow_bits, self.shard.vocab):
+                raise StepRefused(why)
             reply = self._forward(msg, session, graph_s, hops) if isinstance(msg, Forward) else \
                 self._ragged(msg, session, graph_s, hops)
         except Exception as e:  # noqa: BLE001 - the step fails alone, and its coordinator hears why

@@ -42,6 +42,16 @@ def ragged(step: RaggedStep, seq: int, hidden: np.ndarray, graph_s: float, start
                   None if m is None else m.bits, None if m is None else m.which, hops)
 
 
+def unknown_tokens(msg: Sampled, vocab: int) -> str | None:
+    """Why the tokens of `msg` cannot be this model's (a worker's answer is checked like any frame:
+    a token outside the vocabulary must not reach a detokenizer or a grammar), or None. A failed
+    entry's token is -1."""
+    ok = msg.tokens if msg.failed is None else msg.tokens[msg.failed < 0]
+    if ok.size and (int(ok.min()) < 0 or int(ok.max()) >= vocab):
+        return f"the last worker sent tokens outside the vocabulary of {vocab}"
+    return None
+
+
 def choice(msg: Sampled, e: int, top_n: int) -> Choice:
     """Entry `e` of `msg` (its top `top_n` alternatives, the padding of -1 ids left out)."""
     top: tuple[tuple[int, float], ...] = ()
@@ -49,4 +59,5 @@ def choice(msg: Sampled, e: int, top_n: int) -> Choice:
         ids, lps = msg.top_ids[e, :top_n].tolist(), msg.top_logprobs[e, :top_n].tolist()
         top = tuple((int(t), float(lp)) for t, lp in zip(ids, lps, strict=True) if t >= 0)
     logits = msg.logits[e] if msg.logits is not None else None
-    return Choice(int(msg.tokens[e]), float(msg.logprobs[e]), top, logits)
+    failed = int(msg.failed[e]) if msg.failed is not None else -1
+    return Choice(int(msg.tokens[e]), float(msg.logprobs[e]), top, logits, failed)

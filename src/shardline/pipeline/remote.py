@@ -48,7 +48,7 @@ from shardline.model.manifest import load_manifest, verify
 from shardline.pipeline import metrics
 from shardline.pipeline.chain import Delivered, open_chain
 from shardline.pipeline.deadline import Deadlines, StepClock
-from shardline.pipeline.frames import choice, forward, ragged
+from shardline.pipeline.frames import choice, forward, ragged, unknown_tokens
 from shardline.pipeline.heartbeat import beat, quiet_for, settle_for
 from shardline.pipeline.held import needs, reads, writes
 from shardline.pipeline.hidden import HiddenChunk
@@ -467,6 +467,8 @@ class RemotePipeline:
         step = sent.step
         if msg.tokens.shape[0] != step.sample_at.shape[0]:
             return self._fail(step, f"{msg.tokens.shape[0]} tokens for {step.sample_at.shape[0]} positions")
+        if (why := unknown_tokens(msg, self.manifest.arch.vocab)) is not None:
+            return self._fail(step, why)
         now = time.perf_counter()
         timing = breakdown(step.phase.value, msg.hops, decode_s, now - received_at, now - sent.started)
         rows = step.sample_at[:, 0].tolist()

@@ -38,6 +38,7 @@ from shardline.host import trim_memory_every
 from shardline.pipeline.plan import AnyStep, DecodeStep, KvMove, Lease, Moved, Outcome, Pipeline, Plan, execute
 from shardline.pipeline.ragged_step import RaggedStep
 from shardline.serving.admission import Limits, accepts, to_admit
+from shardline.serving.constrained import brief
 from shardline.serving.engine_spec import SpecDriver
 from shardline.serving.paged_scheduler import PagedScheduler
 from shardline.serving.prefix import PrefixCache, PrefixStats
@@ -92,6 +93,9 @@ class Event:
     text: str = ""
     offset: int = 0
     cut: bool = False  # this token completed a stop sequence: the text is cut before it (then the end)
+    # With an error: "constraint" when the request's own grammar could not go on (the client's
+    # to fix: the API answers 400 naming its field); "" for the server's own failures.
+    cause: str = ""
 
 
 @dataclass(eq=False)
@@ -364,11 +368,15 @@ class Engine:
             if outcome.failed:
                 return self._finish(stream, "error", outcome.error)
             stream.lost_at = None  # it runs again: a later loss is a new repair
+            if stream.constraint is not None and stream.constraint.failure is not None:
+                return self._grammar_failed(stream, stream.constraint)
             if outcome.hidden is not None:  # a summarizing pipeline's (a prefill instance's)
                 stream.handover.saw(outcome.hidden)
             stood = self.spec.verified(stream, outcome)
             self.spec.settled(stream, len(stood))
             for choice in stood:
+                if choice.failed >= 0:  # this stream's entry alone: the step's others went on
+                    return self._finish(stream, "error", f"no token could be chosen: {choice.why}")
                 if self._emit(stream, choice):
                     return
             if ticket_of(stream).cancelled:
@@ -398,11 +406,11 @@ class Engine:
         if ticket.cancelled:
             self._finish(stream, "cancelled")
             return True
-        if choice.token in stream.stop_ids or (stream.constraint and stream.constraint.ends(choice.token)):
+        if choice.token in stream.stop_ids or self._grammar_ends(stream, choice.token):
             self._finish(stream, "stop")
             return True
-        if stream.constraint is not None:
-            stream.constraint.advance(choice.token)
+        if stream.constraint is not None and not self._grammar_takes(stream, stream.constraint, choice.token):
+            return True
         stream.generated.append(choice.token)
         text, offset = ticket.text.push(choice.token) if ticket.text else ("", 0)
         cut = bool(ticket.text and ticket.text.stopped)
@@ -418,6 +426,27 @@ class Engine:
             return True
         return False
 
+    def _grammar_ends(self, stream: Stream, token: int) -> bool:
+        try:
+            return stream.constraint is not None and stream.constraint.ends(token)
+        except Exception:  # noqa: BLE001 - the next call, to advance it, says why
+            return False
+
+    def _grammar_takes(self, stream: Stream, constraint: Constraint, token: int) -> bool:
+        """Advance `stream`'s grammar by its `token`; False once it could not (the stream has
+        ended with the reason: its request's own grammar failed, nobody else's)."""
+        try:
+            constraint.advance(token)
+            return True
+        except Exception as e:  # noqa: BLE001 - whatever the grammar engine raises is this stream's alone
+            constraint.failure = brief(e)
+            self._grammar_failed(stream, constraint)
+            return False
+
+    def _grammar_failed(self, stream: Stream, constraint: Constraint) -> None:
+        log.info("stream %d: its grammar, %s, cannot go on: %s", stream.id, constraint.label, constraint.failure)
+        self._finish(stream, "error", constraint.failure or "", cause="constraint")
+
     def take_slot(self, fits: Callable[[], bool]) -> bool:
         """Hold a stream slot for a request that does not come through the queue (a decode
         instance's arrival) if one is free and `fits()` (checked under the lock)."""
@@ -431,13 +460,13 @@ class Engine:
         with self._lock:
             self._taken -= 1
 
-    def _finish(self, stream: Stream, reason: str, error: str = "") -> None:
+    def _finish(self, stream: Stream, reason: str, error: str = "", cause: str = "") -> None:
         self.scheduler.remove(stream, keep=reason in ("stop", "length"))
         stats = self.spec.closed(stream)
         self.release_slot()
         ticket = ticket_of(stream)
         text = ticket.text.flush() if ticket.text and reason in ("stop", "length") else ""
-        ticket.on_event(Event(None, finish=reason, error=error, spec=stats, text=text))
+        ticket.on_event(Event(None, finish=reason, error=error, spec=stats, text=text, cause=cause))
 
     def _fail_all(self, reason: str, error: str) -> None:
         """Every admitted and waiting request ends (the loop stopped); keys are released. Each

@@ -11,7 +11,7 @@ import numpy as np
 
 from shardline.config import SamplingParams
 from shardline.decoding.masks import LateMasks, TokenMasks, mask_words, resolved
-from shardline.decoding.sampler import Choice, choose, verify
+from shardline.decoding.sampler import Choice, entry
 from shardline.decoding.speculative import Drafted
 from shardline.errors import StepRefused
 from shardline.stage.paged_batch import PagedBatch
@@ -19,7 +19,8 @@ from shardline.stage.paged_batch import PagedBatch
 
 def choices(batch: PagedBatch, sample_at: np.ndarray, sampling: Sequence[SamplingParams], logits: np.ndarray,
             want_logits: bool, masks: TokenMasks | LateMasks | None, drafted: Drafted | None) -> list[Choice]:
-    """A choice per entry of `sample_at`: the token at the position after the sampled one."""
+    """A choice per entry of `sample_at`: the token at the position after the sampled one (a
+    failed Choice where none can be chosen: that entry's stream fails alone)."""
     if not sample_at.size:
         return []
     if logits.ndim != 2 or logits.shape[0] != sample_at.shape[0]:
@@ -31,12 +32,7 @@ def choices(batch: PagedBatch, sample_at: np.ndarray, sampling: Sequence[Samplin
     out = []
     for e, (q, t) in enumerate(sample_at.tolist()):
         position = int(batch.positions[int(batch.begins[q]) + t]) + 1
-        allowed = m.allowed(e, int(logits.shape[1])) if m is not None else None
-        if drafted is not None and drafted.tokens[e] >= 0:
-            out.append(verify(logits[e], sampling[q], position, int(drafted.tokens[e]), drafted.q_ids[e],
-                              drafted.q_probs[e], want_logits, allowed))
-        else:
-            out.append(choose(logits[e], sampling[q], position, want_logits, allowed))
+        out.append(entry(logits[e], sampling[q], position, e, want_logits, drafted, m))
     return out
 
 

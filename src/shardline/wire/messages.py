@@ -17,6 +17,7 @@ from typing import ClassVar
 import numpy as np
 
 from shardline.config import MAX_CONTEXT, SamplingParams
+from shardline.errors import Unsampleable
 
 # 2: Forward and Sampled carry `hops`; 3: rows (decode groups); 4: multi-token steps with
 # chosen sample positions, explicit first step, run-length masks, typed sampling, sessions;
@@ -29,8 +30,9 @@ from shardline.config import MAX_CONTEXT, SamplingParams
 # slots increasing), Ping/Pong on idle links; 12: Forward.allow_bits/allow_of, the tokens a
 # constrained entry may take (issue 40); 13: Ragged, a paged step (issue 41): every stream's new
 # tokens in one flat batch over block tables; Hello.block_size and Hello.blocks (the pool);
-# 14: KvPull.blocks/tokens and KvPush.blocks, a paged stream's KV moved by its blocks.
-PROTOCOL = 14
+# 14: KvPull.blocks/tokens and KvPush.blocks, a paged stream's KV moved by its blocks;
+# 15: Sampled.failed, the entries no token could be chosen for (their streams fail alone).
+PROTOCOL = 15
 MAX_SUPPORT = 64  # token ids of a draft distribution sent per sampled position
 
 # One row of `hops` per stage a step has run through, appended by the process that ran it:
@@ -305,12 +307,15 @@ def check_drafts(drafts: np.ndarray | None, q_ids: np.ndarray | None, q_probs: n
 class Sampled:
     """The last stage's answer to a Forward: for each entry of its `sample_at`, in that order, the
     chosen token and its log-probability (temperature 1), the top alternatives when a row asked
-    for them (padded with -1 / -inf to the widest row), and the logits only when asked for."""
+    for them (padded with -1 / -inf to the widest row), and the logits only when asked for.
+    `failed`, when some entry could not be sampled: per entry -1, or the code of why not
+    (decoding/masks.Unsampleable.REASONS; its token is -1): that entry's stream fails alone."""
 
     KIND: ClassVar[int] = 6
     ARRAYS: ClassVar[dict[str, Arr]] = {
         "tokens": Arr(("i8",), 1), "logprobs": Arr(("f4",), 1), "top_ids": Arr(("i8",), 2, True),
-        "top_logprobs": Arr(("f4",), 2, True), "logits": Arr(("f4",), 2, True), "hops": Arr(("f8",), 2),
+        "top_logprobs": Arr(("f4",), 2, True), "logits": Arr(("f4",), 2, True), "failed": Arr(("i4",), 1, True),
+        "hops": Arr(("f8",), 2),
     }
     key: int
     seq: int
@@ -319,10 +324,15 @@ class Sampled:
     top_ids: np.ndarray | None  # [E, n] i64
     top_logprobs: np.ndarray | None  # [E, n] f32
     logits: np.ndarray | None  # [E, vocab] f32
+    failed: np.ndarray | None  # [E] i32: -1, or why entry e has no token
     hops: np.ndarray  # every stage's row, the last worker's last: see HOP_COLUMNS
 
     def __post_init__(self) -> None:
         e = self.tokens.shape[0]
+        if self.failed is not None:
+            _need(self.failed.shape == (e,), "one failure code per token")
+            r = _range(self.failed)
+            _need(r is None or (r[0] >= -1 and r[1] < len(Unsampleable.REASONS)), "failure codes out of range")
         _need(self.logprobs.shape == (e,), "one logprob per token")
         _need((self.top_ids is None) == (self.top_logprobs is None), "top ids and logprobs go together")
         if self.top_ids is not None and self.top_logprobs is not None:
