@@ -8,7 +8,7 @@ from __future__ import annotations
 from shardline.config import SamplingParams
 from shardline.decoding.drafts import Proposal
 from shardline.pipeline.ragged_step import RaggedStep
-from shardline.serving.kv_blocks import BlockPool, BlockTable
+from shardline.serving.kv_blocks import BlockCounts, BlockPool, BlockTable
 from shardline.serving.paged_scheduler import PagedScheduler
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.stream import Stream, new_stream_id
@@ -234,3 +234,32 @@ def test_a_stream_that_leaves_has_its_blocks_read_out_and_one_that_arrives_takes
     assert not full.room(9)
     failed = full.arrive(_stream([1, 2]), full.handoff(s, kv))
     assert "no free KV blocks for 9 tokens" in str(failed.exception())
+
+
+def test_a_hit_whose_blocks_were_lost_is_a_miss() -> None:
+    """A prompt started from kept blocks, then the chain broke under it (a worker restarted:
+    those blocks are gone): it prefills them again, so its hit saved nothing. Each stream
+    counts once, however often it starts over; evicted kept blocks are counted."""
+    sched = _sched(blocks=8, chunk=64, prefix=True)
+    system = list(range(200, 213))  # 3 full blocks of 4
+    a = _stream([*system, 1, 2], max_tokens=1, scope="k")
+    sched.add(a)
+    _run(sched, 1)
+    sched.remove(a, keep=True)
+    b = _stream([*system, 3, 4], scope="k")
+    sched.add(b)
+    step = _step(sched)
+    assert step is not None and b.prefilled == 15 and step.batch.past_lens.tolist() == [12]
+    s = sched.prefix_stats()
+    assert (s.hits, s.misses, s.tokens_saved, s.evicted) == (1, 1, 12, 0)
+    b.in_flight = False  # its step was lost
+    sched.replay(b, sched.kv.lease())
+    _run(sched, 1)  # every token of its prompt again, and no lookup counted twice
+    s = sched.prefix_stats()
+    assert (s.hits, s.misses, s.tokens_saved) == (0, 2, 0) and b.prefilled == 15
+    sched.remove(b, keep=True)
+    assert sched.pool.counts() == BlockCounts(held=0, cached=3, free=5, block_size=4)
+    c = _stream(list(range(300, 329)), max_tokens=1, scope="k")  # 8 blocks: b's 3 cached ones evicted
+    sched.add(c)
+    _run(sched, 1)
+    assert sched.prefix_stats().evicted == 3 and sched.pool.counts() == BlockCounts(8, 0, 0, 4)

@@ -220,7 +220,7 @@ class Engine:
     def prefix_stats(self) -> tuple[PrefixStats, int]:
         """Prefix reuse so far and the bytes its entries hold (any thread: a snapshot)."""
         if isinstance(self.scheduler, PagedScheduler):  # shared blocks: the cached ones are what is kept
-            return replace(self.scheduler.stats), self.scheduler.pool.cached * self.scheduler.block_bytes
+            return self.scheduler.prefix_stats(), self.scheduler.pool.cached * self.scheduler.block_bytes
         reuse = self.scheduler.reuse
         return (replace(reuse.cache.stats), reuse.cache.held) if reuse is not None else (PrefixStats(), 0)
 

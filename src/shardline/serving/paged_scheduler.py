@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardline.decoding.drafts import NO_DRAFTS, Proposal, drafted
 from shardline.errors import ShardlineError
@@ -104,8 +104,13 @@ class PagedScheduler:
     def replay(self, stream: Stream, key: Lease) -> None:
         """The pipeline lost `stream`'s step (a chain broke under it): it starts again on lease
         `key` from no blocks. The blocks the chain held are gone with it, so no prefix is found
-        in them any more (a replay that hit one would be lost again)."""
+        in them any more (a replay that hit one would be lost again). A hit of `stream`'s saved
+        nothing after all (its blocks were lost: it prefills them again): counted as a miss."""
         self.pool.forget()
+        if stream.prefix_saved:
+            self.stats.hits, self.stats.misses = self.stats.hits - 1, self.stats.misses + 1
+            self.stats.tokens_saved -= stream.prefix_saved
+            stream.prefix_saved = 0
         self._restart(stream, key)
 
     def _restart(self, stream: Stream, key: Lease) -> None:
@@ -116,6 +121,11 @@ class PagedScheduler:
         old = stream.key
         stream.restart(key, self.kv.books.get(key))
         self.kv.free(old)
+
+    def prefix_stats(self) -> PrefixStats:
+        """Prefix reuse so far: hits, misses, tokens saved, and the cached blocks evicted for new
+        KV (a kept prefix lost to make room)."""
+        return replace(self.stats, evicted=self.pool.evicted)
 
     def releases(self) -> list[int]:
         return list(self.kv.take_freed())
@@ -232,9 +242,11 @@ class PagedScheduler:
         if self.prefix and s.prefix_scope is not None:
             s.blocks = self.pool.match(s.prefix(), s.prefix_scope)
             s.prefilled = s.blocks.written
-            hit = s.blocks.written > 0
-            self.stats.hits, self.stats.misses = self.stats.hits + hit, self.stats.misses + (not hit)
-            self.stats.tokens_saved += s.blocks.written
+            if not s.prefix_looked:  # counted once a stream, as the keyed cache counts (a preempted one looks again)
+                s.prefix_looked, s.prefix_saved = True, s.blocks.written
+                self.stats.hits += s.prefix_saved > 0
+                self.stats.misses += s.prefix_saved == 0
+                self.stats.tokens_saved += s.prefix_saved
         else:
             s.blocks = BlockTable()
 
