@@ -232,7 +232,7 @@ class PagedScheduler:
         streams' steps in flight holds every younger stream back this round, or they would take
         them out again with their next step."""
         order = list(self.streams.values())
-        age = {v.id: i for i, v in enumerate(order)}
+        age: dict[int, int] = {v.id: i for i, v in enumerate(order)}
         granted: set[int] = set()
         for sid, n in sorted(packed, key=lambda p: age[p[0]]):
             s = self.streams[sid]
