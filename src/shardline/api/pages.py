@@ -45,7 +45,7 @@ def read(served: Any) -> Readings:
     running = e.speculating()
     ended = e.spec_ended
     kv = served.kv if served.kv in KV_PRECISIONS else "f32"
-    now = health(placements(e), e.failed)
+    now = health(placements(e), e.failed, e.stalled)
     per_layer = kv_bytes_per_token(1, status.kv_heads, status.head_dim, kv) if status else 0
     return Readings(
         model=served.model_id, precision=served.precision, weights=status.weights if status else "",
