@@ -56,4 +56,4 @@ def read(served: Any) -> Readings:
         drafted=ended.drafted + sum(s.drafted for s in running.values()),
         accepted=ended.accepted + sum(s.accepted for s in running.values()),
         rss_bytes=psutil.Process().memory_info().rss, kv_slots=getattr(e, "kv_slots_live", 0),
-        kv_token_bytes_per_layer=per_layer)
+        kv_token_bytes_per_layer=per_layer, kv_bytes=getattr(e, "kv_bytes_live", None))
