@@ -249,10 +249,11 @@ class PagedScheduler:
         return [(self.streams[sid], n) for sid, n in packed if sid in granted]
 
     def _rest(self, s: Stream) -> int:
-        """The blocks `s`'s prompt still lacks (0 once it decodes, or before it has a table)."""
-        if not s.prefilling or s.blocks is None:
+        """The blocks `s`'s prompt still lacks (0 once it decodes; all of them for one just
+        preempted, whose table is gone)."""
+        if not s.prefilling:
             return 0
-        return max(0, blocks_for(len(s.prefix()), self.pool.block_size) - len(s.blocks.blocks))
+        return max(0, blocks_for(len(s.prefix()), self.pool.block_size) - len(s.blocks.blocks if s.blocks else ()))
 
     def _sizes(self, prompts: list[Stream], decoding: bool) -> list[int]:
         """Each prompt's chunk: a short prompt whole (up to the budget), a long one paced while
