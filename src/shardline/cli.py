@@ -134,7 +134,9 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: 1 with local stages, one per stage with workers; 0: one call per stream)")
     s.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                    help="prompt tokens per prefill step; chunks interleave with running streams' decode steps")
-    s.add_argument("--max-prefills", type=int, default=2, help="prompts prefilling at once (oldest first)")
+    s.add_argument("--max-prefills", type=int, default=2,
+                   help="prompts prefilling at once (oldest first; on a paged export at most the streams at the full "
+                        "--context its --kv-cache-mb pool holds)")
     s.add_argument("--prefix-cache-mb", type=int, default=None, metavar="MIB",
                    help="ended requests' KV kept for later prompts that start alike (a chat's next turn, a shared "
                         "system prompt), in MiB; 0: off (default: a tenth of available memory, at most 2048; "

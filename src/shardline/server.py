@@ -19,7 +19,7 @@ from shardline.model.manifest import Manifest, load_manifest
 from shardline.pipeline.kv import StageLayout
 from shardline.pipeline.paged_local import is_paged
 from shardline.pipeline.plan import Pipeline, Placed
-from shardline.serving.admission import Limits, max_streams_for_memory, per_stream_bytes
+from shardline.serving.admission import Limits, max_streams_for_memory, paged_prefills, per_stream_bytes
 from shardline.serving.drafters import LOOKUP_PRIOR, LookupDrafter
 from shardline.serving.engine import Engine, Serving
 from shardline.serving.kv_blocks import BlockPool
@@ -167,9 +167,19 @@ def open_paged_engine(folder: Path, manifest: Manifest, run: RunConfig, cfg: Ser
              pipe.blocks * pipe.block_bytes / 2**20, len(manifest.stages))
     # over workers, one step in flight per stage (each stage its machine); here one: every stage
     # shares these cores, and a second step would run a prompt's chunk apart from the decode tokens
-    scheduler = PagedScheduler(scheduling(cfg, manifest, False), pool, prefix=cfg.prefix_cache_mb != 0,
+    scheduler = PagedScheduler(paged_scheduling(cfg, manifest, pipe), pool, prefix=cfg.prefix_cache_mb != 0,
                                in_flight=len(manifest.stages) if workers else 1, block_bytes=pipe.block_bytes)
     return Engine(pipe, limits, pipe.context, drafts=drafts, replays=replays, scheduler=scheduler)
+
+
+def paged_scheduling(cfg: ServeConfig, manifest: Manifest, pipe: PagedPipeline | RemotePipeline) -> SchedulerConfig:
+    """A paged pool's scheduler config: `scheduling`'s, with no more prompts prefilling at once
+    than the pool holds streams at the context (said on stderr when that lowers --max-prefills)."""
+    sched = scheduling(cfg, manifest, False)
+    prefills, why = paged_prefills(sched.max_prefills, pipe.blocks, pipe.block_size, pipe.context, pipe.block_bytes)
+    if why:
+        log.warning(why)
+    return replace(sched, max_prefills=prefills)
 
 
 def paged_pipeline(folder: Path, run: RunConfig, cfg: ServeConfig, kv_bytes: int, streams: int | None,
@@ -320,7 +330,7 @@ def open_paged_disaggregated(folder: Path, manifest: Manifest, run: RunConfig, c
     replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
     front = Disaggregated(FrontConfig(heavy_from=HEAVY_DECODE_FROM, flip=None))
     predict, _ = length_prediction("max-tokens", manifest)
-    sched = scheduling(cfg, manifest, False)
+    sched = paged_scheduling(cfg, manifest, pipes[0])  # every instance's pool alike
 
     def blocks(pipe: PagedPipeline | RemotePipeline, cfg: SchedulerConfig, prefix: bool) -> PagedScheduler:
         # over workers, one step in flight per stage, as a coupled engine's (open_paged_engine)

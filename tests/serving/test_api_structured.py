@@ -1,7 +1,8 @@
 """Structured output through a real `shardline serve` and the official `openai` client (issue 40):
 `chat.completions.parse` with a Pydantic model, json_object, json_schema streamed, llama-server's
 `json_schema` and GBNF `grammar` on completions; hostile schemas and grammars are OpenAI 400s
-naming the field, and the server keeps serving; /metrics counts constrained requests."""
+naming the field, and the server keeps serving; /metrics counts constrained requests. On the
+paged runner, /metrics and /fleet.json report the KV blocks held (issue 54)."""
 
 from __future__ import annotations
 
@@ -123,3 +124,25 @@ def test_metrics_count_constrained_requests(server: Server, client: openai.OpenA
         client.chat.completions.create(model=MODEL, messages=_ask("A digit?"), max_tokens=12, response_format=fmt)
     assert server.metric("shardline_constrained_requests_total") == before + 2
     assert server.metric("shardline_grammar_compile_seconds_count") == compiles + 1  # the second was cached
+
+
+def test_the_paged_pool_s_blocks_in_metrics_and_the_fleet(request: pytest.FixtureRequest, server: Server,
+                                                          client: openai.OpenAI) -> None:
+    """Issue 54 point 7: on the paged runner /metrics reads the pool's blocks held, cached and
+    free, and /fleet.json's KV is the blocks held (it was 0 whatever ran); the keyed runner has
+    no blocks to report."""
+    paged = request.node.callspec.params["server"] == "paged"
+    answer = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=400, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(answer))  # its prompt is in and it decodes: it holds blocks until its last token, more and more
+    held = server.metric('shardline_kv_blocks{state="held"}')
+    kv_mb = sum(s["kv_mb"] for s in httpx.get(f"{server.url}/fleet.json").json()["stages"])
+    later = server.metric('shardline_kv_blocks{state="held"}')
+    total = sum(server.metric(f'shardline_kv_blocks{{state="{s}"}}') for s in ("held", "cached", "free"))
+    answer.response.close()
+    if not paged:
+        assert total == 0 and "shardline_kv_blocks" not in httpx.get(f"{server.url}/metrics").text
+        return
+    assert 1 <= held <= later < total and server.metric("shardline_kv_block_tokens") == 32
+    block_mb = 32 * 30 * 2 * 3 * 64 * 4 / 2**20  # 32 tokens' f32 keys and values in 30 layers
+    assert held * block_mb - 0.02 <= kv_mb <= later * block_mb + 0.02

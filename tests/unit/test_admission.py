@@ -8,8 +8,16 @@ from shardline.config import ServeConfig
 from shardline.errors import ShardlineError
 from shardline.model.arch import Arch
 from shardline.model.context import default_context, kv_bytes_per_token, run_context
+from shardline.pipeline.paged_local import pool_blocks
 from shardline.server import decode_groups
-from shardline.serving.admission import Limits, accepts, max_streams_for_memory, per_stream_bytes, to_admit
+from shardline.serving.admission import (
+    Limits,
+    accepts,
+    max_streams_for_memory,
+    paged_prefills,
+    per_stream_bytes,
+    to_admit,
+)
 
 SMOLLM2 = Arch(family="llama", n_layers=30, hidden=576, n_heads=9, n_kv_heads=3, head_dim=64, intermediate=1536,
                vocab=49152, rope_theta=1e5, rms_eps=1e-5, tied_embeddings=True, max_context=8192)
@@ -122,3 +130,21 @@ def test_a_speculating_stream_is_budgeted_its_masked_slots_drafts_and_draft_mode
     assert spec == 46_080 * (8192 + 137) + 2 * 2**20 + 9_216 * (8192 + 162) + 2**20
     assert per_stream_bytes(arch, 2, 12, 8192) == 18_432 * 8192  # a coordinator holding 12 of the layers
     assert per_stream_bytes(arch, 2, 12, 1024, "f16") == 9_216 * 1024  # a shorter context, a half-size cache
+
+
+def test_a_paged_pool_lets_no_more_prompts_prefill_than_it_holds_streams_at_the_context() -> None:
+    """Issue 54: `serve --kv-cache-mb 92 --context 2048` (65 blocks of 32 tokens, one stream at
+    the context needs 64) with two prompts at once split the pool and stalled; --max-prefills is
+    lowered at start to the streams the pool holds, saying which flags to change."""
+    block = 2 * 30 * 3 * 64 * 4 * 32  # the default model's f32 keys and values, 32 tokens, every layer
+    prefills, why = paged_prefills(2, 65, 32, 2048, block)
+    assert prefills == 1
+    assert why == ("--max-prefills 2 lowered to 1: the KV pool (91 MiB, --kv-cache-mb) of 65 blocks of 32 tokens "
+                   "holds 1 stream(s) at --context 2048 (64 blocks each); --kv-cache-mb 180 holds 2, or give a "
+                   "smaller --context")
+    assert paged_prefills(10, 8 * 64, 32, 2048, block)[0] == 8  # the default pool: 8 streams at the context
+    assert paged_prefills(2, 128, 32, 2048, block) == (2, "")
+    assert paged_prefills(1, 64, 32, 2048, block) == (1, "")
+    with pytest.raises(ShardlineError, match="needs 64 .a larger --kv-cache-mb, or a smaller --context"):
+        pool_blocks(block, 32, 2048, 63 * block, None)
+    assert pool_blocks(block, 32, 2048, 92 << 20, None) == 65

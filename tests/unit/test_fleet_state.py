@@ -71,3 +71,12 @@ def test_prefill_holding_decoding_streams_back_is_said() -> None:
     assert light["prefill"]["holding_decode"] is False and light["prefill"]["share"] == round(0.01 / 0.046, 3)
     alone = fleet_state(replace(BASE, steps=[BASE.steps[2]]))  # prompts only: nothing decodes, nothing held
     assert alone["prefill"] == {"share": 1.0, "holding_decode": False, "prefill_s": 0.5, "decode_s": 0.0}
+
+
+def test_a_paged_pool_s_kv_is_its_blocks_held() -> None:
+    """On the paged runner the streams hold blocks, not slots (kv_slots stays 0): a stage's KV is
+    the bytes of the blocks held, shared out by layers (the audit of issue 54 found it 0)."""
+    paged = replace(BASE, kv_slots=0, kv_bytes=30 * 2**20,
+                    placement=[Placed(0, 9, "this process"), Placed(10, 29, "127.0.0.1:7001")])
+    assert [s["kv_mb"] for s in fleet_state(paged)["stages"]] == [10.0, 20.0]
+    assert [s["kv_mb"] for s in fleet_state(replace(paged, kv_bytes=0))["stages"]] == [0.0, 0.0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shardline.errors import ShardlineError
-from shardline.serving.kv_blocks import BlockPool, BlockTable
+from shardline.serving.kv_blocks import BlockCounts, BlockPool, BlockTable
 
 
 def _written(pool: BlockPool, tokens: list[int], scope: str = "k") -> BlockTable:
@@ -49,10 +49,14 @@ def test_freed_blocks_stay_cached_until_evicted_oldest_first() -> None:
     hit = pool.match([1, 2, 3, 4, 5], "k")
     assert hit.blocks == [0, 1] and pool.ref == [1, 1, 0, 0]  # found again after its stream ended
     pool.free(hit)
+    assert pool.counts() == BlockCounts(held=0, cached=2, free=2, block_size=2) and pool.evicted == 0
     b = _written(pool, [7, 7, 7, 7, 7, 7, 7])  # 4 blocks: the 2 free, then both cached ones evicted
     assert sorted(b.blocks) == [0, 1, 2, 3]
+    assert pool.counts() == BlockCounts(held=4, cached=0, free=0, block_size=2)
+    assert pool.evicted == 2  # what /metrics counts as prefix-cache evictions
     pool.free(b)
     assert pool.match([1, 2, 3, 4, 5], "k").blocks == []
+    assert pool.counts() == BlockCounts(held=0, cached=3, free=1, block_size=2)  # b's 3 full blocks kept
 
 
 def test_trim_releases_the_blocks_past_the_kept_tokens() -> None:

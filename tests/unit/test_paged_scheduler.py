@@ -1,14 +1,16 @@
 """The paged scheduler's decisions, as plain objects (issue 41): one ragged step a round with
-decode tokens first and prompt chunks in the budget, blocks taken as tokens are planned (a
-prompt waits for them, a decode token preempts the youngest idle stream), prefixes shared by
-block only once the steps that wrote them came back."""
+decode tokens first and prompt chunks in the budget, blocks taken as tokens are planned, oldest
+stream first (a prompt waits for what older prompts still need; a stream short of blocks
+preempts the youngest idle stream younger than itself: issue 54), prefixes shared by block only
+once the steps that wrote them came back. tests/unit/test_paged_progress.py: that it never
+stalls, as a property."""
 
 from __future__ import annotations
 
 from shardline.config import SamplingParams
 from shardline.decoding.drafts import Proposal
 from shardline.pipeline.ragged_step import RaggedStep
-from shardline.serving.kv_blocks import BlockPool, BlockTable
+from shardline.serving.kv_blocks import BlockCounts, BlockPool, BlockTable
 from shardline.serving.paged_scheduler import PagedScheduler
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.stream import Stream, new_stream_id
@@ -127,6 +129,43 @@ def test_a_decode_token_preempts_the_youngest_idle_stream() -> None:
     assert step is not None and step.streams == (b.id,) and step.ids.tolist() == [*range(30, 37), 7]
 
 
+def test_only_younger_streams_are_preempted_a_prompt_s_too() -> None:
+    """A stream short of blocks takes them from younger idle streams only, a prompt's chunk too:
+    the oldest stream is never preempted, so no two streams take each other's blocks in turn
+    (issue 54). Here an older long prompt takes the blocks of a younger short one that went
+    ahead and decodes; before, that one's decode token took the older prompt's instead."""
+    sched = PagedScheduler(SchedulerConfig(chunk=4, short_chunk=8, pacing=None), BlockPool(6, 4))
+    a, b = _stream(list(range(100, 120)), max_tokens=2), _stream([5, 6, 7], max_tokens=12)  # 5 blocks; 1 + 3
+    sched.add(a)
+    sched.add(b)
+    _run(sched, 4)
+    assert (a.prefilled, len(b.generated), sched.pool.held) == (16, 4, 6)  # b went ahead, the pool is full
+    step = _step(sched)
+    assert step is not None and step.streams == (a.id,)  # a's last chunk: b (younger, idle) gave its blocks
+    assert (sched.preempted, a.replays, b.replays, b.blocks) == (1, 0, 1, None)
+
+
+def test_two_long_prompts_on_a_pool_of_fewer_than_two_do_not_split_it() -> None:
+    """Issue 54's stall, scaled down: a pool of 9 blocks of 4 where one stream at the context of
+    32 needs 8, two prompts of 30 tokens fed 4 tokens a chunk, two chunks a step. They took the
+    pool a chunk at a time until neither could finish; now the younger waits for the older's
+    rest, then takes its place, and nothing is preempted."""
+    sched = PagedScheduler(SchedulerConfig(chunk=4, short_chunk=8, pacing=None), BlockPool(9, 4))
+    a, b = _stream(list(range(100, 130)), max_tokens=2), _stream(list(range(200, 230)), max_tokens=2)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(40):
+        step = _step(sched)
+        if step is None:
+            break
+        assert not (b.id in step.streams and a.prefilling)  # b starts only once a's prompt is all planned
+        _complete(sched, step)
+        for s in (a, b):
+            if s.done and s.id in sched.streams:
+                sched.remove(s)
+    assert (a.generated, b.generated, sched.preempted, sched.pool.held) == ([7, 7], [7, 7], 0, 0)
+
+
 def test_a_prefix_is_shared_by_block_once_written() -> None:
     sched = _sched(blocks=64, chunk=64, prefix=True, in_flight=2)
     system = list(range(200, 213))  # 13 tokens: 3 full blocks of 4
@@ -234,3 +273,32 @@ def test_a_stream_that_leaves_has_its_blocks_read_out_and_one_that_arrives_takes
     assert not full.room(9)
     failed = full.arrive(_stream([1, 2]), full.handoff(s, kv))
     assert "no free KV blocks for 9 tokens" in str(failed.exception())
+
+
+def test_a_hit_whose_blocks_were_lost_is_a_miss() -> None:
+    """A prompt started from kept blocks, then the chain broke under it (a worker restarted:
+    those blocks are gone): it prefills them again, so its hit saved nothing. Each stream
+    counts once, however often it starts over; evicted kept blocks are counted."""
+    sched = _sched(blocks=8, chunk=64, prefix=True)
+    system = list(range(200, 213))  # 3 full blocks of 4
+    a = _stream([*system, 1, 2], max_tokens=1, scope="k")
+    sched.add(a)
+    _run(sched, 1)
+    sched.remove(a, keep=True)
+    b = _stream([*system, 3, 4], scope="k")
+    sched.add(b)
+    step = _step(sched)
+    assert step is not None and b.prefilled == 15 and step.batch.past_lens.tolist() == [12]
+    s = sched.prefix_stats()
+    assert (s.hits, s.misses, s.tokens_saved, s.evicted) == (1, 1, 12, 0)
+    b.in_flight = False  # its step was lost
+    sched.replay(b, sched.kv.lease())
+    _run(sched, 1)  # every token of its prompt again, and no lookup counted twice
+    s = sched.prefix_stats()
+    assert (s.hits, s.misses, s.tokens_saved) == (0, 2, 0) and b.prefilled == 15
+    sched.remove(b, keep=True)
+    assert sched.pool.counts() == BlockCounts(held=0, cached=3, free=5, block_size=4)
+    c = _stream(list(range(300, 329)), max_tokens=1, scope="k")  # 8 blocks: b's 3 cached ones evicted
+    sched.add(c)
+    _run(sched, 1)
+    assert sched.prefix_stats().evicted == 3 and sched.pool.counts() == BlockCounts(8, 0, 0, 4)

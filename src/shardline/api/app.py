@@ -96,7 +96,7 @@ def build_app(served: Served) -> FastAPI:
     async def health() -> Response:
         """200 while requests can be served, else 503 with the reason; each stage's state."""
         e = served.engine
-        now = serving_health(placements(e), e.failed)
+        now = serving_health(placements(e), e.failed, e.stalled)
         state = {"model": served.model_id, "active_streams": e.active, "waiting": e.waiting,
                  "context": served.context, "kv_cache": served.kv, "stages": now.stages}
         if not now.ok:

@@ -37,6 +37,7 @@ class Readings:
     rss_bytes: int  # this process
     kv_slots: int = 0  # the KV slots the streams hold, on every stage
     kv_token_bytes_per_layer: int = 0  # one token's keys and values in one layer, as this process keeps them
+    kv_bytes: int | None = None  # measured instead: the KV held over every stage (a paged pool's blocks held)
 
 
 def fleet_state(r: Readings) -> dict[str, Any]:
@@ -73,8 +74,17 @@ def _stage(i: int, p: Placed, r: Readings, decode: list[tuple[float, Timing, int
             "precision": f"{r.weights}, {r.precision}" if here else r.weights,
             "health": "up" if p.up else "down", "why": p.why,
             "graph_ms_per_token": _ms(graph / tokens) if tokens else None,
-            # the streams' KV on this stage's layers, at this process's KV dtype (a worker's may differ)
-            "kv_mb": round(r.kv_slots * layers * r.kv_token_bytes_per_layer / 2**20, 2)}
+            "kv_mb": round(_kv_bytes(r, layers) / 2**20, 2)}
+
+
+def _kv_bytes(r: Readings, layers: int) -> float:
+    """The streams' KV on `layers` of the model's layers: a paged pool's blocks held shared by
+    layer (every layer's block is alike), else their slots at this process's KV dtype (a
+    worker's may differ)."""
+    if r.kv_bytes is not None:
+        total = sum(b - a + 1 for a, b in r.stage_layers)
+        return r.kv_bytes * layers / total if total else 0.0
+    return r.kv_slots * layers * r.kv_token_bytes_per_layer
 
 
 HOLDING = 0.5  # prefill's share of the graph time past which it holds running streams back

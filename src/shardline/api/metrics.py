@@ -46,6 +46,7 @@ class ServerMetrics:
             lambda: engine.active)
         r.register(SpeculationCollector(engine))
         r.register(PrefixCollector(engine))
+        r.register(BlocksCollector(engine))
         Gauge("shardline_max_streams", "stream slots (bounded by memory per stream)", registry=r).set(
             engine.limits.max_streams)
 
@@ -117,10 +118,32 @@ class PrefixCollector(Collector):
                                    ("misses", "prompts that found no kept prefix", stats.misses),
                                    ("tokens_saved", "prompt tokens not prefilled thanks to a kept prefix",
                                     stats.tokens_saved),
-                                   ("evictions", "kept prefixes evicted to stay within the budget", stats.evicted)):
+                                   ("evictions", "kept prefixes evicted to stay within the budget (paged: "
+                                    "cached blocks taken for new KV)", stats.evicted)):
             family = CounterMetricFamily(f"shardline_prefix_cache_{name}", help_)
             family.add_metric([], value)
             yield family
         held_bytes = GaugeMetricFamily("shardline_prefix_cache_bytes", "bytes of KV kept as prefixes (per process)")
         held_bytes.add_metric([], held)
         yield held_bytes
+
+
+class BlocksCollector(Collector):
+    """A paged pool's blocks at scrape time (serving/kv_blocks.py), over every paged instance:
+    held by streams, cached (kept for prefix hits, evicted as new KV needs them) and free.
+    Nothing on the keyed runner, whose KV is counted by stream."""
+
+    def __init__(self, engine: Serving) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self.engine.kv_blocks()
+        if counts is None:
+            return
+        blocks = GaugeMetricFamily("shardline_kv_blocks", "KV blocks of the paged pool, by state", labels=["state"])
+        for state, n in (("held", counts.held), ("cached", counts.cached), ("free", counts.free)):
+            blocks.add_metric([state], n)
+        yield blocks
+        size = GaugeMetricFamily("shardline_kv_block_tokens", "tokens a KV block holds")
+        size.add_metric([], counts.block_size)
+        yield size

@@ -45,7 +45,7 @@ def read(served: Any) -> Readings:
     running = e.speculating()
     ended = e.spec_ended
     kv = served.kv if served.kv in KV_PRECISIONS else "f32"
-    now = health(placements(e), e.failed)
+    now = health(placements(e), e.failed, e.stalled)
     per_layer = kv_bytes_per_token(1, status.kv_heads, status.head_dim, kv) if status else 0
     return Readings(
         model=served.model_id, precision=served.precision, weights=status.weights if status else "",
@@ -56,4 +56,4 @@ def read(served: Any) -> Readings:
         drafted=ended.drafted + sum(s.drafted for s in running.values()),
         accepted=ended.accepted + sum(s.accepted for s in running.values()),
         rss_bytes=psutil.Process().memory_info().rss, kv_slots=getattr(e, "kv_slots_live", 0),
-        kv_token_bytes_per_layer=per_layer)
+        kv_token_bytes_per_layer=per_layer, kv_bytes=getattr(e, "kv_bytes_live", None))

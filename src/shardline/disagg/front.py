@@ -35,6 +35,7 @@ from shardline.errors import ShardlineError
 from shardline.pipeline.plan import Pipeline, Placed
 from shardline.serving.admission import Limits
 from shardline.serving.engine import Engine, Event, Request, Ticket
+from shardline.serving.kv_blocks import BlockCounts
 from shardline.serving.prefix import PrefixStats
 from shardline.serving.speculation import SpecStats
 
@@ -123,6 +124,15 @@ class Disaggregated:
     @property
     def failed(self) -> str | None:
         return next((f"{n}: {r.engine.failed}" for n, r in self._named() if r.engine.failed), None)
+
+    @property
+    def stalled(self) -> str | None:
+        return next((f"{n}: {r.engine.stalled}" for n, r in self._named() if r.engine.stalled), None)
+
+    def kv_blocks(self) -> BlockCounts | None:
+        """Every paged instance's pool together (None: no instance is paged)."""
+        counts = [c for e in self._engines() if (c := e.kv_blocks()) is not None]
+        return sum(counts[1:], counts[0]) if counts else None
 
     @property
     def limits(self) -> Limits:

@@ -67,7 +67,8 @@ def pool_blocks(per_block: int, block_size: int, context: int, kv_bytes: int, st
     blocks = min(kv_bytes // per_block, least * streams if streams else 1 << 30)
     if blocks < least:
         raise ShardlineError(f"a KV budget of {kv_bytes / 2**20:.0f} MiB holds {blocks} blocks of "
-                             f"{block_size} tokens; one stream at the context of {context} needs {least}")
+                             f"{block_size} tokens; one stream at the context of {context} needs {least} (a larger "
+                             "--kv-cache-mb, or a smaller --context)")
     return int(blocks)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from shardline.errors import ShardlineError
 from shardline.model.arch import Arch
 from shardline.model.context import kv_bytes_per_token
+from shardline.serving.kv_blocks import blocks_for
 
 
 def per_stream_bytes(arch: Arch, stages: int, local_layers: int, context: int, kv: str = "f32", extra_slots: int = 0,
@@ -33,6 +34,21 @@ def max_streams_for_memory(budget_bytes: int, per_stream_bytes: int, cap: int) -
         raise ShardlineError(f"one stream needs {per_stream_bytes / 2**20:.0f} MiB; "
                              f"the budget is {budget_bytes / 2**20:.0f} MiB")
     return int(min(fits, cap))
+
+
+def paged_prefills(max_prefills: int, blocks: int, block_size: int, context: int, block_bytes: int) -> tuple[int, str]:
+    """The prompts a paged pool of `blocks` lets prefill at once: at most as many as it holds
+    streams at the context (a long prompt may need a whole context's blocks: prompts that
+    split a pool they cannot all finish wait, or start over, issue 54), and why, when that is
+    fewer than `max_prefills` ("" otherwise). `block_bytes`: a block over every stage."""
+    per = blocks_for(context, block_size)
+    fit = max(1, blocks // per)  # the pool holds one stream at the context (paged_local.pool_blocks)
+    if max_prefills <= fit:
+        return max_prefills, ""
+    have, want = blocks * block_bytes / 2**20, -(-max_prefills * per * block_bytes // 2**20)
+    return fit, (f"--max-prefills {max_prefills} lowered to {fit}: the KV pool ({have:.0f} MiB, --kv-cache-mb) of "
+                 f"{blocks} blocks of {block_size} tokens holds {fit} stream(s) at --context {context} ({per} blocks "
+                 f"each); --kv-cache-mb {want} holds {max_prefills}, or give a smaller --context")
 
 
 @dataclass(frozen=True)

@@ -40,12 +40,14 @@ from shardline.pipeline.ragged_step import RaggedStep
 from shardline.serving.admission import Limits, accepts, to_admit
 from shardline.serving.constrained import brief
 from shardline.serving.engine_spec import SpecDriver
+from shardline.serving.kv_blocks import BlockCounts
 from shardline.serving.paged_scheduler import PagedScheduler
 from shardline.serving.prefix import PrefixCache, PrefixStats
 from shardline.serving.replay import Replays, refusal
 from shardline.serving.roles import Coupled, Role
 from shardline.serving.scheduler import Scheduler, SchedulerConfig
 from shardline.serving.speculation import Drafts, SpecStats
+from shardline.serving.status import stall
 from shardline.serving.stops import Detokenizer, StopText
 from shardline.serving.stream import Stream, new_stream_id
 
@@ -130,8 +132,11 @@ class Serving(Protocol):
     @property
     def failed(self) -> str | None: ...  # why it cannot serve, if it cannot (then unhealthy)
     @property
+    def stalled(self) -> str | None: ...  # why no step can run while requests wait, if so (then unhealthy)
+    @property
     def spec_ended(self) -> SpecStats: ...
     def prefix_stats(self) -> tuple[PrefixStats, int]: ...  # prefix reuse so far, and the bytes kept now
+    def kv_blocks(self) -> BlockCounts | None: ...  # a paged pool's blocks held, cached and free (None: keyed)
     def submit(self, request: Request, on_event: Callable[[Event], None]) -> Ticket: ...
     def cancel(self, ticket: Ticket) -> None: ...
     def speculating(self) -> dict[int, SpecStats]: ...
@@ -173,6 +178,9 @@ class Engine:
         # members, and the KV slots the streams' own caches hold (a group pads to its longest).
         self.groups_live = 0
         self.kv_slots_live = 0
+        self.kv_bytes_live: int | None = None  # a paged pool's: the bytes of the blocks held, every stage
+        # Why the last round could run no step while streams wait (status.stall), if so: /health says it.
+        self.stalled: str | None = None
         self._thread = threading.Thread(target=self._loop, daemon=True, name="engine")
         self._thread.start()
         trim_memory_every()  # streams come and go for as long as it runs
@@ -224,9 +232,13 @@ class Engine:
     def prefix_stats(self) -> tuple[PrefixStats, int]:
         """Prefix reuse so far and the bytes its entries hold (any thread: a snapshot)."""
         if isinstance(self.scheduler, PagedScheduler):  # shared blocks: the cached ones are what is kept
-            return replace(self.scheduler.stats), self.scheduler.pool.cached * self.scheduler.block_bytes
+            return self.scheduler.prefix_stats(), self.scheduler.pool.cached * self.scheduler.block_bytes
         reuse = self.scheduler.reuse
         return (replace(reuse.cache.stats), reuse.cache.held) if reuse is not None else (PrefixStats(), 0)
+
+    def kv_blocks(self) -> BlockCounts | None:
+        """A paged pool's blocks by state now (any thread); None on the keyed runner."""
+        return self.scheduler.pool.counts() if isinstance(self.scheduler, PagedScheduler) else None
 
     def prefix_covers(self, request: Request) -> int:
         """How many of `request`'s prompt tokens a kept prefix would save now (any thread: a
@@ -299,6 +311,10 @@ class Engine:
         plan = self.scheduler.plan(self.spec.proposals())
         self.groups_live = sum(1 for g in self.scheduler.groups if g.members())
         self.kv_slots_live = self.scheduler.kv.slots()
+        blocks = self.kv_blocks()
+        if blocks is not None and isinstance(self.scheduler, PagedScheduler):
+            self.kv_bytes_live = blocks.held * self.scheduler.block_bytes
+        self.stalled = stall(plan, list(self.scheduler.streams.values()), blocks)
         for step in plan.steps:
             if isinstance(step, DecodeStep | RaggedStep):
                 self.spec.launched(step)

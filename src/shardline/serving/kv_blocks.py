@@ -6,7 +6,8 @@ per stream serves the whole pipeline: the coordinator plans for all stages at on
 
 Invariants:
 - A block is free (in no table, no hash), cached (no table, a hash: a prefix hit may take it,
-  an allocation may evict it, least recently released first) or held (ref > 0).
+  an allocation may evict it, least recently released first: counted in `evicted`) or held
+  (ref > 0; `held` counts them as they change, so a scrape reads it without a scan).
 - Only full blocks are hashed, and only hashed blocks are shared; a stream writes only past its
   `written` tokens, which lie in blocks no other table holds. So sharing needs no copy on write.
 - A hash covers the scope (an API key's prefix-cache scope) and every token up to the block's
@@ -33,6 +34,20 @@ class BlockTable:
     hashes: list[bytes] = field(default_factory=list)  # of its leading full blocks, as far as known
 
 
+@dataclass(frozen=True)
+class BlockCounts:
+    """A pool's blocks by state (what /metrics reports), and how many tokens a block holds."""
+
+    held: int
+    cached: int
+    free: int
+    block_size: int
+
+    def __add__(self, other: BlockCounts) -> BlockCounts:  # several instances' pools together
+        return BlockCounts(self.held + other.held, self.cached + other.cached, self.free + other.free,
+                           self.block_size)
+
+
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
@@ -54,6 +69,8 @@ class BlockPool:
         self._cached: OrderedDict[int, bytes] = OrderedDict()  # released, hashed: oldest first
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
+        self._held = 0  # blocks with ref > 0 (kept as they change: read at scrape time from any thread)
+        self.evicted = 0  # cached blocks taken for new KV (their prefix no longer found)
 
     @property
     def available(self) -> int:
@@ -154,7 +171,11 @@ class BlockPool:
     @property
     def held(self) -> int:
         """Blocks in some table now."""
-        return sum(1 for r in self.ref if r > 0)
+        return self._held
+
+    def counts(self) -> BlockCounts:
+        """Held, cached and free blocks now (any thread: three atomic reads, not one moment)."""
+        return BlockCounts(self._held, len(self._cached), len(self._free), self.block_size)
 
     def writable(self, table: BlockTable) -> list[int]:
         """The blocks a step of this stream may write: those at or past its written tokens."""
@@ -163,6 +184,7 @@ class BlockPool:
     def _take(self, block: int) -> None:
         if self.ref[block] == 0:
             self._cached.pop(block, None)
+            self._held += 1
         self.ref[block] += 1
 
     def _fresh(self) -> int:
@@ -171,7 +193,9 @@ class BlockPool:
         else:
             block, digest = self._cached.popitem(last=False)
             del self._by_hash[digest], self._hash_of[block]
+            self.evicted += 1
         self.ref[block] = 1
+        self._held += 1
         return block
 
     def _release(self, block: int) -> None:
@@ -179,6 +203,7 @@ class BlockPool:
             raise ShardlineError(f"KV block {block} released more often than it was taken")
         self.ref[block] -= 1
         if self.ref[block] == 0:
+            self._held -= 1
             if block in self._hash_of:
                 self._cached[block] = self._hash_of[block]
             else:

@@ -7,8 +7,12 @@ over its block table (serving/kv_blocks.py), fused into one call of every stage.
   the same learned pacing as the stateful scheduler's (pacing.py: a time budget per step, and
   prefill's share), learnt from fused steps by taking the decode part out of their time.
 - Blocks are taken as tokens are planned: admission counts what a stream holds and needs now,
-  never its worst case. A decode token that finds the pool empty preempts the youngest idle
-  stream (its blocks freed, its tokens prefilled again later), as vLLM's recompute does.
+  never its worst case. They go oldest stream first: a stream short of them preempts the
+  youngest idle streams younger than itself (their blocks freed, their tokens prefilled again
+  later), as vLLM's recompute does, never an older one; a prompt waits while the blocks left
+  do not cover both what the older prompts still need and its own rest. So the oldest stream
+  always progresses, and prompts in flight never split the pool so that none can finish
+  (issue 54: two long prompts on a pool of fewer than two contexts stalled for good).
 - Speculation: a stream's drafts ride after its token, every position sampled; the drafts that
   did not stand are dropped by a shorter past and their blocks go back (no masked slots, no
   compaction): the next round plans from what the stream holds.
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardline.decoding.drafts import NO_DRAFTS, Proposal, drafted
 from shardline.errors import ShardlineError
@@ -104,8 +108,13 @@ class PagedScheduler:
     def replay(self, stream: Stream, key: Lease) -> None:
         """The pipeline lost `stream`'s step (a chain broke under it): it starts again on lease
         `key` from no blocks. The blocks the chain held are gone with it, so no prefix is found
-        in them any more (a replay that hit one would be lost again)."""
+        in them any more (a replay that hit one would be lost again). A hit of `stream`'s saved
+        nothing after all (its blocks were lost: it prefills them again): counted as a miss."""
         self.pool.forget()
+        if stream.prefix_saved:
+            self.stats.hits, self.stats.misses = self.stats.hits - 1, self.stats.misses + 1
+            self.stats.tokens_saved -= stream.prefix_saved
+            stream.prefix_saved = 0
         self._restart(stream, key)
 
     def _restart(self, stream: Stream, key: Lease) -> None:
@@ -116,6 +125,11 @@ class PagedScheduler:
         old = stream.key
         stream.restart(key, self.kv.books.get(key))
         self.kv.free(old)
+
+    def prefix_stats(self) -> PrefixStats:
+        """Prefix reuse so far: hits, misses, tokens saved, and the cached blocks evicted for new
+        KV (a kept prefix lost to make room)."""
+        return replace(self.stats, evicted=self.pool.evicted)
 
     def releases(self) -> list[int]:
         return list(self.kv.take_freed())
@@ -203,14 +217,43 @@ class PagedScheduler:
         wants = [Want(s.id, 1 + len(drafts.get(s.id, NO_DRAFTS).tokens), True) for s in decoding]
         wants += [Want(s.id, n, False) for s, n in zip(prompts, sizes, strict=True)]
         packed = pack(wants, Budget(sum(w.tokens for w in wants if w.decoding) + self.budget.tokens))
-        out: list[tuple[Stream, int]] = []
-        for sid, n in packed:
+        return self._fit(packed)
+
+    def _fit(self, packed: list[tuple[int, int]]) -> list[tuple[Stream, int]]:
+        """The packed entries (in their order) that get the blocks for their tokens. Blocks go
+        oldest stream first (admission order: a preempted or replayed stream keeps its place):
+        a prompt goes only if the blocks left after what every older prompt still needs cover
+        its own rest (`_rest`: prompts in flight never split the pool between them), and a
+        stream short of blocks preempts idle streams younger than itself, never an older one
+        (`_room`). So the oldest stream always gets what it needs once the steps in flight are
+        back (every other stream is younger, and the pool holds a stream at the context:
+        pipeline/paged_local.pool_blocks), and no two streams can preempt each other in turn:
+        nothing stalls, nothing livelocks. A stream that waits for blocks held by younger
+        streams' steps in flight holds every younger stream back this round, or they would take
+        them out again with their next step."""
+        order = list(self.streams.values())
+        age: dict[int, int] = {v.id: i for i, v in enumerate(order)}
+        granted: set[int] = set()
+        for sid, n in sorted(packed, key=lambda p: age[p[0]]):
             s = self.streams[sid]
-            if s.blocks is None:  # preempted by an earlier entry this round: it starts over next round
+            if s.blocks is None:  # preempted by an older stream this round: it starts over next round
                 continue
-            if self._room(s, n, {p.id for p, _ in out}):
-                out.append((s, n))
-        return out
+            older, younger = order[: age[sid]], order[age[sid] + 1 :]
+            ahead = sum(self._rest(v) for v in older)
+            if s.prefilling and ahead and ahead + self._rest(s) > self.pool.available:
+                continue  # it waits for the older prompts (holding back no one: they go first anyway)
+            if self._room(s, n, younger):
+                granted.add(sid)
+            elif self._victims(s, n, [v for v in reversed(younger) if _holds(v)]) is not None:
+                break  # it waits for younger streams' steps in flight: they stay idle once back
+        return [(self.streams[sid], n) for sid, n in packed if sid in granted]
+
+    def _rest(self, s: Stream) -> int:
+        """The blocks `s`'s prompt still lacks (0 once it decodes; all of them for one just
+        preempted, whose table is gone)."""
+        if not s.prefilling:
+            return 0
+        return max(0, blocks_for(len(s.prefix()), self.pool.block_size) - len(s.blocks.blocks if s.blocks else ()))
 
     def _sizes(self, prompts: list[Stream], decoding: bool) -> list[int]:
         """Each prompt's chunk: a short prompt whole (up to the budget), a long one paced while
@@ -232,26 +275,46 @@ class PagedScheduler:
         if self.prefix and s.prefix_scope is not None:
             s.blocks = self.pool.match(s.prefix(), s.prefix_scope)
             s.prefilled = s.blocks.written
-            hit = s.blocks.written > 0
-            self.stats.hits, self.stats.misses = self.stats.hits + hit, self.stats.misses + (not hit)
-            self.stats.tokens_saved += s.blocks.written
+            if not s.prefix_looked:  # counted once a stream, as the keyed cache counts (a preempted one looks again)
+                s.prefix_looked, s.prefix_saved = True, s.blocks.written
+                self.stats.hits += s.prefix_saved > 0
+                self.stats.misses += s.prefix_saved == 0
+                self.stats.tokens_saved += s.prefix_saved
         else:
             s.blocks = BlockTable()
 
-    def _room(self, s: Stream, n: int, planned: set[int]) -> bool:
-        """Blocks for `s`'s next `n` tokens; a decode token preempts the youngest idle stream
-        not planned this round while the pool is short (a prompt waits instead)."""
+    def _room(self, s: Stream, n: int, younger: list[Stream]) -> bool:
+        """Blocks for `s`'s next `n` tokens, taking the blocks of the youngest idle streams of
+        `younger` while the pool is short (each starts over later, as vLLM's recompute does;
+        none is preempted unless enough are to make room). False: `s` waits, nothing taken."""
         assert s.blocks is not None
         need = _fed(s) + n
-        while not self.pool.fits([(s.blocks, need)]):
-            victim = next((v for v in reversed(self.streams.values()) if v is not s and not v.in_flight
-                           and v.id not in planned and v.blocks is not None and v.blocks.blocks), None)
-            if s.prefilling or victim is None:
+        if not self.pool.fits([(s.blocks, need)]):
+            idle = [v for v in reversed(younger) if not v.in_flight and _holds(v)]
+            victims = self._victims(s, n, idle)
+            if victims is None:
                 return False
-            self._restart(victim, self.kv.lease())
-            self.preempted += 1
+            for v in victims:
+                self._restart(v, self.kv.lease())
+                self.preempted += 1
         self.pool.grow(s.blocks, need)
         return True
+
+    def _victims(self, s: Stream, n: int, candidates: list[Stream]) -> list[Stream] | None:
+        """The fewest of `candidates`, in order, whose preemption frees the blocks `s`'s next
+        `n` tokens lack (None: all of them would not). A block is freed only when every table
+        holding it is a victim's (a prefix shared with `s` or a stream left alone stays)."""
+        assert s.blocks is not None
+        short = blocks_for(_fed(s) + n, self.pool.block_size) - len(s.blocks.blocks) - self.pool.available
+        held: dict[int, int] = {}
+        for i, v in enumerate(candidates):
+            assert v.blocks is not None
+            for b in v.blocks.blocks:
+                held[b] = held.get(b, 0) + 1
+                short -= held[b] == self.pool.ref[b]
+            if short <= 0:
+                return candidates[: i + 1]
+        return [] if short <= 0 else None
 
     def _step(self, parts: list[tuple[Stream, int]], drafts: Mapping[int, Proposal]) -> RaggedStep:
         made: list[Part] = []
@@ -307,6 +370,11 @@ class PagedScheduler:
         tokens = sum(n for n, _, _ in sent.chunks)
         for n, cached, paced in sent.chunks:  # the chunks' time shared by their tokens
             self.pacing.chunk_done(n, cached, max(chunk_s, 1e-6) * n / tokens, learn=cached > 0, counted=paced)
+
+
+def _holds(s: Stream) -> bool:
+    """Whether `s` holds any block (a preemption would give some back)."""
+    return s.blocks is not None and bool(s.blocks.blocks)
 
 
 def _fed(s: Stream) -> int:

@@ -74,6 +74,7 @@ class Stream:
     copying: Future[None] | None = None  # a kept prefix on its way into its lease: no step until in
     prompt_kept: bool = False  # its prompt's KV was offered to the prefix cache (once)
     prefix_looked: bool = False  # a kept prefix was looked for (once, as its prefill was about to start)
+    prefix_saved: int = 0  # paged: prompt tokens its hit (counted once) saved; taken back if its blocks are lost
     book: KVBook = field(default_factory=KVBook)
     prefilled: int = 0  # tokens of `prefix()` sent to the stages
     chunk: tuple[int, int] | None = None  # its last prompt chunk: (tokens, tokens cached before it)
