@@ -170,6 +170,25 @@ def test_sessions_pools_together_fit_the_worker_s_memory(worker: StageWorker, mo
                                           paged.reserved([first])), str)
 
 
+def test_a_step_writes_its_blocks_into_the_pool_s_own_arrays(worker: StageWorker) -> None:
+    """A pool's arrays are the very memory the plugin runs PagedAttention over (shared, not
+    copied: so a pool commits only the pages its written blocks hold): a step's KV lands in its
+    table's blocks of those arrays, every other block still zeros, and a move reads it there."""
+    from shardline.stage.paged_batch import PagedBatch
+
+    stage = worker.shard.paged[0]
+    pool = stage.pool(8)
+    hidden = np.random.default_rng(4).standard_normal((40, WIDTH)).astype(np.float32)
+    stage.run(PagedBatch.of([(40, 0, (6, 3))], logits_at=[39]), hidden, pool)
+    assert pool.arrays and all(a.shape[0] == 8 for a in pool.arrays)
+    written = [int(b) for b in range(8) if any(np.any(a[b]) for a in pool.arrays)]
+    assert written == [3, 6]
+    kv = stage.read((6, 3), 40, pool)
+    for name, a in zip(stage.kv_layout(), pool.arrays, strict=True):  # both in the graph's input order
+        row = a[[6, 3]].transpose(1, 0, 2, 3).reshape(a.shape[1], -1, a.shape[3])[None, :, :40]
+        assert np.array_equal(kv[name], row)
+
+
 def _sent(worker: StageWorker, session: Session, *msgs: Message) -> list[Message]:
     """What the worker sends its coordinator for `msgs` (a pull's parts and done, a push's done)."""
     coordinator: Any = session.coordinator

@@ -7,6 +7,14 @@ Not a `Stage` (stage/runners.py): it holds no keys, so nothing keyed (merges, KV
 A paged pipeline (pipeline/paged_local.py) runs ragged steps through these. A worker serving
 several coordinators gives each session a pool of its own (`pool`): one compiled graph, one
 request and one set of block pools per session, so no session reads another's blocks.
+
+A pool costs what its written blocks hold, not what it may hold: its arrays are numpy zeros
+(calloc: fresh pages the OS maps to its zero page until first written) that the request's tensors
+share, not copy. So a pool is committed block by block as steps and moves write its blocks, and
+a Hello asking for a large pool costs nothing until its blocks are used (issue 54: a copying
+`ov.Tensor(zeros, shared_memory=True)` committed every page at once, 1 GiB on a 200-byte Hello). The plugin runs
+PagedAttention in place over these buffers: a block a step writes is in the array (a move's
+`read` sees it; tests/model/test_paged.py's KV moves check it).
 """
 
 from __future__ import annotations
@@ -32,7 +40,10 @@ class Pool:
 
     request: ov.InferRequest
     blocks: int
-    nbytes: int  # its block tensors' bytes (reserved: pages are committed as blocks are written)
+    nbytes: int  # its block tensors' bytes: the most it commits, page by page as blocks are written
+    # The arrays the request's tensors share (an ov.Tensor over shared memory does not own it):
+    # they live as long as the pool does.
+    arrays: tuple[np.ndarray, ...] = ()
 
 
 class PagedRunner:
@@ -59,15 +70,17 @@ class PagedRunner:
         return sum(int(np.prod(d)) * i.get_element_type().size for i, d in zip(self._pools, self._dims, strict=True))
 
     def pool(self, blocks: int) -> Pool:
-        """A new request over pools of `blocks` blocks (zeros: the OS commits their pages as
-        blocks are written)."""
+        """A new request over pools of `blocks` blocks, committed as blocks are written (the
+        module's docstring: shared zeros, never copied)."""
         if blocks < 1:
             raise ShardlineError(f"a paged stage needs a pool of at least 1 block, not {blocks}")
         request = self.compiled.create_infer_request()
+        arrays = []
         for i, dims in zip(self._pools, self._dims, strict=True):
             zeros = np.zeros([blocks, *dims], i.get_element_type().to_dtype())
-            request.set_tensor(i.get_any_name(), ov.Tensor(zeros))
-        return Pool(request, blocks, blocks * self.block_bytes())
+            request.set_tensor(i.get_any_name(), ov.Tensor(zeros, shared_memory=True))
+            arrays.append(zeros)
+        return Pool(request, blocks, blocks * self.block_bytes(), tuple(arrays))
 
     def allocate(self, blocks: int) -> None:
         """This runner's own pool: `blocks` blocks (the one `run` uses unless given another)."""
