@@ -170,6 +170,27 @@ def test_sessions_pools_together_fit_the_worker_s_memory(worker: StageWorker, mo
                                           paged.reserved([first])), str)
 
 
+def test_a_worker_gives_its_sessions_pools_at_most_its_kv_limit(worker: StageWorker) -> None:
+    """`worker --kv-cache-mb`: every session's pools together within the limit the worker was
+    started with; a Hello past it (alone, or beside the pools the others hold) is refused naming
+    the limit and the flag, and one that fits beside them is not."""
+    block = sum(s.block_bytes() for s in worker.shard.paged)
+    limit = POOL * block
+    first = paged.pools_for(worker.shard.paged, _hello(worker), 0, limit)
+    assert not isinstance(first, str) and [p.nbytes for p in first] == [limit]
+    mib = f"{limit / 2**20:.0f}"
+    assert paged.pools_for(worker.shard.paged, _hello(worker, blocks=POOL + 1), 0, limit) == (
+        f"a KV pool of {POOL + 1} blocks ({(POOL + 1) * block / 2**20:.0f} MiB) does not fit this worker's "
+        f"limit of {mib} MiB (--kv-cache-mb) beside 0 MiB of other sessions' pools")
+    assert paged.pools_for(worker.shard.paged, _hello(worker, blocks=1), paged.reserved([first]), limit) == (
+        f"a KV pool of 1 blocks ({block / 2**20:.0f} MiB) does not fit this worker's limit of {mib} MiB "
+        f"(--kv-cache-mb) beside {mib} MiB of other sessions' pools")
+    half = paged.pools_for(worker.shard.paged, _hello(worker, blocks=POOL // 2), 0, limit)
+    assert not isinstance(half, str)
+    assert not isinstance(paged.pools_for(worker.shard.paged, _hello(worker, blocks=POOL // 2),
+                                          paged.reserved([half]), limit), str)
+
+
 def test_a_step_writes_its_blocks_into_the_pool_s_own_arrays(worker: StageWorker) -> None:
     """A pool's arrays are the very memory the plugin runs PagedAttention over (shared, not
     copied: so a pool commits only the pages its written blocks hold): a step's KV lands in its
