@@ -194,10 +194,12 @@ def test_a_worker_gives_its_sessions_pools_at_most_its_kv_limit(worker: StageWor
 def test_a_step_writes_its_blocks_into_the_pool_s_own_arrays(worker: StageWorker) -> None:
     """A pool's arrays are the very memory the plugin runs PagedAttention over (shared, not
     copied: so a pool commits only the pages its written blocks hold): a step's KV lands in its
-    table's blocks of those arrays, every other block still zeros, and a move reads it there."""
+    table's blocks of those arrays, every other block still zeros, and a move reads it there.
+    The warm-up at load wrote none of the runner's own pool."""
     from shardline.stage.paged_batch import PagedBatch
 
     stage = worker.shard.paged[0]
+    assert not any(np.any(a) for a in stage.own.arrays)  # its warm-up ran on a scratch pool
     pool = stage.pool(8)
     hidden = np.random.default_rng(4).standard_normal((40, WIDTH)).astype(np.float32)
     stage.run(PagedBatch.of([(40, 0, (6, 3))], logits_at=[39]), hidden, pool)

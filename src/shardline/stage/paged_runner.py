@@ -12,9 +12,11 @@ A pool costs what its written blocks hold, not what it may hold: its arrays are 
 (calloc: fresh pages the OS maps to its zero page until first written) that the request's tensors
 share, not copy. So a pool is committed block by block as steps and moves write its blocks, and
 a Hello asking for a large pool costs nothing until its blocks are used (issue 54: a copying
-`ov.Tensor(zeros, shared_memory=True)` committed every page at once, 1 GiB on a 200-byte Hello). The plugin runs
-PagedAttention in place over these buffers: a block a step writes is in the array (a move's
-`read` sees it; tests/model/test_paged.py's KV moves check it).
+`ov.Tensor(zeros)` committed every page at once, 1 GiB on a 200-byte Hello). The plugin runs
+PagedAttention in place over these buffers: a block a step writes is in the pool's array, and
+a move reads it there (tests/model/test_paged_worker.py checks both). So a session's pools cost
+at most their `nbytes`, page by page; a worker bounds their sum (node/paged.py pools_for,
+`worker --kv-cache-mb`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from shardline.model.paged_ir import joined
 from shardline.stage.paged_batch import PagedBatch
 from shardline.stage.resident import released_while
 from shardline.stage.runner import precision_properties
+
+WARM_CHUNK = 16  # tokens of the warm-up's chunk (`_warm_up`: past the kernels' thresholds, short)
 
 
 @dataclass(eq=False)
@@ -64,6 +68,23 @@ class PagedRunner:
         self._dims = [[d.get_length() for d in list(i.get_partial_shape())[1:]] for i in self._pools]
         self.block_size = int(self._dims[0][1])
         self.allocate(blocks)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """A decode token, then a short chunk, through a scratch pool: the plugin repacks its
+        weights here (reading the mapped shard), not in a client's first steps, and `load` hands
+        the shard's pages back once it has (resident.py), so a served stage never holds them
+        twice. Two sizes, because the CPU plugin keeps one repacked copy per kind of matmul
+        kernel and picks the kind by the tokens of a call (measured on the default model, issue
+        54: 1-6 tokens one, 7 and more another). A short chunk, not a long one: a 128-token call
+        read the mapped weights without keeping a copy, and a 7-token call later repacked them
+        from the file all the same. This runner's pools are not written."""
+        tokens = min(WARM_CHUNK, self.context or WARM_CHUNK)
+        scratch = self.pool(-(-tokens // self.block_size))
+        for n in sorted({1, tokens}):
+            x = np.zeros(n, np.int64) if self.hidden is None else np.zeros((n, self.hidden), np.float32)
+            table = tuple(range(-(-n // self.block_size)))
+            self.run(PagedBatch.of([(n, 0, table)], logits_at=[n - 1] if self.has_head else []), x, scratch)
 
     def block_bytes(self) -> int:
         """What one block costs this stage: its layers' keys and values for `block_size` tokens."""
