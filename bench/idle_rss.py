@@ -14,6 +14,7 @@ the process with pages it gave back.
 
     python bench/idle_rss.py                                              # this tree
     python bench/idle_rss.py --before /work/main/.venv/bin/shardline --runs 3
+    python bench/idle_rss.py --breakdown                                  # where serve's memory goes
 
 A table of medians, then one JSON line (ratios first).
 """
@@ -25,6 +26,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -103,6 +106,79 @@ def one_run(exe: str, env: dict[str, str], folder: Path, settle_s: float) -> dic
     return out
 
 
+def breakdown(folder: Path) -> list[tuple[str, float]]:
+    """Where this tree's serve holds its memory, one part at a time in this (fresh) process: RSS
+    after each, glibc's free heap given back first. Then what the largest step so far keeps (the
+    plugin's intermediate buffers), and what CompiledModel.release_memory gives back of it."""
+    import ctypes
+    import gc
+
+    trim = ctypes.CDLL("libc.so.6").malloc_trim
+    rows: list[tuple[str, float]] = []
+
+    def read(what: str) -> None:
+        gc.collect()
+        trim(0)
+        rows.append((what, memory(os.getpid())[0]))
+
+    read("python")
+    import numpy as np
+    import openvino as ov
+
+    read("numpy, openvino imported")
+    import shardline.server  # noqa: F401 - what serve imports
+    from shardline.api.app import build_app  # noqa: F401
+    from shardline.config import RunConfig
+    from shardline.model.grammar import Grammars
+    from shardline.model.manifest import load_manifest
+    from shardline.model.paged_ir import joined
+    from shardline.model.tokenizer import ChatTokenizer
+    from shardline.stage.paged_batch import PagedBatch
+    from shardline.stage.paged_runner import WARM_CHUNK, PagedRunner
+    from shardline.stage.resident import release_file_pages, released_while
+    from shardline.stage.runner import precision_properties
+
+    read("the API's imports")
+    class Cold(PagedRunner):
+        def _warm_up(self) -> None:  # done below a call at a time, as PagedRunner.load does it
+            pass
+
+    m, core = load_manifest(folder), ov.Core()
+    stages: list[PagedRunner] = []
+    for e in m.stages:
+        model = joined(core.read_model(folder / e.xml))
+        with released_while(folder / e.bin):
+            stage = Cold(model, "CPU", precision_properties(model, RunConfig()), 1, core, m.arch.vocab, 8192)
+            del model
+            release_file_pages(folder / e.bin)  # each reading without the mapped shard's pages
+            read(f"{e.name} compiled")
+            scratch = stage.pool(1)
+            for n in (1, WARM_CHUNK):  # the two kinds of matmul kernel, each with its own copy
+                x = np.zeros(n, np.int64) if stage.hidden is None else np.zeros((n, stage.hidden), np.float32)
+                stage.run(PagedBatch.of([(n, 0, (0,))], logits_at=[n - 1] if stage.has_head else []), x, scratch)
+                release_file_pages(folder / e.bin)
+                read(f"{e.name} after a {n}-token call")
+        stages.append(stage)
+    tok = ChatTokenizer(folder)
+    read("tokenizer (two Tokenizers)")
+    Grammars((folder / "tokenizer.json").read_text(), m.arch.vocab, tok.stop_ids).tokenizer()
+    read("llguidance's vocabulary")
+    for s in stages:
+        s.allocate(64)
+    past = 0
+    for n in (128, 512):
+        batch = PagedBatch.of([(n, past, tuple(range(-(-(past + n) // 32))))], logits_at=[n - 1])
+        x = np.arange(n, dtype=np.int64)
+        for s in stages:
+            x = np.array(s.run(batch, x))
+        past += n
+        read(f"after a {n}-token step")
+    for s in stages:
+        s.compiled.release_memory()
+    read("release_memory")
+    return rows
+
+
 def medians(runs: list[dict[str, tuple[float, float, float]]]) -> dict[str, list[float]]:
     return {p: [statistics.median(r[p][i] for r in runs) for i in range(3)] for p in POINTS}
 
@@ -113,8 +189,23 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--settle", type=float, default=35.0, help="seconds after each event before reading")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "shardline" / "bench-idle-rss")
+    p.add_argument("--breakdown", action="store_true", help="only where this tree's serve holds its memory")
+    p.add_argument("--inner", type=Path, help=argparse.SUPPRESS)  # the breakdown's own fresh process
     args = p.parse_args()
+    if args.inner:
+        print(json.dumps(breakdown(args.inner)))
+        return 0
     cache, folder = private_export(args.work)
+    if args.breakdown:
+        run = subprocess.run([sys.executable, __file__, "--inner", str(folder)], capture_output=True, text=True,
+                             check=True)
+        rows = json.loads(run.stdout.strip().splitlines()[-1])
+        last = 0.0
+        for what, rss in rows:
+            print(f"{what:<34}{rss:>8.0f} MiB{rss - last:>+9.0f}")
+            last = rss
+        print(json.dumps({"breakdown_mib": {w: round(r) for w, r in rows}}))
+        return 0
     env = {**os.environ, "SHARDLINE_CACHE": str(cache)}
     stages = sorted(folder.glob("*.bin"))
     shard_mib = sum(f.stat().st_size for f in stages) / MiB
