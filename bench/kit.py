@@ -68,14 +68,15 @@ def text_ids(folder: Path, n: int) -> list[int]:
 
 class Proc:
     """`shardline ARGS`, ready once `stream` (stdout or stderr) printed a line starting with
-    `prefix` (kept in `.line`). `cpus` pins it with taskset, e.g. "1"."""
+    `prefix` (kept in `.line`). `cpus` pins it with taskset, e.g. "1"; `exe`: another tree's
+    `shardline`; `env`: its whole environment (None: this one's)."""
 
     def __init__(self, args: list[str], prefix: str, timeout_s: float = 180.0, cpus: str | None = None,
-                 stream: str = "stdout") -> None:
-        cmd = (["taskset", "-c", cpus] if cpus else []) + [SHARDLINE, *args]
+                 stream: str = "stdout", exe: str = SHARDLINE, env: dict[str, str] | None = None) -> None:
+        cmd = (["taskset", "-c", cpus] if cpus else []) + [exe, *args]
         pipe = {"stdout": subprocess.PIPE} if stream == "stdout" else {"stderr": subprocess.PIPE}
         quiet = {"stderr": subprocess.DEVNULL} if stream == "stdout" else {"stdout": subprocess.DEVNULL}
-        self.proc = subprocess.Popen(cmd, text=True, **pipe, **quiet)  # type: ignore[call-overload]
+        self.proc = subprocess.Popen(cmd, text=True, env=env, **pipe, **quiet)  # type: ignore[call-overload]
         out = self.proc.stdout if stream == "stdout" else self.proc.stderr
         assert out is not None
         deadline = time.monotonic() + timeout_s

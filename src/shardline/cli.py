@@ -15,6 +15,7 @@ from shardline.config import (
     KV_PRECISIONS,
     PRECISIONS,
     WEIGHTS,
+    WORKER_KV_FRACTION,
     ExportConfig,
     PacingConfig,
     RecoveryConfig,
@@ -22,6 +23,7 @@ from shardline.config import (
     SamplingConfig,
     ServeConfig,
     SpeculationConfig,
+    WorkerConfig,
     disaggregation,
 )
 from shardline.errors import ShardlineError
@@ -116,6 +118,11 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--device", default="CPU", help=DEVICE_HELP + " (of the stages this worker serves)")
     w.add_argument("--precision", choices=PRECISIONS, default="exact")
     w.add_argument("--threads", type=int, help="OpenVINO threads per stage")
+    w.add_argument("--kv-cache-mb", type=int, default=None, metavar="MIB",
+                   help="the most the KV block pools of a paged export's sessions take here together; a "
+                        "coordinator asking for more is refused (default: "
+                        f"{WORKER_KV_FRACTION * 100:.0f}%% of the memory available at start, leaving the rest to the "
+                        "stages' weights and the machine)")
     _context_flags(w)
     _security_flags(w)
 
@@ -438,10 +445,11 @@ def _worker(args: argparse.Namespace) -> int:
     from shardline.node.worker import StageWorker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    run, config = _run(args), WorkerConfig(kv_cache_mb=args.kv_cache_mb)
     first, last = parse_stage_range(args.stage, stage_count(args.shards))
     host, port = parse_hostport(args.listen, "--listen")
-    run = _run(args)
-    worker = StageWorker(args.shards, first, last, run, fetch=True, credentials=_credentials(args, links=True))
+    worker = StageWorker(args.shards, first, last, run, fetch=True, credentials=_credentials(args, links=True),
+                         config=config)
     port = worker.listen(host, port)
     print(f"listening on {host}:{port}", flush=True)
     worker.serve_forever()

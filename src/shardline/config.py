@@ -224,6 +224,30 @@ class RunConfig:
         return props
 
 
+MAX_KV_CACHE_MB = 1 << 22  # 4 TiB: a bound for hostile flags, past any machine here
+# A worker's KV pools, every session's together, take at most this share of the memory available
+# when it starts (unless --kv-cache-mb): the other half is for its stages' weights and compiled
+# graphs, the OS and whatever else the machine runs, as serve's --memory-fraction leaves it.
+WORKER_KV_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a `shardline worker` gives its coordinators beyond running its stages."""
+
+    # MiB that the KV pools of a paged export's sessions may take together on this worker
+    # (node/paged.py pools_for); None: WORKER_KV_FRACTION of the memory available at start.
+    kv_cache_mb: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_mb is not None and not 1 <= self.kv_cache_mb <= MAX_KV_CACHE_MB:
+            raise ShardlineError(f"--kv-cache-mb must be in 1-{MAX_KV_CACHE_MB}, got {self.kv_cache_mb}")
+
+    def kv_limit(self, available: int) -> int:
+        """Bytes of KV pools this worker gives, given the bytes `available` at its start."""
+        return self.kv_cache_mb << 20 if self.kv_cache_mb is not None else int(available * WORKER_KV_FRACTION)
+
+
 ACTIVATIONS = ("f16", "f32")
 
 
@@ -423,8 +447,8 @@ class ServeConfig:
     kv_cache_mb: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kv_cache_mb is not None and not 1 <= self.kv_cache_mb <= 1 << 22:
-            raise ShardlineError(f"--kv-cache-mb must be in 1-{1 << 22}, got {self.kv_cache_mb}")
+        if self.kv_cache_mb is not None and not 1 <= self.kv_cache_mb <= MAX_KV_CACHE_MB:
+            raise ShardlineError(f"--kv-cache-mb must be in 1-{MAX_KV_CACHE_MB}, got {self.kv_cache_mb}")
         if self.prefix_cache_mb is not None and not 0 <= self.prefix_cache_mb <= 1 << 20:
             raise ShardlineError(f"--prefix-cache-mb must be in 0-{1 << 20}, got {self.prefix_cache_mb}")
         if self.decode_groups is not None and self.decode_groups < 0:

@@ -170,6 +170,48 @@ def test_sessions_pools_together_fit_the_worker_s_memory(worker: StageWorker, mo
                                           paged.reserved([first])), str)
 
 
+def test_a_worker_gives_its_sessions_pools_at_most_its_kv_limit(worker: StageWorker) -> None:
+    """`worker --kv-cache-mb`: every session's pools together within the limit the worker was
+    started with; a Hello past it (alone, or beside the pools the others hold) is refused naming
+    the limit and the flag, and one that fits beside them is not."""
+    block = sum(s.block_bytes() for s in worker.shard.paged)
+    limit = POOL * block
+    first = paged.pools_for(worker.shard.paged, _hello(worker), 0, limit)
+    assert not isinstance(first, str) and [p.nbytes for p in first] == [limit]
+    mib = f"{limit / 2**20:.0f}"
+    assert paged.pools_for(worker.shard.paged, _hello(worker, blocks=POOL + 1), 0, limit) == (
+        f"a KV pool of {POOL + 1} blocks ({(POOL + 1) * block / 2**20:.0f} MiB) does not fit this worker's "
+        f"limit of {mib} MiB (--kv-cache-mb) beside 0 MiB of other sessions' pools")
+    assert paged.pools_for(worker.shard.paged, _hello(worker, blocks=1), paged.reserved([first]), limit) == (
+        f"a KV pool of 1 blocks ({block / 2**20:.0f} MiB) does not fit this worker's limit of {mib} MiB "
+        f"(--kv-cache-mb) beside {mib} MiB of other sessions' pools")
+    half = paged.pools_for(worker.shard.paged, _hello(worker, blocks=POOL // 2), 0, limit)
+    assert not isinstance(half, str)
+    assert not isinstance(paged.pools_for(worker.shard.paged, _hello(worker, blocks=POOL // 2),
+                                          paged.reserved([half]), limit), str)
+
+
+def test_a_step_writes_its_blocks_into_the_pool_s_own_arrays(worker: StageWorker) -> None:
+    """A pool's arrays are the very memory the plugin runs PagedAttention over (shared, not
+    copied: so a pool commits only the pages its written blocks hold): a step's KV lands in its
+    table's blocks of those arrays, every other block still zeros, and a move reads it there.
+    The warm-up at load wrote none of the runner's own pool."""
+    from shardline.stage.paged_batch import PagedBatch
+
+    stage = worker.shard.paged[0]
+    assert not any(np.any(a) for a in stage.own.arrays)  # its warm-up ran on a scratch pool
+    pool = stage.pool(8)
+    hidden = np.random.default_rng(4).standard_normal((40, WIDTH)).astype(np.float32)
+    stage.run(PagedBatch.of([(40, 0, (6, 3))], logits_at=[39]), hidden, pool)
+    assert pool.arrays and all(a.shape[0] == 8 for a in pool.arrays)
+    written = [int(b) for b in range(8) if any(np.any(a[b]) for a in pool.arrays)]
+    assert written == [3, 6]
+    kv = stage.read((6, 3), 40, pool)
+    for name, a in zip(stage.kv_layout(), pool.arrays, strict=True):  # both in the graph's input order
+        row = a[[6, 3]].transpose(1, 0, 2, 3).reshape(a.shape[1], -1, a.shape[3])[None, :, :40]
+        assert np.array_equal(kv[name], row)
+
+
 def _sent(worker: StageWorker, session: Session, *msgs: Message) -> list[Message]:
     """What the worker sends its coordinator for `msgs` (a pull's parts and done, a push's done)."""
     coordinator: Any = session.coordinator

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from shardline.config import RunConfig, SamplingConfig, ServeConfig, SpeculationConfig
@@ -271,3 +273,71 @@ def test_disaggregated_over_workers_moves_blocks_and_gives_the_in_process_tokens
     finally:
         front.shutdown()
     assert all(w.proc.poll() is None for w in workers)
+
+
+LIMIT_MB = 1024  # the audit's pool (issue 54): 2184 blocks of the last stage's 10 layers
+
+
+def _rss_mib(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / MiB
+
+
+def _settled_rss_mib(pid: int, seconds: float = 1.5) -> float:
+    """The worker's largest RSS over `seconds` (a pool copied into committed pages took 3 s)."""
+    deadline, most = time.monotonic() + seconds, 0.0
+    while time.monotonic() < deadline:
+        most = max(most, _rss_mib(pid))
+        time.sleep(0.1)
+    return most
+
+
+def test_a_pool_costs_nothing_until_written_and_none_gets_past_kv_cache_mb(three: Path) -> None:
+    """Issue 54: a real worker started with `--kv-cache-mb 1024` takes a Hello asking for the
+    largest pool it gives and its RSS stays within 64 MiB of before (the pool's pages are
+    committed only as blocks are written; a copied pool took it from 304 to 1,328 MiB); a Hello
+    past the limit, alone or beside the pool held, is refused naming the limit and the flag; the
+    held session still gets its tokens, and once it ends the next session is served."""
+    from dataclasses import replace
+
+    from shardline.model.context import kv_bytes_per_token
+    from shardline.wire.messages import Route, Sampled
+    from tests.model.test_paged_worker import _step
+    from tests.multiproc.test_worker_hostile import Peer, _hello, _refusal_of
+
+    m = load_manifest(three)
+    e = m.stages[2]
+    block = 32 * kv_bytes_per_token(e.last_layer - e.first_layer + 1, m.arch.n_kv_heads, m.arch.head_dim)
+    most = (LIMIT_MB * MiB) // block
+    hello = replace(_hello(m, 2), block_size=32, blocks=most)
+
+    def refused(blocks: int, beside: int) -> str:
+        return (f"a KV pool of {blocks} blocks ({blocks * block / MiB:.0f} MiB) does not fit this worker's limit "
+                f"of {LIMIT_MB} MiB (--kv-cache-mb) beside {beside * block / MiB:.0f} MiB of other sessions' pools")
+
+    def token(peer: Peer, blocks: int) -> int:
+        """The token of a 40-token prompt in the pool's last block and its first."""
+        peer.send(Route(""))
+        peer.send(_step([(40, 0, [blocks - 1, 0])], seed=3))
+        reply = peer.recv()
+        assert isinstance(reply, Sampled), reply
+        return int(reply.tokens[-1])
+
+    with worker(three, "2", extra=["--kv-cache-mb", str(LIMIT_MB)]) as w:
+        pid = w.proc.pid
+        assert refused(most + 1, 0) in str(_refusal_of(w.addr, replace(hello, blocks=most + 1)))
+        before = _settled_rss_mib(pid)
+        with Peer(w.addr, hello) as big:
+            after = _settled_rss_mib(pid)
+            assert after - before < 64, (before, after)
+            assert refused(1, most) in str(_refusal_of(w.addr, replace(hello, blocks=1, session="ab" * 16)))
+            want = token(big, most)
+        # The worker frees a session once it sees its link close: half the limit fits then (a
+        # probe's session, closed again at once), and the other half beside it, freed or not.
+        half = replace(hello, blocks=most // 2, session="cd" * 16)
+        deadline = time.monotonic() + 10
+        while (why := _refusal_of(w.addr, half)) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert why is None, why
+        with Peer(w.addr, replace(half, session="ef" * 16)) as again:
+            assert token(again, most // 2) == want
+        assert w.proc.poll() is None

@@ -90,6 +90,8 @@ class Grammars:
                     self._tokenizer = llguidance.LLTokenizer(self._spec, n_vocab=self.vocab, eos_token=self.end_ids)
                 except (ValueError, RuntimeError) as e:
                     raise GrammarError(f"the grammar engine cannot read this tokenizer: {e}") from None
+                # Built once: its JSON text (6.6 MB as a str for the default model) is not needed again.
+                self._spec = ""
             return self._tokenizer
 
     def special(self, words: Iterable[str]) -> frozenset[str]:

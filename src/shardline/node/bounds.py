@@ -15,6 +15,12 @@ frame of its own. (Paged KV, issue 41, would take the padding away.)
 
 A stage with attention sinks (a static ring that slides) holds a fixed ring whatever the
 positions: there the width only sizes the step's mask, bounded as a whole.
+
+A paged stage (issue 41) holds no rows: a session's KV is its pools, sized by its Hello, which
+commit memory only as steps and moves write their blocks (stage/paged_runner.py) and so hold at
+most their bytes; every session's together are bounded by `worker --kv-cache-mb` when they are
+made (node/paged.py pools_for), and what a step or move may write is checked against the pool
+(stage/paged_batch.py, PagedRunner's moves).
 """
 
 from __future__ import annotations

@@ -33,19 +33,24 @@ from shardline.stage.paged_sample import choices, logits_rows
 from shardline.wire.messages import Hello, KvDone, KvPart, KvPull, KvPush, Message, Ragged, Sampled
 
 
-def pools_for(stages: list[PagedRunner], peer: Hello, reserved: int = 0) -> list[Pool] | str:
-    """A coordinator's pools on every stage here, or why not (a chain that is not paged, blocks
-    of another size, a pool that does not fit this machine's memory beside the `reserved` bytes
-    of the other sessions' pools: their pages are committed as their blocks are written, so a
-    Hello of a few hundred bytes may not reserve more than the machine holds)."""
+def pools_for(stages: list[PagedRunner], peer: Hello, reserved: int = 0, limit: int | None = None) -> list[Pool] | str:
+    """A coordinator's pools on every stage here, or why not: a chain that is not paged, blocks
+    of another size, or a pool that does not fit beside the `reserved` bytes of the other
+    sessions' pools, within this worker's `limit` (--kv-cache-mb: what it was started to give;
+    None, none) and within this machine's available memory. A pool costs nothing until its
+    blocks are written (stage/paged_runner.py), but then up to its whole size: every session's
+    may fill, so a Hello of a few hundred bytes may not claim more than the worker gives."""
     size = stages[0].block_size
     if peer.block_size != size or peer.blocks < 1:
         return (f"this worker's stages are paged, in blocks of {size} tokens; the coordinator's "
                 + (f"in blocks of {peer.block_size}" if peer.block_size else "are not paged"))
-    need, free = peer.blocks * sum(s.block_bytes() for s in stages), available_memory()
-    if need + reserved > free:
-        return (f"a KV pool of {peer.blocks} blocks ({need / 2**20:.0f} MiB) does not fit this worker's "
-                f"{free / 2**20:.0f} MiB available beside {reserved / 2**20:.0f} MiB of other sessions' pools")
+    need = peer.blocks * sum(s.block_bytes() for s in stages)
+    asked = f"a KV pool of {peer.blocks} blocks ({need / 2**20:.0f} MiB) does not fit this worker's"
+    beside = f"beside {reserved / 2**20:.0f} MiB of other sessions' pools"
+    if limit is not None and need + reserved > limit:
+        return f"{asked} limit of {limit / 2**20:.0f} MiB (--kv-cache-mb) {beside}"
+    if need + reserved > (free := available_memory()):
+        return f"{asked} {free / 2**20:.0f} MiB available {beside}"
     return [s.pool(peer.blocks) for s in stages]
 
 

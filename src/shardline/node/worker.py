@@ -42,9 +42,9 @@ from pathlib import Path
 
 import numpy as np
 
-from shardline.config import RunConfig
+from shardline.config import RunConfig, WorkerConfig
 from shardline.errors import ShardlineError, StepRefused
-from shardline.host import parse_hostport, trim_memory_every
+from shardline.host import available_memory, parse_hostport, trim_memory_every
 from shardline.node import kv, paged
 from shardline.node.bounds import Bounds
 from shardline.node.execute import masks_refusal, run_stages, sampled, work_of
@@ -95,13 +95,17 @@ _ACCEPT_RETRY_S = 0.1  # out of file descriptors: wait a moment, keep accepting
 class StageWorker:
     def __init__(self, folder: Path, first: int, last: int, run: RunConfig | None = None, *,
                  fetch: bool = False, frame_timeout: float = FRAME_TIMEOUT,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT, credentials: Credentials | None = None) -> None:
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT, credentials: Credentials | None = None,
+                 config: WorkerConfig | None = None) -> None:
         """Serve stages first-last of the export in `folder` (shard.py: present, or fetched from
         the first coordinator with `fetch`). `frame_timeout` and `handshake_timeout` apply to
         every link (wire/link.py; tests make them short); `frame_timeout` also bounds how long a
         send may make no progress. With `credentials` every link, in or out, is mutual TLS
-        (wire/tls.py); without, in clear (`--insecure`)."""
+        (wire/tls.py); without, in clear (`--insecure`). `config`: what it gives (KV pools)."""
         self.credentials = credentials
+        # What every session's KV pools may take together (a paged export's): fixed at start.
+        self.kv_limit = (config or WorkerConfig()).kv_limit(available_memory())
+        self._joining = threading.Lock()  # one coordinator's pools sized and attached at a time
         self.shard = Shard(folder, first, last, run or RunConfig(), fetch)
         self.frame_timeout, self.handshake_timeout = frame_timeout, handshake_timeout
         # By id: a reader adds its coordinator's (setdefault: atomic), the executor removes it.
@@ -240,18 +244,23 @@ class StageWorker:
         the previous worker of a chain; or why not (checked by _check_peer, re-checked here under
         the race)."""
         if peer.role == Role.COORDINATOR:
-            taken = paged.reserved([s.pools for s in list(self.sessions.values())])
-            pools = paged.pools_for(self.shard.paged, peer, taken) if self.shard.paged else None
-            if isinstance(pools, str):
-                return pools
-            session = Session(peer.session, next(self._session_nos), link, pools=pools)
-            if self.sessions.setdefault(peer.session, session) is not session:
-                return f"session {peer.session[:8]} is already connected"
-            return session
+            with self._joining:  # else two Hellos at once could each fit beside the same pools
+                return self._new_session(link, peer)
         known = self.sessions.get(peer.session)
         if known is None:
             return f"no coordinator of session {peer.session[:8]} is connected here"
         return known
+
+    def _new_session(self, link: Link, peer: Hello) -> Session | str:
+        """A coordinator's session with its pools (a paged export's), or why not."""
+        taken = paged.reserved([s.pools for s in list(self.sessions.values())])
+        pools = paged.pools_for(self.shard.paged, peer, taken, self.kv_limit) if self.shard.paged else None
+        if isinstance(pools, str):
+            return pools
+        session = Session(peer.session, next(self._session_nos), link, pools=pools)
+        if self.sessions.setdefault(peer.session, session) is not session:
+            return f"session {peer.session[:8]} is already connected"
+        return session
 
     def _route(self, link: Link, session: Session, msg: Route) -> None:
         """Connect the session's next hop (on this link's reader: only this link waits)."""

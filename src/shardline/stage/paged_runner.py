@@ -7,6 +7,16 @@ Not a `Stage` (stage/runners.py): it holds no keys, so nothing keyed (merges, KV
 A paged pipeline (pipeline/paged_local.py) runs ragged steps through these. A worker serving
 several coordinators gives each session a pool of its own (`pool`): one compiled graph, one
 request and one set of block pools per session, so no session reads another's blocks.
+
+A pool costs what its written blocks hold, not what it may hold: its arrays are numpy zeros
+(calloc: fresh pages the OS maps to its zero page until first written) that the request's tensors
+share, not copy. So a pool is committed block by block as steps and moves write its blocks, and
+a Hello asking for a large pool costs nothing until its blocks are used (issue 54: a copying
+`ov.Tensor(zeros)` committed every page at once, 1 GiB on a 200-byte Hello). The plugin runs
+PagedAttention in place over these buffers: a block a step writes is in the pool's array, and
+a move reads it there (tests/model/test_paged_worker.py checks both). So a session's pools cost
+at most their `nbytes`, page by page; a worker bounds their sum (node/paged.py pools_for,
+`worker --kv-cache-mb`).
 """
 
 from __future__ import annotations
@@ -25,6 +35,8 @@ from shardline.stage.paged_batch import PagedBatch
 from shardline.stage.resident import released_while
 from shardline.stage.runner import precision_properties
 
+WARM_CHUNK = 16  # tokens of the warm-up's chunk (`_warm_up`: past the kernels' thresholds, short)
+
 
 @dataclass(eq=False)
 class Pool:
@@ -32,7 +44,10 @@ class Pool:
 
     request: ov.InferRequest
     blocks: int
-    nbytes: int  # its block tensors' bytes (reserved: pages are committed as blocks are written)
+    nbytes: int  # its block tensors' bytes: the most it commits, page by page as blocks are written
+    # The arrays the request's tensors share (an ov.Tensor over shared memory does not own it):
+    # they live as long as the pool does.
+    arrays: tuple[np.ndarray, ...] = ()
 
 
 class PagedRunner:
@@ -53,21 +68,40 @@ class PagedRunner:
         self._dims = [[d.get_length() for d in list(i.get_partial_shape())[1:]] for i in self._pools]
         self.block_size = int(self._dims[0][1])
         self.allocate(blocks)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """A decode token, then a short chunk, through a scratch pool: the plugin repacks its
+        weights here (reading the mapped shard), not in a client's first steps, and `load` hands
+        the shard's pages back once it has (resident.py), so a served stage never holds them
+        twice. Two sizes, because the CPU plugin keeps one repacked copy per kind of matmul
+        kernel and picks the kind by the tokens of a call (measured on the default model, issue
+        54: 1-6 tokens one, 7 and more another). A short chunk, not a long one: a 128-token call
+        read the mapped weights without keeping a copy, and a 7-token call later repacked them
+        from the file all the same. This runner's pools are not written."""
+        tokens = min(WARM_CHUNK, self.context or WARM_CHUNK)
+        scratch = self.pool(-(-tokens // self.block_size))
+        for n in sorted({1, tokens}):
+            x = np.zeros(n, np.int64) if self.hidden is None else np.zeros((n, self.hidden), np.float32)
+            table = tuple(range(-(-n // self.block_size)))
+            self.run(PagedBatch.of([(n, 0, table)], logits_at=[n - 1] if self.has_head else []), x, scratch)
 
     def block_bytes(self) -> int:
         """What one block costs this stage: its layers' keys and values for `block_size` tokens."""
         return sum(int(np.prod(d)) * i.get_element_type().size for i, d in zip(self._pools, self._dims, strict=True))
 
     def pool(self, blocks: int) -> Pool:
-        """A new request over pools of `blocks` blocks (zeros: the OS commits their pages as
-        blocks are written)."""
+        """A new request over pools of `blocks` blocks, committed as blocks are written (the
+        module's docstring: shared zeros, never copied)."""
         if blocks < 1:
             raise ShardlineError(f"a paged stage needs a pool of at least 1 block, not {blocks}")
         request = self.compiled.create_infer_request()
+        arrays = []
         for i, dims in zip(self._pools, self._dims, strict=True):
             zeros = np.zeros([blocks, *dims], i.get_element_type().to_dtype())
-            request.set_tensor(i.get_any_name(), ov.Tensor(zeros))
-        return Pool(request, blocks, blocks * self.block_bytes())
+            request.set_tensor(i.get_any_name(), ov.Tensor(zeros, shared_memory=True))
+            arrays.append(zeros)
+        return Pool(request, blocks, blocks * self.block_bytes(), tuple(arrays))
 
     def allocate(self, blocks: int) -> None:
         """This runner's own pool: `blocks` blocks (the one `run` uses unless given another)."""
