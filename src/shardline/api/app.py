@@ -7,6 +7,7 @@ engine that has stopped."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -24,7 +25,7 @@ from starlette.exceptions import HTTPException
 
 from shardline.api.auth import SCOPE, ApiKey
 from shardline.api.availability import when_up
-from shardline.api.constrain import constrain
+from shardline.api.constrain import Compiles, constrain
 from shardline.api.generation import Generation, Piece, check_alive, fitted_max_tokens
 from shardline.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from shardline.api.logprobs import ChatLogprobs, LegacyLogprobs, TokenLogprob, TokenText
@@ -70,7 +71,14 @@ class Json(JSONResponse):
 
 
 def build_app(served: Served) -> FastAPI:
-    app = FastAPI(title="shardline", docs_url=None, redoc_url=None, default_response_class=Json)
+    compiles = Compiles(retry_after_s=served.retry_after_s)  # grammars compiled off the event loop, a few at a time
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        compiles.close()
+
+    app = FastAPI(title="shardline", docs_url=None, redoc_url=None, default_response_class=Json, lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=served.max_body_bytes)
     if served.api_keys:
         app.add_middleware(ApiKey, keys=served.api_keys)  # added after: runs before, before the body is read
@@ -87,7 +95,7 @@ def build_app(served: Served) -> FastAPI:
         key_scope = getattr(request.state, SCOPE, "")  # whose kept prefixes it may share (auth.py)
         default = fitted_max_tokens(served.default_max_tokens, served.context, len(prompt))
         wanted = (tools.constraint, "tools") if tools else body.grammar_spec()
-        constraint = await constrain(served.grammars, wanted, metrics)
+        constraint = await constrain(served.grammars, compiles, wanted, metrics)
         return Generation(served.engine, served.tok, metrics, endpoint, prompt, body, default,
                           served.retry_after_s, key_scope=key_scope, constraint=constraint)
 
