@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 
 from shardline.api.auth import SCOPE, ApiKey
 from shardline.api.availability import when_up
+from shardline.api.bounded import parsed
 from shardline.api.constrain import Compiles, constrain
 from shardline.api.generation import Generation, Piece, check_alive, fitted_max_tokens
 from shardline.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
@@ -120,7 +121,8 @@ def build_app(served: Served) -> FastAPI:
                                             "owned_by": "shardline"}]}
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatRequest, request: Request) -> Response:
+    async def chat(request: Request) -> Response:
+        body = await parsed(request, ChatRequest)
         _admit(served, body)
         plan = tool_plan(body, served.tok)
         messages = template_messages(body)
@@ -132,7 +134,8 @@ def build_app(served: Served) -> FastAPI:
         return await _respond(await generation("chat", prompt, body, request, plan), body, request, shape)
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = await parsed(request, CompletionRequest)
         _admit(served, body)
         if isinstance(body.prompt, str):
             prompt, prompt_text = await tokenize(ChatTokenizer.encode, served.tok, body.prompt, "prompt"), body.prompt
@@ -287,10 +290,7 @@ def _errors(app: FastAPI) -> None:
 
     @handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> Response:
-        first = e.errors()[0] if e.errors() else {}
-        if first.get("type") == "json_invalid":
-            error = ApiError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
-            return Json(error.body(), status_code=400)
+        first = e.errors()[0] if e.errors() else {}  # a body's are raised by api/bounded.parsed
         where = _param(tuple(first.get("loc", ())))
         msg = str(first.get("msg", "invalid request"))
         return Json(ApiError(400, f"{where or 'body'}: {msg}", param=where).body(), status_code=400)

@@ -10,12 +10,12 @@ call (a lazy grammar: model/grammar.LazyConstraint), so it may answer in text in
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from shardline.api.bounded import loads
 from shardline.api.schemas import ApiError, ChatRequest
 from shardline.model.grammar import GrammarConstraint, Grammars, GrammarSpec, LazyConstraint
 from shardline.model.tokenizer import ChatTokenizer
@@ -133,10 +133,8 @@ def _call(c: Any, where: str, calls: dict[str, str]) -> dict[str, Any]:
         raise _bad(f"{where}.id", "must be a string of 1-256 characters")
     if not isinstance(f.get("name"), str) or not _NAME.match(f["name"]):
         raise _bad(f"{where}.function.name", "must be 1-64 letters, digits, '_', '.' or '-'")
-    try:
-        args = json.loads(f.get("arguments") or "{}") if isinstance(f.get("arguments", "{}"), str) else None
-    except ValueError:
-        args = None
+    text = f.get("arguments", "{}")
+    args = loads(text or "{}", f"{where}.function.arguments") if isinstance(text, str) else None  # depth-bounded
     if not isinstance(args, dict):
         raise _bad(f"{where}.function.arguments", "must be a JSON object, as text")
     calls[call_id] = f["name"]
