@@ -17,7 +17,8 @@ from typing import Any
 
 from shardline.api.bounded import loads
 from shardline.api.schemas import ApiError, ChatRequest
-from shardline.model.grammar import GrammarConstraint, Grammars, GrammarSpec, LazyConstraint
+from shardline.model.grammar import GrammarConstraint, GrammarError, Grammars, GrammarSpec, LazyConstraint
+from shardline.model.schema_caps import Budget, CapError, check_schema
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.model.tool_calls import MARKERS, Call, Parsed, ToolSyntax
 
@@ -37,9 +38,16 @@ class ToolPlan:
     parallel: bool
 
     def constraint(self, grammars: Grammars) -> GrammarConstraint | LazyConstraint:
-        """Raises GrammarError (a 400 naming `tools`) for parameters the engine cannot compile."""
+        """Raises GrammarError (a 400 naming `tools`) for parameters the engine cannot compile, or
+        that are over the caps together (they make one grammar) or that no value satisfies."""
         offered = self.tools if self.choice in ("auto", "required") else [t for t in self.tools
                                                                           if t["name"] == self.choice]
+        budget = Budget()
+        for t in offered:
+            try:
+                check_schema(t["parameters"], budget)
+            except CapError as e:
+                raise GrammarError(f"{t['name']}'s parameters: {e}") from None
         syntax = type(self.syntax)(grammars.special(MARKERS))  # the engine's own view of the markers
         if self.choice == "auto":
             return grammars.lazy(GrammarSpec("lark", syntax.grammar(offered, self.parallel)), syntax.trigger)
