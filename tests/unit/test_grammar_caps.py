@@ -50,6 +50,8 @@ def test_chained_counts_stay_small_numbers() -> None:
     ({"type": "string", "pattern": "^a{1000000}$"}, "1,000,000 characters"),
     ({"type": "string", "pattern": "^((a{100}){100}){100}$"}, f"over the limit of {MAX_REPEAT:,}"),
     ({"type": "object", "patternProperties": {"^x{20000}$": {}}}, "20,000 characters"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^{i}a{{6000}}$"} for i in range(2)}},
+     f"more than {MAX_REPEAT:,} characters in all"),
 ])
 def test_schemas_over_a_cap_are_refused(schema: dict[str, Any], says: str) -> None:
     with pytest.raises(CapError, match=says):
@@ -60,6 +62,11 @@ def test_schemas_at_the_caps_pass() -> None:
     check_schema({"type": "object", "properties": {"a": _object(MAX_OBJECT_PROPERTIES),
                                                    "b": {"enum": list(range(MAX_ALTERNATIVES))},
                                                    "c": {"type": "string", "pattern": f"^a{{{MAX_REPEAT}}}$"}}})
+
+
+def test_the_same_pattern_again_counts_once() -> None:
+    check_schema({"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^a{6000}$"}
+                                                   for i in range(100)}})
 
 
 def test_a_property_named_like_a_keyword_is_a_property() -> None:
