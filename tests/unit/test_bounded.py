@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from shardline.api.bounded import MAX_DEPTH, body, loads, too_deep
+from shardline.api.bounded import MAX_DEPTH, body, deeper, loads, too_deep
 from shardline.api.schemas import ApiError
 
 
@@ -24,6 +24,9 @@ def test_depth_is_counted_from_the_value_itself() -> None:
     assert too_deep({"a": [1, {"b": {}}]}, 2) == ("a", 1)
     assert too_deep(_nested(MAX_DEPTH)) is None and too_deep(_nested(MAX_DEPTH + 1)) is not None
     assert too_deep("a string, however long", 0) is None
+    for value in ([[[]]], {"a": [1, {"b": {}}]}, _nested(MAX_DEPTH), _nested(MAX_DEPTH + 1), "x", {}):
+        for limit in (0, 1, 2, 3, MAX_DEPTH):
+            assert deeper(value, limit) == (too_deep(value, limit) is not None)
 
 
 @pytest.mark.parametrize("text", [json.dumps(_nested(MAX_DEPTH + 1)), "[" * 2000 + "]" * 2000,

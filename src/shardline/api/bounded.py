@@ -4,8 +4,10 @@ and everything after the parse recurses on it (pydantic, chat templates, json.du
 grammar engine's compiler): 2,000 levels of tool-call arguments were a RecursionError and a 500.
 
 Python's own parser raises RecursionError past about 1,000 levels (it checks its stack, so the
-error is clean); that is caught here, and anything parsed is walked without recursion for the
-limit. Over it, a 400 naming the field the nesting is under ("body" for the envelope itself)."""
+error is clean): that is caught, and the top-level field it happened under found by parsing the
+body's values one by one. What parses is walked level by level, without recursion, for the
+limit; only a value over it is walked again for the path that names the field. Over the limit, a
+400 naming the field the nesting is under ("body" for the envelope itself)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,22 @@ M = TypeVar("M", bound=BaseModel)
 
 MAX_DEPTH = 64  # objects and arrays inside each other, the body's own object included
 _SPACE = re.compile(r"[ \t\n\r]*")
+def deeper(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether objects and arrays nest deeper than `limit` in `value` (itself at depth 1): level
+    by level, nothing allocated per value but the next level's list (~2 ms for 8,000 properties,
+    where a walk that kept each value's path took 18-30 ms)."""
+    level, depth = [value] if type(value) is dict or type(value) is list else [], 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        below: list[Any] = []
+        for node in level:
+            for v in node.values() if type(node) is dict else node:
+                if type(v) is dict or type(v) is list:  # what json.loads makes: no subclasses
+                    below.append(v)
+        level = below
+    return False
 
 
 def too_deep(value: Any, limit: int = MAX_DEPTH) -> tuple[Any, ...] | None:
@@ -49,7 +67,7 @@ def loads(text: str | bytes, param: str, limit: int = MAX_DEPTH) -> Any:
         raise _deep(param, limit) from None
     except ValueError as e:  # JSONDecodeError, or what Python refuses (an integer of 5,000 digits)
         raise ApiError(400, f"{param}: not valid JSON: {str(e)[:200]}", param=param) from None
-    if too_deep(value, limit) is not None:
+    if deeper(value, limit):
         raise _deep(param, limit)
     return value
 
@@ -60,12 +78,11 @@ def body(raw: bytes, limit: int = MAX_DEPTH) -> Any:
     try:
         value = json.loads(raw)
     except RecursionError:
-        field = _deep_field(raw)
-        raise _deep(field or "body", limit) from None
-    path = too_deep(value, limit)
-    if path is not None:
-        raise _deep(str(path[0]) if isinstance(value, dict) and path else "body", limit)
-    return value
+        raise _deep(_deep_field(raw) or "body", limit) from None
+    if not deeper(value, limit):
+        return value
+    path = too_deep(value, limit)  # which field: walked again, with paths, only now
+    raise _deep(str(path[0]) if isinstance(value, dict) and path else "body", limit)
 
 
 async def parsed(request: Request, model: type[M]) -> M:
