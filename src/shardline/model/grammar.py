@@ -28,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -58,10 +58,12 @@ class GrammarSpec:
 
     kind: Kind
     text: str  # the JSON schema (as JSON text), or the grammar's source
+    # The schema the text was written from, when there is one: checked as it is, not parsed again.
+    schema: Any = field(default=None, compare=False, hash=False, repr=False)
 
     @staticmethod
     def json_schema(schema: dict[str, Any]) -> GrammarSpec:
-        return GrammarSpec("json_schema", json.dumps(schema))  # its keys' order is the output's
+        return GrammarSpec("json_schema", json.dumps(schema), schema)  # its keys' order is the output's
 
 
 class Grammars:
@@ -176,7 +178,7 @@ def _compiled(spec: GrammarSpec, tokenizer: Any, words: Vocab, spend: _Spend) ->
     then the probe of its first steps, with the CPU time checked between them."""
     try:
         if spec.kind == "json_schema":
-            check_schema(json.loads(spec.text))
+            check_schema(spec.schema if spec.schema is not None else json.loads(spec.text))
         elif spec.kind == "gbnf":  # a client's grammar (tools' Lark is written here, their schemas checked)
             check_grammar(spec.text)
         spend()
