@@ -1,6 +1,7 @@
 """The compile threads (issue 54): a bounded number of compiles held (running or waiting), past
-which a request is a 429, and a time limit on each compile's thread CPU clock, which answers the
-client while the work it cannot interrupt runs on, still counted."""
+which a request is a 429; a time limit on each compile's thread CPU clock, which answers the
+client while the work it cannot interrupt runs on, still counted; and their CPU held to a share
+of one core (a pause after each compile)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _burn(seconds: float) -> str:
 
 def test_a_compile_over_its_cpu_time_is_refused_and_its_thread_stays_counted() -> None:
     async def run() -> None:
-        compiles = Compiles(threads=1, waiting=1, cpu_s=0.2)
+        compiles = Compiles(threads=1, waiting=1, cpu_s=0.2, share=1.0)
         try:
             start = time.monotonic()
             with pytest.raises(GrammarError, match="more than 0.2 s of CPU"):
@@ -41,7 +42,7 @@ def test_a_compile_over_its_cpu_time_is_refused_and_its_thread_stays_counted() -
 
 def test_compiles_beyond_the_queue_bound_are_429s() -> None:
     async def run() -> None:
-        compiles = Compiles(threads=1, waiting=1, cpu_s=30)
+        compiles = Compiles(threads=1, waiting=1, cpu_s=30, share=1.0)
         try:
             held = [asyncio.ensure_future(compiles.run(lambda: _burn(0.3), "tools")) for _ in range(2)]
             await asyncio.sleep(0.05)
@@ -50,6 +51,22 @@ def test_compiles_beyond_the_queue_bound_are_429s() -> None:
             assert (e.value.status, e.value.param, e.value.headers["Retry-After"]) == (429, "tools", "1")
             assert await asyncio.gather(*held) == ["done", "done"]
             assert compiles.held == 0
+        finally:
+            compiles.close()
+
+    asyncio.run(run())
+
+
+def test_compiles_take_at_most_their_share_of_a_core() -> None:
+    async def run() -> None:
+        compiles = Compiles(threads=1, waiting=4, cpu_s=30, share=0.25)
+        try:
+            start = time.monotonic()
+            await compiles.run(lambda: _burn(0.2), "grammar")
+            burnt = time.monotonic()
+            assert await compiles.run(lambda: "next", "grammar") == "next"
+            assert time.monotonic() - burnt >= 0.55  # 0.2 s of CPU at a quarter: 0.6 s of pause
+            assert time.monotonic() - start < 5
         finally:
             compiles.close()
 

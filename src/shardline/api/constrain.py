@@ -30,6 +30,10 @@ T = TypeVar("T")
 Wanted = tuple[GrammarSpec | Callable[[Grammars], Constraint], str]  # what constrains, and its field
 
 COMPILERS = 1  # threads compiling at once: one core of a 2-core PC at most, at nice 19
+# Of one core, what compiles may take on average: after a compile that took c seconds of CPU the
+# next starts c * (1 / SHARE - 1) later. Nice alone was not enough: a nice-19 process compiling
+# without pause beside the engine still slowed plain streams 1.34x on 2 cores (BENCHMARKS.md).
+SHARE = 0.25
 MAX_WAITING = 8  # compiles waiting for a thread (a timed-out one still running counts) before 429s
 WALL_S = 60.0  # how long a request waits for its compile at all (a thread starved by the engine)
 SLACK_S = 0.5  # past the limit, before the wait gives up: the thread's own check says it first when it can
@@ -40,9 +44,10 @@ class Compiles:
     """The compile threads, and how many compiles they hold (running or waiting)."""
 
     def __init__(self, threads: int = COMPILERS, waiting: int = MAX_WAITING, cpu_s: float = COMPILE_CPU_S,
-                 retry_after_s: int = 1) -> None:
+                 retry_after_s: int = 1, share: float = SHARE) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar", initializer=_background)
         self._bound, self.cpu_s, self.retry_after_s = threads + waiting, cpu_s, retry_after_s
+        self._pace = _Pace(share)
         self._lock = threading.Lock()
         self.held = 0  # compiles submitted and not returned, a timed-out one included
 
@@ -55,7 +60,7 @@ class Compiles:
                 raise ApiError(429, f"{param}: too many grammars are compiling, retry later", "server_error",
                                param=param, code="overloaded", headers={"Retry-After": str(self.retry_after_s)})
             self.held += 1
-        job = _Job(work, prepare)
+        job = _Job(work, prepare, self._pace)
         future = self._pool.submit(job)
         future.add_done_callback(self._returned)
         return await self._awaited(job, future)
@@ -80,20 +85,42 @@ class Compiles:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class _Pace:
+    """Compiles' CPU held to `share` of one core on average (see SHARE)."""
+
+    def __init__(self, share: float) -> None:
+        self.share, self._next, self._lock = share, 0.0, threading.Lock()
+
+    def wait(self) -> None:
+        with self._lock:
+            delay = self._next - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+    def spent(self, cpu_s: float) -> None:
+        with self._lock:
+            self._next = max(self._next, time.monotonic()) + cpu_s * (1 / self.share - 1)
+
+
 class _Job(Generic[T]):
     """One compile, and the CPU clock of the thread running it (read from the event loop)."""
 
-    def __init__(self, work: Callable[[], T], prepare: Callable[[], object]) -> None:
-        self._work, self._prepare = work, prepare
+    def __init__(self, work: Callable[[], T], prepare: Callable[[], object], pace: _Pace) -> None:
+        self._work, self._prepare, self._pace = work, prepare, pace
         self._clock: int | None = None  # the thread's CPU clock (Linux's are negative numbers)
         self._start = 0.0
 
     def __call__(self) -> T:
-        self._prepare()
-        with contextlib.suppress(AttributeError, OSError):  # a thread's clock: Linux and most Unixes
-            self._start = time.clock_gettime(clock := time.pthread_getcpuclockid(threading.get_ident()))
-            self._clock = clock
-        return self._work()
+        self._pace.wait()
+        start = time.thread_time()
+        try:
+            self._prepare()
+            with contextlib.suppress(AttributeError, OSError):  # a thread's clock: Linux and most Unixes
+                self._start = time.clock_gettime(clock := time.pthread_getcpuclockid(threading.get_ident()))
+                self._clock = clock
+            return self._work()
+        finally:
+            self._pace.spent(time.thread_time() - start)
 
     def cpu_s(self) -> float:
         """CPU seconds the job has taken so far (0 before it starts, or without thread clocks)."""
