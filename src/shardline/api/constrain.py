@@ -3,8 +3,9 @@ queued: a schema or grammar the engine cannot compile, or will not (over a cap, 
 limit, one no output can complete: model/grammar.py), is a 400 naming the field.
 
 Compiles run on their own threads (issue 54), a bounded number at a time at the lowest CPU
-priority, so hostile schemas cannot take the cores the engine steps on: a compile waits for a
-thread, and past MAX_WAITING waiting ones the request is a 429 with Retry-After. What bounds a
+priority and paced to a quarter of one core (SHARE), so hostile schemas cannot take the cores
+the engine steps on: a compile waits for a thread and its turn, and past MAX_WAITING waiting ones
+the request is a 429 with Retry-After. What bounds a
 compile's CPU is the caps and llguidance's limits (model/schema_caps.py, grammar_probe.py); the
 time limit is checked between llguidance's calls, and here, on the thread's CPU clock, so the
 client has its 400 at the limit even while one call that cannot be interrupted runs on: its
