@@ -26,6 +26,7 @@ what the hostile requests got (400s, or 404s for the flood; their median answer 
 
     python bench/grammar_load.py                     # ~4 min on 2 cores
     python bench/grammar_load.py --rounds 1 --seconds 10
+    PYTHONPATH=OLD/src python bench/grammar_load.py --phases audit   # an older tree's server
 
 The last line on stdout is one JSON object with the figures, ratios first.
 """
@@ -157,21 +158,23 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=20.0, help="per phase per round")
     ap.add_argument("--no-wait", action="store_true", help="measure without waiting for a quiet machine")
+    ap.add_argument("--phases", default=",".join(PHASES), help="of " + ", ".join(PHASES) + " (alone always)")
     args = ap.parse_args()
+    phases = ("alone", *(p for p in args.phases.split(",") if p in PHASES[1:]))
     if not args.no_wait:
         wait_quiet()
     server = Proc(["serve", "--port", "0", "--model-id", "m", "--max-streams", "4"], "serving ", stream="stderr",
                   timeout_s=600)
-    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PHASES}
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in phases}
     seq = itertools.count()
     try:
         asyncio.run(phase(server.url, "alone", 5, seq))  # warm: the first requests, the grammar engine's vocabulary
         for r in range(args.rounds):
-            for name in PHASES if r % 2 == 0 else PHASES[::-1]:
+            for name in phases if r % 2 == 0 else phases[::-1]:
                 runs[name].append(asyncio.run(phase(server.url, name, args.seconds, seq)))
     finally:
         server.stop()
-    rows = {name: summary(runs[name]) for name in PHASES}
+    rows = {name: summary(runs[name]) for name in phases}
     print(f"{'phase':9s} {'ttft p50':>9s} {'gap p50':>8s} {'e2e p50':>8s} {'plain':>6s} {'hostile':>8s} "
           f"{'answer p50':>10s} {'400s':>5s} {'other':>5s}")
     for name, row in rows.items():
@@ -180,7 +183,7 @@ def main() -> int:
               f"{row.get('hostile_answer_ms', 0):8.1f}ms {row.get('hostile_400', 0):5.0f} "
               f"{row.get('hostile_other', 0):5.0f}")
     ratios = {f"{name}_{k}_ratio": round(rows[name][f"{k}_ms"] / rows["alone"][f"{k}_ms"], 3)
-              for name in PHASES[1:] for k in ("e2e", "gap", "ttft")}
+              for name in phases[1:] for k in ("e2e", "gap", "ttft")}
     print(json.dumps({**ratios, **{f"{name}_{k}": round(v, 2) for name, row in rows.items() for k, v in row.items()},
                       "rounds": args.rounds, "seconds": args.seconds}))
     return 0
