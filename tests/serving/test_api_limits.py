@@ -37,6 +37,11 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "What is the ca
 TEXT = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
 UNSUPPORTED = "unsupported_parameter"
+DEEP: Any = {"a": [1]}  # 130 levels of objects and arrays: over the limit of 64 (api/bounded.py)
+for _ in range(64):
+    DEEP = {"a": [DEEP]}
+TOO_DEEP = "nested deeper than 64 levels"
+DEEP_ARGS = '{"a": ' * 2000 + "1" + "}" * 2000  # issue 54's audit item 4: a RecursionError, then a 500
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +148,16 @@ CHAT_CASES: list[tuple[str, object, str | None, str]] = [
     ("messages", [{"role": "user", "content": "\ud800"}], "messages[0].content", "valid Unicode"),
     ("messages", [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}],
      "messages[0].tool_calls[0]", "must be"),
+    # Every JSON a client sends is parsed with bounded depth (issue 54): the field is named.
+    ("messages", [{"role": "user", "content": "x", "metadata": DEEP}], "messages", TOO_DEEP),
+    ("messages", [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP_ARGS}}]}],
+     "messages[1].tool_calls[0].function.arguments", TOO_DEEP),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}, "response_format",
+     TOO_DEEP),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": DEEP}}], "tools", TOO_DEEP),
+    ("chat_template_kwargs", {"x": DEEP}, "chat_template_kwargs", TOO_DEEP),
+    ("user", DEEP, "user", TOO_DEEP),
 ]
 
 TEXT_CASES: list[tuple[str, object, str | None, str]] = [
@@ -162,6 +177,8 @@ TEXT_CASES: list[tuple[str, object, str | None, str]] = [
     ("echo", True, "echo", UNSUPPORTED),
     ("suffix", "x", "suffix", UNSUPPORTED),
     ("seed", True, "seed", "valid integer"),
+    ("json_schema", DEEP, "json_schema", TOO_DEEP),
+    ("prompt", [DEEP], "prompt", TOO_DEEP),
 ]
 
 
@@ -206,11 +223,26 @@ def test_accepted_forms(server: Server, two: Path) -> None:
 
 def test_body_not_json_or_not_an_object(server: Server) -> None:
     for content, says in ((b"{not json", "not valid JSON"), (b"[]", "valid dictionary"),
-                          (b"[" * 100_000 + b"]" * 100_000, "error parsing the body"),
-                          (b'{"model": "m", "seed": 1' + b"0" * 5000 + b"}", "error parsing the body")):
+                          (b"[" * 100_000 + b"]" * 100_000, "body: nested deeper than 64 levels"),
+                          (b'{"model": "m", "seed": 1' + b"0" * 5000 + b"}", "not valid JSON"),
+                          (b"", "not valid JSON")):
         r = httpx.post(f"{server.url}/v1/chat/completions", content=content, timeout=30,
                        headers={"content-type": "application/json"})
         assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(CHAT),
+                   headers={"content-type": "text/plain"})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "body")
+
+
+def test_audit54_a_body_nested_past_the_parser_names_its_field(server: Server) -> None:
+    """3,000 levels: past what Python's JSON parser takes (RecursionError), still the field."""
+    for field in ("messages", "response_format", "tools", "chat_template_kwargs"):
+        content = json.dumps(CHAT)[:-1] + f', "{field}": ' + "[" * 3000 + "]" * 3000 + "}"
+        r = httpx.post(f"{server.url}/v1/chat/completions", content=content, timeout=30,
+                       headers={"content-type": "application/json"})
+        _assert_refused(r, field, TOO_DEEP)
+    r = _post(server, "chat/completions", CHAT)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
 
 
 def test_model_name_echoed_safely(server: Server) -> None:

@@ -146,3 +146,80 @@ def test_the_paged_pool_s_blocks_in_metrics_and_the_fleet(request: pytest.Fixtur
     assert 1 <= held <= later < total and server.metric("shardline_kv_block_tokens") == 32
     block_mb = 32 * 30 * 2 * 3 * 64 * 4 / 2**20  # 32 tokens' f32 keys and values in 30 layers
     assert held * block_mb - 0.02 <= kv_mb <= later * block_mb + 0.02
+
+
+def _format(schema: Any) -> dict[str, Any]:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+# Issue 54's audit: schemas and grammars that compiled and could then not be followed (items 1
+# and 3: up to ~10 s of CPU, then a 500 after admission). Each is a 400 naming its field now,
+# found before the request is queued; the ids name the trigger.
+DEFS_LOOP: Any = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}
+AUDIT54: list[Any] = [
+    pytest.param("completion", {"grammar": 'root ::= x\nx ::= x "a"'}, "grammar", "can never end",
+                 id="gbnf-allows-nothing"),
+    pytest.param("completion", {"json_schema": DEFS_LOOP}, "json_schema", "no finite value", id="defs-loop"),
+    pytest.param("chat", _format(DEFS_LOOP), "response_format", "no finite value", id="defs-loop-response-format"),
+    pytest.param("chat", _format({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(8000)}}),
+                 "response_format", "8000 properties", id="8000-integer-properties"),
+    pytest.param("chat", _format({"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "string"}},
+                                             "required": [f"k{i}"]} for i in range(3000)]}),
+                 "response_format", "alternatives", id="anyof-3000-objects"),
+    pytest.param("completion", {"grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(20_000))}, "grammar",
+                 "20000 alternatives", id="gbnf-20000-alternatives"),
+    pytest.param("completion", {"grammar": 'root ::= "a"{1000000}'}, "grammar", "1,000,000 terminals",
+                 id="gbnf-a-repeated-a-million-times"),
+    pytest.param("chat", _format({"type": "string", "pattern": "^a{1000000}$"}), "response_format",
+                 "1,000,000 characters", id="pattern-a-million"),
+    pytest.param("chat", _format({"type": "string", "pattern": "^((a{100}){100}){100}$"}), "response_format",
+                 "1,000,000 characters", id="pattern-nested-counts"),
+    pytest.param("chat", _format({"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}),
+                 "response_format", "no finite value", id="required-self-reference"),
+]
+
+
+def _plain_request_served(client: openai.OpenAI) -> None:
+    done = client.chat.completions.create(model=MODEL, messages=_ask("hi"), max_tokens=4, temperature=0)
+    assert done.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("endpoint,extra,param,message", AUDIT54)
+def test_audit54_grammar_is_400_before_admission(server: Server, client: openai.OpenAI, endpoint: str,
+                                                 extra: dict[str, Any], param: str, message: str) -> None:
+    admitted = server.metric("shardline_constrained_requests_total")
+    with pytest.raises(openai.BadRequestError) as e:  # answered (the client waits 120 s at most)
+        if endpoint == "chat":
+            client.chat.completions.create(model=MODEL, messages=_ask("hi"), max_tokens=4, extra_body=extra)
+        else:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body=extra)
+    body: Any = e.value.body
+    assert body["param"] == param and message in body["message"], body
+    assert server.metric("shardline_constrained_requests_total") == admitted  # never admitted
+    _plain_request_served(client)
+
+
+def test_audit54_four_hostile_schemas_at_once_are_400s(client: openai.OpenAI) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def hostile(i: int) -> Any:
+        schema = {"type": "object", "properties": {f"p{i}_{j}": {"type": "integer"} for j in range(8000)}}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=_ask("hi"), max_tokens=4, extra_body=_format(schema))
+        return e.value.body
+
+    with ThreadPoolExecutor(4) as pool:
+        bodies = list(pool.map(hostile, range(4)))
+    assert all(b["param"] == "response_format" for b in bodies), bodies
+    _plain_request_served(client)
+
+
+def test_audit54_an_untyped_self_reference_is_served(client: openai.OpenAI) -> None:
+    """The audit's required self-reference without a type is satisfiable (any non-object value
+    satisfies it) and the grammar engine follows it 3,000 levels deep: it is served, within its
+    schema, never a 500."""
+    schema: Any = {"properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+    done = client.chat.completions.create(model=MODEL, messages=_ask("Give me JSON."), max_tokens=24,
+                                          temperature=0, extra_body=_format(schema))
+    if done.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(done.choices[0].message.content or ""), schema)

@@ -151,6 +151,51 @@ def test_a_conversation_that_does_not_add_up_is_a_400(client: openai.OpenAI, mes
     assert e.value.body["param"] == param  # type: ignore[index]
 
 
+def _function(name: str, parameters: Any) -> Any:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def _plain_request_served(client: openai.OpenAI) -> None:
+    done = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0)
+    assert done.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("tools,says", [
+    pytest.param([WEATHER, _function("loop", {"type": "object", "properties": {"x": {"$ref": "#"}},
+                                              "required": ["x"]})], "loop's parameters: no finite value",
+                 id="required-self-reference"),
+    pytest.param([_function("big", {"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                                     for i in range(8000)}})],
+                 "big's parameters: the object at # has 8000 properties", id="8000-integer-properties"),
+    pytest.param([_function(f"t{j}", {"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                                       for i in range(300)}}) for j in range(4)],
+                 "t3's parameters: more than 1000 properties in all", id="tools-share-the-caps"),
+    pytest.param([_function("p", {"type": "object", "properties": {"s": {"type": "string", "pattern": "^a{1000000}$"}},
+                                  "required": ["s"]})], "1,000,000 characters", id="pattern-a-million"),
+])
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_audit54_tool_parameters_that_cannot_be_followed_are_400s(client: openai.OpenAI, tools: Any, says: str,
+                                                                  choice: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=choice, max_tokens=4)
+    body: Any = e.value.body
+    assert body["param"] == "tools" and says in body["message"], body
+    _plain_request_served(client)
+
+
+def test_audit54_deep_tool_call_arguments_are_a_400(client: openai.OpenAI) -> None:
+    """2,000 levels in a call's arguments (a 16 KiB body) were a RecursionError and a 500."""
+    args = '{"a": ' * 2000 + "1" + "}" * 2000
+    messages: Any = [*ASK, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": args}}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=4)
+    body: Any = e.value.body
+    assert body["param"] == "messages[1].tool_calls[0].function.arguments", body
+    assert "nested deeper than 64 levels" in body["message"]
+    _plain_request_served(client)
+
+
 def test_an_agent_framework_runs_a_two_tool_task(server: Server) -> None:
     """openai-agents (from PyPI) drives the server as it would OpenAI's: it calls both tools with
     valid arguments, sends their results back, and the run ends."""

@@ -6,6 +6,7 @@ unconstrained rows, whose tokens the masks do not touch."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -141,6 +142,33 @@ def test_a_bad_schema_does_not_compile(grammars: Grammars) -> None:
         grammars.constraint(GrammarSpec.json_schema({"type": "no-such-type"}))
     with pytest.raises(GrammarError, match="over the limit"):
         grammars.constraint(GrammarSpec("json_schema", json.dumps({"enum": ["x" * 300_000]})))
+
+
+@pytest.mark.parametrize("lark,says", [
+    ('start: x\nx: x "a"', "it can never produce a token: NoExtensionBias"),
+    ('start: "a"~1000000', "an output starting 'aaaa"),
+    ("start: " + " | ".join(f'"w{i}"' for i in range(3000)), "Current row has 3001 items"),
+])
+def test_a_grammar_that_cannot_be_followed_is_refused_by_its_probe(grammars: Grammars, lark: str, says: str) -> None:
+    """Lark (written by the server for tools) skips the caps: what refuses these is llguidance
+    itself, on the first mask or a few tokens down a probed path (model/grammar_probe.py)."""
+    from shardline.model.grammar import GrammarError
+
+    with pytest.raises(GrammarError, match=re.escape(says)):
+        grammars.compile(GrammarSpec("lark", lark))
+    compiled = grammars.compiled
+    with pytest.raises(GrammarError, match=re.escape(says)):  # the refusal is cached: no second compile
+        grammars.compile(GrammarSpec("lark", lark))
+    assert grammars.compiled == compiled
+
+
+def test_a_compile_over_its_cpu_time_is_refused(grammars: Grammars, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardline.model import grammar
+    from shardline.model.grammar import GrammarError
+
+    monkeypatch.setattr(grammar, "COMPILE_CPU_S", 0.0)
+    with pytest.raises(GrammarError, match="more than 0 s of CPU to compile"):
+        grammars.compile(GrammarSpec.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}}))
 
 
 def test_the_paged_runner_gives_the_same_constrained_tokens(pipe: LocalPipeline, tok: ChatTokenizer,

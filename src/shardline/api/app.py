@@ -7,6 +7,7 @@ engine that has stopped."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -24,7 +25,8 @@ from starlette.exceptions import HTTPException
 
 from shardline.api.auth import SCOPE, ApiKey
 from shardline.api.availability import when_up
-from shardline.api.constrain import constrain
+from shardline.api.bounded import parsed
+from shardline.api.constrain import Compiles, constrain
 from shardline.api.generation import Generation, Piece, check_alive, fitted_max_tokens
 from shardline.api.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from shardline.api.logprobs import ChatLogprobs, LegacyLogprobs, TokenLogprob, TokenText
@@ -70,7 +72,14 @@ class Json(JSONResponse):
 
 
 def build_app(served: Served) -> FastAPI:
-    app = FastAPI(title="shardline", docs_url=None, redoc_url=None, default_response_class=Json)
+    compiles = Compiles(retry_after_s=served.retry_after_s)  # grammars compiled off the event loop, a few at a time
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        compiles.close()
+
+    app = FastAPI(title="shardline", docs_url=None, redoc_url=None, default_response_class=Json, lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=served.max_body_bytes)
     if served.api_keys:
         app.add_middleware(ApiKey, keys=served.api_keys)  # added after: runs before, before the body is read
@@ -87,7 +96,7 @@ def build_app(served: Served) -> FastAPI:
         key_scope = getattr(request.state, SCOPE, "")  # whose kept prefixes it may share (auth.py)
         default = fitted_max_tokens(served.default_max_tokens, served.context, len(prompt))
         wanted = (tools.constraint, "tools") if tools else body.grammar_spec()
-        constraint = await constrain(served.grammars, wanted, metrics)
+        constraint = await constrain(served.grammars, compiles, wanted, metrics)
         return Generation(served.engine, served.tok, metrics, endpoint, prompt, body, default,
                           served.retry_after_s, key_scope=key_scope, constraint=constraint,
                           constraint_param=wanted[1] if wanted else "")
@@ -113,7 +122,8 @@ def build_app(served: Served) -> FastAPI:
                                             "owned_by": "shardline"}]}
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatRequest, request: Request) -> Response:
+    async def chat(request: Request) -> Response:
+        body = await parsed(request, ChatRequest)
         _admit(served, body)
         plan = tool_plan(body, served.tok)
         messages = template_messages(body)
@@ -125,7 +135,8 @@ def build_app(served: Served) -> FastAPI:
         return await _respond(await generation("chat", prompt, body, request, plan), body, request, shape)
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = await parsed(request, CompletionRequest)
         _admit(served, body)
         if isinstance(body.prompt, str):
             prompt, prompt_text = await tokenize(ChatTokenizer.encode, served.tok, body.prompt, "prompt"), body.prompt
@@ -280,10 +291,7 @@ def _errors(app: FastAPI) -> None:
 
     @handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> Response:
-        first = e.errors()[0] if e.errors() else {}
-        if first.get("type") == "json_invalid":
-            error = ApiError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
-            return Json(error.body(), status_code=400)
+        first = e.errors()[0] if e.errors() else {}  # a body's are raised by api/bounded.parsed
         where = _param(tuple(first.get("loc", ())))
         msg = str(first.get("msg", "invalid request"))
         return Json(ApiError(400, f"{where or 'body'}: {msg}", param=where).body(), status_code=400)

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from shardline.config import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, MAX_TOP_LOGPROBS, MIN_TEMPERATURE
-from shardline.model.grammar import GrammarSpec
+from shardline.model.grammar import Grammars, GrammarSpec
 
+Constrained = GrammarSpec | Callable[[Grammars], Any]  # a spec, or what builds the constraint (api/constrain.py)
 Int = Annotated[int, Strict()]  # JSON integers only: no true/false, no 1.0, no "1"
 Number = Annotated[float, Strict()]  # JSON numbers (integers too), finite (see allow_inf_nan)
 
@@ -139,11 +141,11 @@ class Sampling(BaseModel):
     def wants_logprobs(self) -> bool:
         return False
 
-    def grammar_spec(self) -> tuple[GrammarSpec, str] | None:
+    def grammar_spec(self) -> tuple[Constrained, str] | None:
         """What the output is constrained to and the field that says so (None: free text);
         ApiError naming the field."""
-        spec = response_format(self.response_format)
-        return None if spec is None else (spec, _FORMAT_PARAM[spec.kind])
+        schema = response_format(self.response_format)
+        return None if schema is None else (later(schema), "response_format")
 
     def refusals(self) -> None:
         """Raise ApiError for a valid value that this server cannot honour."""
@@ -159,12 +161,16 @@ class Sampling(BaseModel):
                 raise unsupported(name, f"a value other than {neutral!r}")
 
 
-_FORMAT_PARAM = {"json_schema": "response_format"}
+def later(schema: dict[str, Any]) -> Callable[[Grammars], Any]:
+    """A JSON schema's constraint, built where it is called: on a compile thread (api/constrain.py),
+    so that writing a large schema's text (9 ms for 234 KiB) does not hold the event loop."""
+    return lambda grammars: grammars.constraint(GrammarSpec.json_schema(schema))
 
 
-def response_format(fmt: dict[str, Any] | None) -> GrammarSpec | None:
+def response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
     """OpenAI's `response_format`: text, json_object (any JSON object; llama-server's `schema`
-    key too) or json_schema ({"json_schema": {"name", "schema", "strict"}}), as a grammar."""
+    key too) or json_schema ({"json_schema": {"name", "schema", "strict"}}), as the JSON schema
+    the output follows (None: free text)."""
     where = "response_format"
     if fmt is None:
         return None
@@ -172,7 +178,7 @@ def response_format(fmt: dict[str, Any] | None) -> GrammarSpec | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return GrammarSpec.json_schema(_schema(fmt.get("schema", {"type": "object"}), f"{where}.schema"))
+        return _schema(fmt.get("schema", {"type": "object"}), f"{where}.schema")
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict):
@@ -183,7 +189,7 @@ def response_format(fmt: dict[str, Any] | None) -> GrammarSpec | None:
                            param=f"{where}.json_schema.name")
         if not isinstance(spec.get("strict", False), bool):
             raise ApiError(400, f"{where}.json_schema.strict: must be a boolean", param=f"{where}.json_schema.strict")
-        return GrammarSpec.json_schema(_schema(spec.get("schema", {}), f"{where}.json_schema.schema"))
+        return _schema(spec.get("schema", {}), f"{where}.json_schema.schema")
     raise ApiError(400, f"{where}.type: must be one of 'text', 'json_object', 'json_schema', got {kind!r}"[:300],
                    param=f"{where}.type")
 
@@ -299,13 +305,13 @@ class CompletionRequest(Sampling):
     json_schema: dict[str, Any] | None = None
     grammar: StrictStr | None = None
 
-    def grammar_spec(self) -> tuple[GrammarSpec, str] | None:
+    def grammar_spec(self) -> tuple[Constrained, str] | None:
         given = [n for n in ("response_format", "json_schema", "grammar") if getattr(self, n) is not None]
         if len(given) > 1:
             raise ApiError(400, f"{given[1]}: give one of response_format, json_schema and grammar, not several",
                            param=given[1])
         if self.json_schema is not None:
-            return GrammarSpec.json_schema(self.json_schema), "json_schema"
+            return later(self.json_schema), "json_schema"
         if self.grammar is not None:
             return GrammarSpec("gbnf", self.grammar), "grammar"
         return super().grammar_spec()

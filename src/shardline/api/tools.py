@@ -10,14 +10,15 @@ call (a lazy grammar: model/grammar.LazyConstraint), so it may answer in text in
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from shardline.api.bounded import loads
 from shardline.api.schemas import ApiError, ChatRequest
-from shardline.model.grammar import GrammarConstraint, Grammars, GrammarSpec, LazyConstraint
+from shardline.model.grammar import GrammarConstraint, GrammarError, Grammars, GrammarSpec, LazyConstraint
+from shardline.model.schema_caps import Budget, CapError, check_schema
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.model.tool_calls import MARKERS, Call, Parsed, ToolSyntax
 
@@ -37,9 +38,16 @@ class ToolPlan:
     parallel: bool
 
     def constraint(self, grammars: Grammars) -> GrammarConstraint | LazyConstraint:
-        """Raises GrammarError (a 400 naming `tools`) for parameters the engine cannot compile."""
+        """Raises GrammarError (a 400 naming `tools`) for parameters the engine cannot compile, or
+        that are over the caps together (they make one grammar) or that no value satisfies."""
         offered = self.tools if self.choice in ("auto", "required") else [t for t in self.tools
                                                                           if t["name"] == self.choice]
+        budget = Budget()
+        for t in offered:
+            try:
+                check_schema(t["parameters"], budget)
+            except CapError as e:
+                raise GrammarError(f"{t['name']}'s parameters: {e}") from None
         syntax = type(self.syntax)(grammars.special(MARKERS))  # the engine's own view of the markers
         if self.choice == "auto":
             return grammars.lazy(GrammarSpec("lark", syntax.grammar(offered, self.parallel)), syntax.trigger)
@@ -133,10 +141,8 @@ def _call(c: Any, where: str, calls: dict[str, str]) -> dict[str, Any]:
         raise _bad(f"{where}.id", "must be a string of 1-256 characters")
     if not isinstance(f.get("name"), str) or not _NAME.match(f["name"]):
         raise _bad(f"{where}.function.name", "must be 1-64 letters, digits, '_', '.' or '-'")
-    try:
-        args = json.loads(f.get("arguments") or "{}") if isinstance(f.get("arguments", "{}"), str) else None
-    except ValueError:
-        args = None
+    text = f.get("arguments", "{}")
+    args = loads(text or "{}", f"{where}.function.arguments") if isinstance(text, str) else None  # depth-bounded
     if not isinstance(args, dict):
         raise _bad(f"{where}.function.arguments", "must be a JSON object, as text")
     calls[call_id] = f["name"]

@@ -14,6 +14,10 @@ Invariants:
 - The mask lets the model end (its end-of-turn tokens) only where the grammar is complete.
 - Nothing here runs on a worker: steps carry the masks (decoding/masks.py). It lives beside the
   tokenizer because it is compiled against the model's vocabulary, where the API can reach it.
+- A grammar a stream follows was checked before any request used it (issue 54): a client's
+  schema or GBNF against the caps (schema_caps.py, gbnf_caps.py), llguidance's compile under its
+  limits, its first mask and a few probed tokens (grammar_probe.py), all within COMPILE_CPU_S of
+  the compiling thread's CPU time. A refusal is cached like a grammar, so a repeat costs nothing.
 """
 
 from __future__ import annotations
@@ -25,14 +29,21 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
+from shardline.model.gbnf_caps import check_grammar
+from shardline.model.grammar_probe import Vocab, build, probe
+from shardline.model.schema_caps import CapError, check_schema
+
 Kind = Literal["json_schema", "lark", "gbnf", "regex"]
 MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar larger than this is refused before compiling
-CACHED = 128  # compiled grammars kept (LRU), by (kind, text)
+CACHED = 128  # compiled grammars (and refusals) kept (LRU), by (kind, text)
+# CPU seconds one compile may take (checks, llguidance's compile, the probe): the caps keep a
+# schema at every cap well under it (BENCHMARKS.md, issue 54); past it the grammar is refused.
+COMPILE_CPU_S = 2.0
 # Compact JSON with the separators people read (as json.dumps writes it): free whitespace lets a
 # small model pad forever between tokens the schema allows.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -56,10 +67,12 @@ class GrammarSpec:
 
     kind: Kind
     text: str  # the JSON schema (as JSON text), or the grammar's source
+    # The schema the text was written from, when there is one: checked as it is, not parsed again.
+    schema: Any = field(default=None, compare=False, hash=False, repr=False)
 
     @staticmethod
     def json_schema(schema: dict[str, Any]) -> GrammarSpec:
-        return GrammarSpec("json_schema", json.dumps(schema))  # its keys' order is the output's
+        return GrammarSpec("json_schema", json.dumps(schema), schema)  # its keys' order is the output's
 
     def label(self) -> str:
         """What logs call it: its kind, a short prefix and a hash. A grammar is a client's text
@@ -69,14 +82,16 @@ class GrammarSpec:
 
 
 class Grammars:
-    """Compiles specs against one vocabulary, cached by spec; builds a stream's constraint.
-    Thread-safe (the API compiles on its worker threads, the engine advances streams)."""
+    """Compiles specs against one vocabulary, cached by spec (a refusal too); builds a stream's
+    constraint. Thread-safe (the API compiles on its worker threads, the engine advances streams)."""
 
     def __init__(self, tokenizer_json: str, vocab: int, end_ids: Iterable[int]) -> None:
         self._spec, self.vocab, self.end_ids = tokenizer_json, vocab, sorted(set(end_ids))
         self._tokenizer: Any = None
+        self._words: Vocab | None = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[GrammarSpec, str] = OrderedDict()
+        self._copying = threading.Lock()  # one deep copy of a cached matcher at a time
+        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()  # a matcher, or why it is refused
         self.compile_s = 0.0  # total seconds spent compiling (cache misses)
         self.compiled = 0
 
@@ -94,6 +109,14 @@ class Grammars:
                 self._spec = ""
             return self._tokenizer
 
+    def words(self) -> Vocab:
+        """The probe's view of the vocabulary (model/grammar_probe.py), built once."""
+        tokenizer = self.tokenizer()
+        with self._lock:
+            if self._words is None:
+                self._words = Vocab.of(tokenizer, self.vocab, frozenset(self.end_ids))
+            return self._words
+
     def special(self, words: Iterable[str]) -> frozenset[str]:
         """Which of `words` the grammar engine reads as one special token (written bare in Lark,
         not quoted: a special token's bytes never match text)."""
@@ -101,29 +124,40 @@ class Grammars:
         return frozenset(w for w in words if len(ids := t.tokenize_str(w)) == 1 and t.is_special_token(ids[0]))
 
     def warm(self) -> None:
-        """Build the vocabulary's view now (a thread at start), so the first constrained request
-        does not wait for it; a failure here is the first request's to report."""
+        """Build the vocabulary's views now (a thread at start), so the first constrained request
+        does not wait for them; a failure here is the first request's to report."""
         with contextlib.suppress(Exception):
-            self.tokenizer()
+            self.words()
 
-    def compile(self, spec: GrammarSpec) -> str:
-        """The validated grammar of `spec` (cached). Raises GrammarError."""
+    def compile(self, spec: GrammarSpec) -> Any:
+        """`spec`'s matcher, checked (caps, limits, its first steps; issue 54) and cached, its
+        state before any token: streams follow copies of it (`follow`). Raises GrammarError, the
+        same again for a spec refused before."""
+        if len(spec.text) > MAX_GRAMMAR_CHARS:  # before the cache: such keys are not kept
+            raise GrammarError(f"it is {len(spec.text)} characters, over the limit of {MAX_GRAMMAR_CHARS}")
         with self._lock:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
-                return self._cache[spec]
-        if len(spec.text) > MAX_GRAMMAR_CHARS:
-            raise GrammarError(f"it is {len(spec.text)} characters, over the limit of {MAX_GRAMMAR_CHARS}")
-        start = time.perf_counter()
-        grammar = _grammar(spec)
-        _validate(grammar, self.tokenizer())
+                return _matcher(self._cache[spec])
+        words = self.words()  # the vocabulary's views first: building them is not the grammar's time
+        start, spend = time.perf_counter(), _Spend(COMPILE_CPU_S)
+        try:
+            compiled: Any = _compiled(spec, self.tokenizer(), words, spend)
+        except GrammarError as e:
+            compiled = e
         with self._lock:
             self.compile_s += time.perf_counter() - start
             self.compiled += 1
-            self._cache[spec] = grammar
+            self._cache[spec] = compiled
             while len(self._cache) > CACHED:
                 self._cache.popitem(last=False)
-        return grammar
+        return _matcher(compiled)
+
+    def follow(self, template: Any, label: str = "a grammar") -> GrammarConstraint:
+        """A stream's constraint: its own copy of a compiled matcher (`label`: what logs call it)."""
+        with self._copying:
+            matcher = template.deep_copy()
+        return GrammarConstraint(matcher, self.vocab, frozenset(self.end_ids), label)
 
     def lazy(self, spec: GrammarSpec, trigger: str) -> LazyConstraint:
         """`spec` once the model writes `trigger` (raises GrammarError now if it cannot compile)."""
@@ -131,12 +165,46 @@ class Grammars:
 
     def constraint(self, spec: GrammarSpec) -> GrammarConstraint:
         """A fresh matcher for one stream (raises GrammarError)."""
-        import llguidance
+        return self.follow(self.compile(spec), spec.label())
 
-        matcher = llguidance.LLMatcher(self.tokenizer(), self.compile(spec), log_level=0)
-        if matcher.is_error():
-            raise GrammarError(_stopped(matcher))
-        return GrammarConstraint(matcher, self.vocab, frozenset(self.end_ids), spec.label())
+
+class _Spend:
+    """This thread's CPU time since it was made, against a limit: calling it raises GrammarError
+    once the limit is spent (between llguidance's calls: one cannot be interrupted)."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s, self.start = limit_s, time.thread_time()
+
+    def __call__(self) -> None:
+        if time.thread_time() - self.start > self.limit_s:
+            raise GrammarError(over_time(self.limit_s))
+
+
+def over_time(limit_s: float) -> str:
+    return f"it takes more than {limit_s:g} s of CPU to compile"
+
+
+def _matcher(compiled: Any) -> Any:
+    if isinstance(compiled, GrammarError):
+        raise GrammarError(str(compiled))
+    return compiled
+
+
+def _compiled(spec: GrammarSpec, tokenizer: Any, words: Vocab, spend: _Spend) -> Any:
+    """The checked matcher of `spec`: its caps, then llguidance's grammar under its limits,
+    then the probe of its first steps, with the CPU time checked between them."""
+    try:
+        if spec.kind == "json_schema":
+            check_schema(spec.schema if spec.schema is not None else json.loads(spec.text))
+        elif spec.kind == "gbnf":  # a client's grammar (tools' Lark is written here, their schemas checked)
+            check_grammar(spec.text)
+        spend()
+        matcher = build(tokenizer, _grammar(spec))
+        spend()
+        probe(matcher, words, spend)
+    except CapError as e:
+        raise GrammarError(str(e)) from None
+    return matcher
 
 
 def _grammar(spec: GrammarSpec) -> str:
@@ -150,21 +218,13 @@ def _grammar(spec: GrammarSpec) -> str:
         raise GrammarError(str(e)) from None
 
 
-def _validate(grammar: str, tokenizer: Any) -> None:
-    import llguidance
-
-    error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-    if error:
-        raise GrammarError(messages[0] if messages else "invalid grammar")
-
-
 class LazyConstraint:
     """A grammar that starts once the model writes `trigger` (tool_choice "auto", as llama-server's
     lazy grammars): until then every token is free; from the token that completes the trigger on,
     the grammar (which begins with the trigger) is fed the trigger and holds what follows."""
 
     def __init__(self, grammars: Grammars, spec: GrammarSpec, trigger: str) -> None:
-        self._grammars, self._spec, self.trigger = grammars, spec, trigger
+        self._grammars, self.trigger = grammars, trigger
         self._trigger_id: int | None = None
         ids = grammars.tokenizer().tokenize_str(trigger)
         if len(ids) == 1 and grammars.tokenizer().is_special_token(ids[0]):
@@ -173,7 +233,9 @@ class LazyConstraint:
         self.active: GrammarConstraint | None = None
         self.failure: str | None = None  # decoding/masks.Constraint: set where its masks are computed
         self.label = f"{spec.label()} after {trigger!r}"
-        grammars.compile(spec)  # a grammar that cannot compile is the request's 400, not a failure later
+        # Compiled now: a grammar that cannot compile is the request's 400, not a failure later;
+        # kept here, so starting it on the engine thread is a copy, whatever the cache evicted since.
+        self._template = grammars.compile(spec)
 
     def masks(self, drafts: list[int]) -> np.ndarray | None:
         return self.active.masks(drafts) if self.active is not None else None
@@ -196,7 +258,7 @@ class LazyConstraint:
             return
         found, self._tail = self._seen(self._tail, token)
         if found is not None:
-            self.active = self._grammars.constraint(self._spec)
+            self.active = self._grammars.follow(self._template, self.label)
             self.active.feed(found)
 
     def ends(self, token: int) -> bool:

@@ -132,7 +132,7 @@ class MistralList(ToolSyntax):
             return Parsed(raw, ())
         try:
             items = json.loads(rest.strip())
-        except ValueError:
+        except (ValueError, RecursionError):  # what a model wrote: too deep is not a call either
             return Parsed(raw, ())
         calls = [c for c in (_named_call(json.dumps(i), "arguments") for i in items if isinstance(i, dict))
                  if c is not None] if isinstance(items, list) else []
@@ -188,14 +188,14 @@ class Harmony(ToolSyntax):
 def _is_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
 
 
 def _named_call(text: str, args_key: str) -> Call | None:
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
