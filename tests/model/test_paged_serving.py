@@ -54,8 +54,8 @@ def alone(shards: Callable[..., Path], prompts: list[list[int]]) -> list[list[in
 
 @contextmanager
 def _engine(folder: Path, chunk: int, kv_mib: int = 512, prefix: bool = False,
-            pacing: bool = False) -> Iterator[Engine]:
-    pipe = PagedPipeline(folder, RunConfig(), kv_mib * MiB)
+            pacing: bool = False, context: int | None = None) -> Iterator[Engine]:
+    pipe = PagedPipeline(folder, RunConfig(context=context), kv_mib * MiB)
     cfg = SchedulerConfig(chunk=chunk, pacing=ServeConfig().pacing if pacing else None)
     scheduler = PagedScheduler(cfg, BlockPool(pipe.blocks, pipe.block_size), prefix=prefix,
                                block_bytes=pipe.pool_bytes // pipe.blocks)
@@ -94,11 +94,11 @@ def test_a_small_pool_preempts_and_stays_exact(paged: Path, prompts: list[list[i
     find it empty preempt the youngest idle stream, which prefills again; tokens are unchanged."""
     m = load_manifest(paged)
     per_block = 2 * m.arch.n_layers * m.arch.n_kv_heads * m.arch.head_dim * 4 * 32  # f32 keys and values
-    pipe_blocks = -(-8192 // 32) + 3
-    with _engine(paged, 64, kv_mib=-(-pipe_blocks * per_block // MiB)) as engine:
+    pipe_blocks = -(-2048 // 32) + 3  # a stream at a context of 2,048, and 3 blocks
+    with _engine(paged, 64, kv_mib=-(-pipe_blocks * per_block // MiB), context=2048) as engine:
         sched = engine.scheduler
-        assert isinstance(sched, PagedScheduler)
-        prompt = list(range(1, 8150))  # nearly the whole pool, beside the chat streams
+        assert isinstance(sched, PagedScheduler) and sched.pool.size == pipe_blocks
+        prompt = list(range(1, 2000))  # nearly the whole pool, beside the chat streams
         done = threading.Event()
         engine.submit(Request(prompt, SamplingConfig(max_tokens=30), frozenset()),
                       lambda ev: done.set() if ev.finish else None)
