@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from shardline.api.constrain import Compiles
+from shardline.api.constrain import Compiles, _Pace
 from shardline.api.schemas import ApiError
 from shardline.model.grammar import GrammarError
 
@@ -27,11 +27,9 @@ def test_a_compile_over_its_cpu_time_is_refused_and_its_thread_stays_counted() -
     async def run() -> None:
         compiles = Compiles(threads=1, waiting=1, cpu_s=0.2, share=1.0)
         try:
-            start = time.monotonic()
             with pytest.raises(GrammarError, match="more than 0.2 s of CPU"):
                 await compiles.run(lambda: _burn(2.0), "response_format")
-            assert time.monotonic() - start < 1.9  # answered before the work ended
-            assert compiles.held == 1  # the thread runs on until llguidance's call returns
+            assert compiles.held == 1  # answered while the work runs on, until llguidance's call returns
             assert await compiles.run(lambda: "quick", "grammar") == "quick"  # waited for the thread
             assert compiles.held == 0
         finally:
@@ -58,15 +56,29 @@ def test_compiles_beyond_the_queue_bound_are_429s() -> None:
 
 
 def test_compiles_take_at_most_their_share_of_a_core() -> None:
+    """After a compile of c seconds of CPU, the next waits c * (1 / share - 1); the pause runs
+    from the later of the last one's end and now (a clock the test moves)."""
+    now = [100.0]
+    pace = _Pace(0.25, clock=lambda: now[0])
+    assert pace.delay() == 0.0
+    pace.spent(0.2)
+    assert pace.delay() == pytest.approx(0.6)  # 0.2 s of CPU at a quarter of a core
+    now[0] += 0.4
+    assert pace.delay() == pytest.approx(0.2)
+    pace.spent(0.1)  # another before the pause ended: its pause comes after the first's
+    assert pace.delay() == pytest.approx(0.5)
+    now[0] += 10
+    assert pace.delay() == 0.0
+
+
+def test_a_compile_waits_its_pause() -> None:
     async def run() -> None:
-        compiles = Compiles(threads=1, waiting=4, cpu_s=30, share=0.25)
+        compiles = Compiles(threads=1, waiting=4, cpu_s=30, share=0.05)
         try:
-            start = time.monotonic()
-            await compiles.run(lambda: _burn(0.2), "grammar")
-            burnt = time.monotonic()
+            await compiles.run(lambda: _burn(0.1), "grammar")
+            assert compiles._pace.delay() > 0  # the next compile is held back (1.9 s from its end)
             assert await compiles.run(lambda: "next", "grammar") == "next"
-            assert time.monotonic() - burnt >= 0.55  # 0.2 s of CPU at a quarter: 0.6 s of pause
-            assert time.monotonic() - start < 5
+            assert compiles._pace.delay() == pytest.approx(0.0, abs=0.05)  # it started once the pause was over
         finally:
             compiles.close()
 

@@ -89,18 +89,21 @@ class Compiles:
 class _Pace:
     """Compiles' CPU held to `share` of one core on average (see SHARE)."""
 
-    def __init__(self, share: float) -> None:
-        self.share, self._next, self._lock = share, 0.0, threading.Lock()
+    def __init__(self, share: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.share, self._clock, self._next, self._lock = share, clock, 0.0, threading.Lock()
+
+    def delay(self) -> float:
+        """Seconds until the next compile may start."""
+        with self._lock:
+            return max(0.0, self._next - self._clock())
 
     def wait(self) -> None:
-        with self._lock:
-            delay = self._next - time.monotonic()
-        if delay > 0:
+        if (delay := self.delay()) > 0:
             time.sleep(delay)
 
     def spent(self, cpu_s: float) -> None:
         with self._lock:
-            self._next = max(self._next, time.monotonic()) + cpu_s * (1 / self.share - 1)
+            self._next = max(self._next, self._clock()) + cpu_s * (1 / self.share - 1)
 
 
 class _Job(Generic[T]):
