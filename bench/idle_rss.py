@@ -133,6 +133,7 @@ def breakdown(folder: Path) -> list[tuple[str, float]]:
     from shardline.model.manifest import load_manifest
     from shardline.model.paged_ir import joined
     from shardline.model.tokenizer import ChatTokenizer
+    from shardline.stage.block_ops import read_stage
     from shardline.stage.paged_batch import PagedBatch
     from shardline.stage.paged_runner import WARM_CHUNK, PagedRunner
     from shardline.stage.resident import release_file_pages, released_while
@@ -146,7 +147,8 @@ def breakdown(folder: Path) -> list[tuple[str, float]]:
     m, core = load_manifest(folder), ov.Core()
     stages: list[PagedRunner] = []
     for e in m.stages:
-        model = joined(core.read_model(folder / e.xml))
+        read, kept = read_stage(core, folder / e.xml, RunConfig())
+        model = joined(read)
         with released_while(folder / e.bin):
             stage = Cold(model, "CPU", precision_properties(model, RunConfig()), 1, core, m.arch.vocab, 8192)
             del model

@@ -35,6 +35,7 @@ from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.plan import Outcome, Step, decode, prefill
 from shardline.pipeline.plan import run as run_step
+from shardline.stage.block_ops import read_stage
 from shardline.stage.cache import KVBook
 
 GREEDY = SamplingParams()
@@ -111,8 +112,8 @@ def genai_ir_folder(work: Path, shards: Path) -> Path:
     tmp.mkdir(parents=True)
     manifest = load_manifest(shards)
     (stage,) = manifest.stages
-    save_model(last_position_logits(ov.Core().read_model(shards / stage.xml)), tmp / "openvino_model.xml",
-               compress_to_fp16=False)
+    graph, kept = read_stage(ov.Core(), shards / stage.xml, RunConfig())  # genai runs the plugin's form
+    save_model(last_position_logits(graph), tmp / "openvino_model.xml", compress_to_fp16=False)
     cfg = json.loads((shards / "tokenizer_config.json").read_text())
     hf = PreTrainedTokenizerFast(
         tokenizer_file=str(shards / "tokenizer.json"), eos_token=cfg.get("eos_token"),

@@ -9,7 +9,7 @@ from shardline.export.graph import build_stage, stage_tensor_names
 from shardline.export.plan import even_split
 from shardline.export.weights import Weights
 from shardline.model.gguf_source import GGUFSource
-from shardline.model.quant import Stored
+from shardline.model.quant import Blocks, Stored
 from shardline.model.source import default_model_path
 
 
@@ -26,12 +26,16 @@ class SpySource(GGUFSource):
         self.read.append(name)
         return super().stored(name)
 
+    def blocks(self, name: str) -> Blocks | None:
+        self.read.append(name)
+        return super().blocks(name)
+
 
 @pytest.mark.parametrize("index", [0, 2, 4])
 def test_stage_reads_only_its_own_tensors(index: int) -> None:
     source = SpySource()
     plan = even_split(source.arch.n_layers, 5)[index]
-    build_stage(source.arch, plan, Weights(source, "gguf"))
+    build_stage(source.arch, plan, Weights(source, "gguf", block_ops=True))
     assert set(source.read) == set(stage_tensor_names(source.arch, plan))
     layers = {int(n.split(".")[2]) for n in source.read if n.startswith("model.layers.")}
     assert layers == set(plan.layers)

@@ -28,6 +28,7 @@ from shardline.serving.drafters import LookupDrafter
 from shardline.serving.engine import Engine
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import Drafts
+from shardline.stage.block_ops import read_stage
 from tests.gguf_cases import LOGIT_STEPS, STEPS, Case
 from tests.ggufs import FileSpec, file_sha256
 from tests.golden.families_llama_server import GOLDEN
@@ -107,7 +108,8 @@ def test_the_plugin_runs_the_experts_as_gather_matmuls(folders: dict[int, Path])
     folder = folders[1]
     (stage,) = load_manifest(folder).stages
     core = ov.Core()
-    compiled = core.compile_model(core.read_model(folder / stage.xml, folder / stage.bin), "CPU")
+    model, kept = read_stage(core, folder / stage.xml, RunConfig())  # block ops in the plugin form
+    compiled = core.compile_model(model, "CPU")
     kinds = [op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()]
     assert kinds.count("GatherMatmul") == 3 * CASE.spec.layers
     assert "Tile" not in kinds
@@ -135,7 +137,8 @@ def test_experts_stay_in_the_files_blocks_and_equal_their_f32_values(mix: str, t
     if "MXFP4" in experts:
         assert "MXFP4 x6 (as int8 codes times its e8m0 scales: exact, twice its bytes" in inspect(kept)
     core = ov.Core()
-    compiled = core.compile_model(core.read_model(kept / stage.xml, kept / stage.bin), "CPU")
+    model, kept = read_stage(core, kept / stage.xml, RunConfig())  # block ops in the plugin form
+    compiled = core.compile_model(model, "CPU")
     kinds = [op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()]
     assert kinds.count("GatherMatmul") == 3 * 2 and "Tile" not in kinds
     weights = {op.input(1).get_element_type() for op in compiled.get_runtime_model().get_ops()

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from shardline.errors import ShardlineError
-from shardline.export.decompress import group_constant
+from shardline.model.decompress import group_constant
 from shardline.model.gguf_blocks import BLOCK_TYPES, block_bytes, unpack
 from tests.ggufs import raw_blocks
 

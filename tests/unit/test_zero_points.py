@@ -10,7 +10,7 @@ import openvino as ov
 import openvino.opset15 as ops
 import pytest
 
-from shardline.export.decompress import group_constant
+from shardline.model.decompress import group_constant
 from shardline.model.gguf_blocks import unpack
 from shardline.model.quant import GroupQuant
 from shardline.stage.zero_points import round_zero_points, split_zero_points

@@ -230,7 +230,8 @@ def _export_one(model: Path, arch: Arch, plan: StagePlan, weights: str, group_si
     paged graph (export/paged.py)."""
     source = open_source(model)
     base = _rss("VmRSS")  # the process before it reads a weight (interpreter, OpenVINO, the header)
-    w = Weights(source, weights, reblock)
+    # A static stage is for an NPU, which never runs shardline's ops: it keeps the plugin's form.
+    w = Weights(source, weights, reblock, block_ops=static is None)
     graphs = [("", cut(build_stage(arch, plan, w, paged=True)))] if paged else _graphs(arch, plan, w, static)
     saved = [_save(plan.name + suffix, g, weights, group_size, tmp, static is not None) for suffix, g in graphs]
     (xml, graph), prefill = saved[0], saved[1][0] if len(saved) > 1 else None

@@ -32,6 +32,7 @@ from shardline.export.experts import oai_experts, routed_experts
 from shardline.export.paged import PAGED_INPUTS, paged_attention
 from shardline.export.plan import StagePlan
 from shardline.export.weights import EMBEDDING, Linear, Weights
+from shardline.kernels.ops import block_matmul
 from shardline.model.arch import Arch
 
 _NEG = float(np.finfo(np.float32).min)
@@ -126,6 +127,9 @@ class _Builder:
         return self.linears(x, prefix + ".", (last,))[0]
 
     def project(self, x: ov.Output, lin: Linear) -> ov.Output:
+        if lin.kind is not None:  # the file's blocks, read by shardline's op (kernels/)
+            name = lin.matrix.get_node().get_friendly_name().removesuffix(".blocks")
+            return block_matmul(x, lin.matrix, lin.kind, lin.cols, name)
         return ops.matmul(x, lin.matrix, False, True).output(0)
 
     def rms(self, x: ov.Output, name: str) -> ov.Output:
@@ -330,7 +334,7 @@ class _Builder:
             ids = self.param("input_ids", ov.Type.i64, flat).output(0)
             if self.paged:
                 ids = ops.unsqueeze(ids, _i64(0)).output(0)
-            x = ops.gather(self.w.embedding(EMBEDDING), ids, _i64(0)).output(0)
+            x = self.w.gather(EMBEDDING, ids)
             if a.spec.scaled_embedding:
                 x = ops.multiply(x, np.float32(np.sqrt(a.hidden))).output(0)
         else:

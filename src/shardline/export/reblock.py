@@ -21,8 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import openvino as ov
+import openvino.opset15 as ops
 
 from shardline.errors import ShardlineError
+from shardline.model.decompress import shared_constant
 from shardline.model.quant import GroupQuant, pack_codes
 
 ROWS_AT_A_TIME = 256  # rows dequantized at once: bounded memory (256 x 14336 f32 = 14.7 MB)
@@ -105,3 +108,22 @@ def _rows(q: GroupQuant, start: int, end: int) -> GroupQuant:
                       bits=q.bits, signed=q.signed, zero=q.zero, group_scale=q.group_scale[start:end],
                       super_scale=cut(q.super_scale), group_min=cut(q.group_min), super_min=cut(q.super_min),
                       min_sign=q.min_sign)
+
+
+def reblocked_constant(r: Reblocked, name: str, keep: list[np.ndarray]) -> ov.Output:
+    """A re-blocked matrix (export/reblock.py) as Reshape(Multiply(Subtract(Convert(codes),
+    Convert(zero)), Convert(scale))): integer zero points of the codes' type and f16 scales, the
+    pattern the plugin runs with int8 activations."""
+    kind = ov.Type.u4 if r.bits == 4 else ov.Type.u8
+    codes = shared_constant(r.packed, [r.rows, r.groups, r.group], kind, keep, name + ".codes")
+    zero_bits = r.bits if r.zero.size % 2 == 0 else 8  # u4 packs pairs
+    zero = shared_constant(pack_codes(r.zero.reshape(-1), zero_bits), [r.rows, r.groups, 1],
+                   kind if zero_bits == r.bits else ov.Type.u8, keep, name + ".zp")
+    scale = shared_constant(r.scale, [r.rows, r.groups, 1], ov.Type.f16, keep, name + ".scale")
+    x = ops.subtract(ops.convert(codes, ov.Type.f32), ops.convert(zero, ov.Type.f32))
+    deq = ops.multiply(x, ops.convert(scale, ov.Type.f32))
+    return ops.reshape(deq, _i64(r.rows, r.cols), False).output(0)
+
+
+def _i64(*values: int) -> ov.Node:
+    return ops.constant(np.array(values, dtype=np.int64))

@@ -6,6 +6,11 @@ afterwards; `gguf` keeps a GGUF file's own weights: block-quantized types as the
 scales bit for bit with the decompression subgraph the plugin fuses (export/decompress.py),
 F16/BF16 as 16-bit constants, F32 as f32. What each matrix was kept as is counted in `kept`
 (the manifest records it), so nothing is widened without a trace.
+
+With `block_ops` (every export but a static one and `--reblock`), a matmul's and the embedding's
+block-quantized weights are the file's very bytes, one u8 constant that shardline's own ops
+read (kernels/ops.py): where the kernels do not run (`exact`, another device, a machine without
+them), the stage's loader replaces each op by the form above (stage/block_ops.py).
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ import openvino as ov
 import openvino.opset15 as ops
 
 from shardline.errors import ShardlineError
-from shardline.export.decompress import experts_constant, group_constant, half_constant, reblocked_constant
-from shardline.export.reblock import fits, reblock
-from shardline.model.quant import GroupQuant, HalfFloat, Stored, interleave, stack
+from shardline.export.reblock import fits, reblock, reblocked_constant
+from shardline.kernels.ops import block_gather
+from shardline.model.decompress import experts_constant, group_constant, half_constant, shared_constant
+from shardline.model.quant import Blocks, GroupQuant, HalfFloat, Stored, interleave, stack, stack_blocks
 from shardline.model.source import ModelSource
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "gguf")
@@ -34,16 +40,20 @@ class Linear:
     larger matmuls: each compiled node has a fixed cost per call, which these small ones feel
     (BENCHMARKS.md, issue 12: +13% decode tok/s with int8 weights)."""
 
-    matrix: ov.Output
+    matrix: ov.Output  # f32-valued [rows, cols]; with `kind`, the file's blocks u8 [rows, row bytes]
     rows: tuple[int, ...]
+    kind: str | None = None  # a GGUF block type: `matrix` is its blocks, for kernels/ops.block_matmul
+    cols: int = 0
 
 
 class Weights:
     """Hands out graph constants by Hugging Face tensor name, creating each at most once."""
 
-    def __init__(self, source: ModelSource, precision: str, reblock: int | None = None) -> None:
+    def __init__(self, source: ModelSource, precision: str, reblock: int | None = None,
+                 block_ops: bool = False) -> None:
         """`reblock`: under gguf, matmul weights re-quantized into groups of that size
-        (export/reblock.py: an opt-in that changes them); None keeps the file's blocks."""
+        (export/reblock.py: an opt-in that changes them); None keeps the file's blocks.
+        `block_ops`: under gguf (and no reblock), block types as the file's bytes for the ops."""
         if precision not in PRECISIONS:
             raise ShardlineError(f"unknown weight precision {precision!r}; choose from {', '.join(PRECISIONS)}")
         if precision == "gguf" and source.format != "gguf":
@@ -51,6 +61,9 @@ class Weights:
         self.source = source
         self.precision = precision
         self.reblock = reblock
+        self.block_ops = block_ops and precision == "gguf" and not reblock
+        self._blocks: dict[str, Blocks | None] = {}
+        self._block_constants: dict[str, ov.Output] = {}
         self.kept: Counter[str] = Counter()  # stored type -> matrices (under gguf)
         self.kept_bytes: Counter[str] = Counter()
         self._made: dict[str, ov.Output] = {}
@@ -113,8 +126,19 @@ class Weights:
                 self._made[key] = self._constant(w, key)
         return self._made[key]
 
+    def gather(self, name: str, ids: ov.Output) -> ov.Output:
+        """Rows `ids` of the token embedding, f32 (under block ops from the very blocks a tied head
+        reads)."""
+        b = self._file_blocks(name)
+        if b is not None:
+            return block_gather(self._block_constant(name, b), ids, b.kind, b.cols, name + ".gather")
+        return ops.gather(self.embedding(name), ids, ops.constant(np.array([0], dtype=np.int64))).output(0)
+
     def one(self, name: str) -> Linear:
         """One matmul's weight: the very constant matrix() gives (a tied embedding is stored once)."""
+        b = self._file_blocks(name)
+        if b is not None:
+            return Linear(self._block_constant(name, b), (b.rows,), b.kind, b.cols)
         matrix = self.matrix(name)
         return Linear(matrix, (matrix.get_partial_shape()[0].get_length(),))
 
@@ -127,6 +151,14 @@ class Weights:
         return self._stacked[key]
 
     def _stack(self, names: tuple[str, ...], key: str) -> Linear | None:
+        blocks = [self._file_blocks(n) for n in names]
+        if any(b is not None for b in blocks):
+            whole = stack_blocks([b for b in blocks if b is not None]) if all(blocks) else None
+            if whole is None:  # types or widths differ: one matmul each
+                return None
+            self._blocks[key] = whole
+            return Linear(self._block_constant(key, whole, count=len(names)),
+                          tuple(b.rows for b in blocks if b is not None), whole.kind, whole.cols)
         if self.precision == "gguf":
             stored = [self.source.stored(n) for n in names]
             if any(s is not None for s in stored):
@@ -157,6 +189,22 @@ class Weights:
         if isinstance(s, HalfFloat):
             return half_constant(s, name, self.keep)
         return group_constant(s, name, self.keep, gather=gather)
+
+    def _file_blocks(self, name: str) -> Blocks | None:
+        """The file's blocks of a 2-D block-quantized matrix, under block ops (else None)."""
+        if not self.block_ops:
+            return None
+        if name not in self._blocks:
+            self._blocks[name] = self.source.blocks(name)
+        return self._blocks[name]
+
+    def _block_constant(self, name: str, b: Blocks, count: int = 1) -> ov.Output:
+        """The blocks as one u8 constant, made once (a tied head and the gather share it)."""
+        if name not in self._block_constants:
+            self._count(b.kind, b.data.nbytes, count)
+            c = shared_constant(b.data, list(b.data.shape), ov.Type.u8, self.keep, name + ".blocks")
+            self._block_constants[name] = c.output(0)
+        return self._block_constants[name]
 
     def _count(self, kind: str, nbytes: int, n: int) -> None:
         if self.precision == "gguf":

@@ -18,10 +18,10 @@ import numpy as np
 from shardline.errors import ShardlineError
 from shardline.model.arch import Arch
 from shardline.model.families.base import HEAD_NORMS
-from shardline.model.gguf_blocks import BLOCK_TYPES, KEPT_TYPES, unpack
+from shardline.model.gguf_blocks import BLOCK_TYPES, KEPT_TYPES, block_bytes, unpack
 from shardline.model.gguf_file import GGUFFile, TensorInfo
 from shardline.model.gguf_meta import gguf_arch, gguf_family
-from shardline.model.quant import GroupQuant, HalfFloat, Stored
+from shardline.model.quant import Blocks, GroupQuant, HalfFloat, Stored
 from shardline.model.source import file_sha256
 
 # GGUF tensor name (per layer or global) -> Hugging Face name.
@@ -204,6 +204,19 @@ class GGUFSource:
             raise ShardlineError(cannot_keep(self.path.name, gguf_name(name), t.kind))
         heads = self._heads_for(name)
         return _permuted(s, heads) if heads else s
+
+    def blocks(self, name: str) -> Blocks | None:
+        t = self._get(name)
+        if t.kind not in BLOCK_TYPES or len(t.shape) != 2:
+            return None
+        values, size = block_bytes(t.kind)
+        rows, cols = t.shape
+        if cols % values or t.nbytes != rows * (cols // values) * size:
+            raise ShardlineError(f"{self.path.name}: tensor {gguf_name(name)} holds {t.nbytes} bytes, but {rows} "
+                                 f"rows of {cols} {t.kind} values take {rows * (cols // values) * size}")
+        data = t.raw().reshape(rows, -1)
+        heads = self._heads_for(name)
+        return Blocks(t.kind, _unpermute_rows(data, heads) if heads else data, cols)
 
     def types(self) -> dict[str, int]:
         """How many of the model's tensors the file stores in each type."""

@@ -13,7 +13,7 @@ import numpy as np
 from shardline.errors import ShardlineError
 from shardline.model import families
 from shardline.model.arch import Arch
-from shardline.model.quant import Stored
+from shardline.model.quant import Blocks, Stored
 from shardline.model.source import source_sha256
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
@@ -73,6 +73,9 @@ class HFSource:
         return self._where[name].read(name)
 
     def stored(self, name: str) -> Stored | None:
+        return None
+
+    def blocks(self, name: str) -> Blocks | None:
         return None
 
     def stored_type(self, name: str) -> str:

@@ -24,8 +24,9 @@ FORMAT_VERSION = 4
 READS = (3, 4)
 # How the graphs are built, inside the same format: an older export still loads and runs, only
 # slower. 3: RoPE in the form OpenVINO fuses, and with it the KV cache inside the attention node;
-# 4: q, k and v (and gate and up) as one matmul each.
-GRAPH_REVISION = 4
+# 4: q, k and v (and gate and up) as one matmul each; 5: block-quantized matmuls and the embedding
+# as the file's own bytes under shardline's ops (kernels/).
+GRAPH_REVISION = 5
 EXPORT_TAG = f"f{FORMAT_VERSION}g{GRAPH_REVISION}"  # in cached exports' folder names
 
 

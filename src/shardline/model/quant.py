@@ -181,5 +181,26 @@ class HalfFloat:
         return (self.bits.astype(np.uint32) << 16).view(np.float32)
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """A block-quantized matrix exactly as the file stores it: `data` uint8 [rows, row bytes], each
+    row cols / block values in the type's blocks (what shardline's kernels read, kernels/)."""
+
+    kind: str
+    data: np.ndarray
+    cols: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0])
+
+
+def stack_blocks(parts: list[Blocks]) -> Blocks | None:
+    """Matrices of one type and width as one, rows after rows (None if they differ)."""
+    if len({(b.kind, b.cols) for b in parts}) != 1:
+        return None
+    return Blocks(parts[0].kind, np.concatenate([b.data for b in parts]), parts[0].cols)
+
+
 Stored = GroupQuant | HalfFloat
 """A matrix as a source stores it, when that is not plain f32."""

@@ -14,7 +14,7 @@ import numpy as np
 
 from shardline.errors import ShardlineError
 from shardline.model.arch import Arch
-from shardline.model.quant import Stored
+from shardline.model.quant import Blocks, Stored
 
 
 class ModelSource(Protocol):
@@ -31,6 +31,11 @@ class ModelSource(Protocol):
     def stored(self, name: str) -> Stored | None:
         """The matrix as the source stores it, when that is not f32: block-quantized (its codes
         and scales) or 16-bit floats; None for f32. A type that cannot be kept raises."""
+        ...
+
+    def blocks(self, name: str) -> Blocks | None:
+        """A block-quantized matrix's bytes as the file stores them (rows in Hugging Face order);
+        None for any other type."""
         ...
 
     def stored_type(self, name: str) -> str:

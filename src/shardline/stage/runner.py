@@ -19,6 +19,7 @@ import openvino as ov
 from shardline.config import RunConfig
 from shardline.errors import ShardlineError, StepRefused
 from shardline.model.manifest import StageEntry, StageLimits
+from shardline.stage.block_ops import read_stage
 from shardline.stage.cache import StepInputs
 from shardline.stage.keyed import Key, Keyed, shown
 from shardline.stage.resident import released_while
@@ -58,7 +59,7 @@ class StageRunner(Keyed[_Held]):
         self.context = context
         core = core or ov.Core()
         try:
-            model = core.read_model(folder / entry.xml)
+            model, self._replaced = read_stage(core, folder / entry.xml, run)
             self.compiled = core.compile_model(model, run.device, precision_properties(model, run))
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -25,7 +25,6 @@ import numpy as np
 import openvino as ov
 import openvino.opset15 as ops
 
-from shardline.export.reblock import Reblocked
 from shardline.model.quant import GroupQuant, HalfFloat, pack_codes, repack_codes
 
 _OV_CODES = {"u2": ov.Type.u2, "u4": ov.Type.u4, "u8": ov.Type.u8, "i8": ov.Type.i8}
@@ -35,7 +34,7 @@ def _i64(*values: int) -> ov.Node:
     return ops.constant(np.array(values, dtype=np.int64))
 
 
-def _shared(a: np.ndarray, shape: list[int], kind: ov.Type, keep: list[np.ndarray], name: str) -> ov.Node:
+def shared_constant(a: np.ndarray, shape: list[int], kind: ov.Type, keep: list[np.ndarray], name: str) -> ov.Node:
     """A constant over the array's own memory (no copy): `keep` holds the array until the
     graph is saved (the constant does not keep it alive)."""
     a = np.ascontiguousarray(a)
@@ -48,7 +47,7 @@ def _shared(a: np.ndarray, shape: list[int], kind: ov.Type, keep: list[np.ndarra
 def half_constant(h: HalfFloat, name: str, keep: list[np.ndarray]) -> ov.Output:
     """F16 / BF16 as a 16-bit constant converted to f32 (the plugin keeps or widens it)."""
     kind = ov.Type.f16 if h.kind == "F16" else ov.Type.bf16
-    return ops.convert(_shared(h.bits, list(h.bits.shape), kind, keep, name), ov.Type.f32).output(0)
+    return ops.convert(shared_constant(h.bits, list(h.bits.shape), kind, keep, name), ov.Type.f32).output(0)
 
 
 def group_constant(q: GroupQuant, name: str, keep: list[np.ndarray], gather: bool = False) -> ov.Output:
@@ -57,7 +56,7 @@ def group_constant(q: GroupQuant, name: str, keep: list[np.ndarray], gather: boo
     flat = _flat_groups(q)
     packed, bits = _codes(q, flat, widen=gather)
     kind = _OV_CODES["i8" if q.signed else f"u{bits}"]
-    codes = _shared(packed, [q.rows, q.groups, q.group], kind, keep, name + ".codes")
+    codes = shared_constant(packed, [q.rows, q.groups, q.group], kind, keep, name + ".codes")
     scale, zero = _folded(q, flat, name) if gather else _factored(q, name, keep)
     x = ops.convert(codes, ov.Type.f32).output(0)
     if zero is not None:
@@ -75,7 +74,7 @@ def experts_constant(q: GroupQuant, experts: int, name: str, keep: list[np.ndarr
     packed, bits = _codes(q, flat, widen=True)
     kind = _OV_CODES["i8" if q.signed else f"u{bits}"]
     rows = q.rows // experts
-    codes = _shared(packed, [experts, rows, q.groups, q.group], kind, keep, name + ".codes")
+    codes = shared_constant(packed, [experts, rows, q.groups, q.group], kind, keep, name + ".codes")
     scale, zero = _folded_arrays(q, flat)
     x = ops.convert(codes, ov.Type.f32).output(0)
     if zero is not None:
@@ -83,21 +82,6 @@ def experts_constant(q: GroupQuant, experts: int, name: str, keep: list[np.ndarr
         x = ops.subtract(x, ops.constant(z, name=name + ".zp")).output(0)
     deq = ops.multiply(x, ops.constant(scale.reshape(experts, rows, q.groups, 1), name=name + ".scale"))
     return ops.reshape(deq, _i64(experts, rows, q.cols), False).output(0)
-
-
-def reblocked_constant(r: Reblocked, name: str, keep: list[np.ndarray]) -> ov.Output:
-    """A re-blocked matrix (export/reblock.py) as Reshape(Multiply(Subtract(Convert(codes),
-    Convert(zero)), Convert(scale))): integer zero points of the codes' type and f16 scales, the
-    pattern the plugin runs with int8 activations."""
-    kind = ov.Type.u4 if r.bits == 4 else ov.Type.u8
-    codes = _shared(r.packed, [r.rows, r.groups, r.group], kind, keep, name + ".codes")
-    zero_bits = r.bits if r.zero.size % 2 == 0 else 8  # u4 packs pairs
-    zero = _shared(pack_codes(r.zero.reshape(-1), zero_bits), [r.rows, r.groups, 1],
-                   kind if zero_bits == r.bits else ov.Type.u8, keep, name + ".zp")
-    scale = _shared(r.scale, [r.rows, r.groups, 1], ov.Type.f16, keep, name + ".scale")
-    x = ops.subtract(ops.convert(codes, ov.Type.f32), ops.convert(zero, ov.Type.f32))
-    deq = ops.multiply(x, ops.convert(scale, ov.Type.f32))
-    return ops.reshape(deq, _i64(r.rows, r.cols), False).output(0)
 
 
 def _flat_groups(q: GroupQuant) -> np.ndarray | None:
@@ -160,7 +144,8 @@ def _product(q: GroupQuant, coarse: np.ndarray | None, fine: np.ndarray, name: s
     f = ops.convert(_small_constant(fine, name, keep), ov.Type.f32)
     if coarse is None:
         return ops.reshape(f, _i64(q.rows, q.groups, 1), False).output(0)
-    c = ops.convert(_shared(coarse, [q.rows, coarse.shape[1], 1], ov.Type.f16, keep, name + ".super"), ov.Type.f32)
+    c = ops.convert(shared_constant(coarse, [q.rows, coarse.shape[1], 1], ov.Type.f16, keep, name + ".super"),
+                    ov.Type.f32)
     fine3 = ops.reshape(f, _i64(q.rows, q.groups // q.sub, q.sub), False)
     return ops.reshape(ops.multiply(c, fine3), _i64(q.rows, q.groups, 1), False).output(0)
 
@@ -172,5 +157,5 @@ _NUMPY_TYPES = {np.dtype(np.float16): ov.Type.f16, np.dtype(np.uint8): ov.Type.u
 def _small_constant(a: np.ndarray, name: str, keep: list[np.ndarray]) -> ov.Node:
     """f16 as f16; integer sub-block factors in as few bits as they take (u4 for 4-bit ones)."""
     if a.dtype == np.uint8 and a.shape[-1] % 2 == 0 and int(a.max(initial=0)) < 16:
-        return _shared(pack_codes(a, 4), list(a.shape), ov.Type.u4, keep, name)
-    return _shared(a, list(a.shape), _NUMPY_TYPES[a.dtype], keep, name)
+        return shared_constant(pack_codes(a, 4), list(a.shape), ov.Type.u4, keep, name)
+    return shared_constant(a, list(a.shape), _NUMPY_TYPES[a.dtype], keep, name)
