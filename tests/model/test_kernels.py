@@ -4,7 +4,10 @@ AddressSanitizer (kernel_check: every kernel's rows at the very end of their all
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +15,14 @@ import openvino as ov
 import openvino.opset15 as ops
 import pytest
 
+from shardline.config import RunConfig
 from shardline.errors import ShardlineError
 from shardline.kernels.build import build_check
 from shardline.kernels.load import attach, why_not
 from shardline.kernels.ops import BLOCKS, block_gather, block_matmul
+from shardline.model.manifest import load_manifest
+from shardline.stage.block_ops import runs_ops
+from shardline.stage.runner import StageRunner
 from tests.ggufs import decode, raw_blocks
 
 TYPES = sorted(BLOCKS)
@@ -103,3 +110,57 @@ def test_every_kernel_under_address_sanitizer(tmp_path: Path) -> None:
     done = subprocess.run([str(check)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "0 failures" in done.stdout
+
+
+@pytest.mark.parametrize("run,native,kept", [
+    (RunConfig(precision="fast"), True, True),
+    (RunConfig(precision="fast"), False, False),  # the library is not built: the plugin's form
+    (RunConfig(precision="exact"), True, False),  # bit-faithful to the f32 reference
+    (RunConfig(precision="rounded"), True, False),
+    (RunConfig(precision="plugin"), True, False),
+    (RunConfig(precision="fast", device="GPU"), True, False),  # the ops are CPU-only
+    (RunConfig(precision="fast", device="NPU"), True, False),
+])
+def test_where_the_ops_run(run: RunConfig, native: bool, kept: bool) -> None:
+    assert runs_ops(run, native) is kept
+
+
+def _layer_types(runner: StageRunner) -> set[str]:
+    return {op.get_rt_info()["layerType"].astype(str) for op in runner.compiled.get_runtime_model().get_ops()}
+
+
+def test_a_fast_stage_runs_the_ops_and_an_exact_one_the_plugins_matmuls(shards: Callable[..., Path]) -> None:
+    folder = shards("gguf", stages=1)
+    (entry,) = load_manifest(folder).stages
+    fast = StageRunner(folder, entry, RunConfig(precision="fast"))
+    exact = StageRunner(folder, entry, RunConfig(precision="exact"))
+    assert "Reference" in _layer_types(fast)  # our ops, as the plugin runs an extension's
+    assert "Reference" not in _layer_types(exact) and "FullyConnected" in _layer_types(exact)
+
+
+FALLBACK = """
+import logging, sys
+from pathlib import Path
+from shardline.config import RunConfig
+from shardline.model.manifest import load_manifest
+from shardline.stage.runner import StageRunner
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+folder = Path(sys.argv[1])
+(entry,) = load_manifest(folder).stages
+for _ in range(2):
+    r = StageRunner(folder, entry, RunConfig(precision="fast"))
+    kinds = {op.get_rt_info()["layerType"].astype(str) for op in r.compiled.get_runtime_model().get_ops()}
+    print("Reference" in kinds, "FullyConnected" in kinds)
+"""
+
+
+def test_without_the_kernels_a_fast_stage_takes_the_plugins_form_and_says_why_once(
+        shards: Callable[..., Path], tmp_path: Path) -> None:
+    """What a machine without a compiler gets: the same shard runs, on the plugin's matmuls."""
+    folder = shards("gguf", stages=1)
+    env = {**os.environ, "SHARDLINE_KERNELS": "0"}
+    done = subprocess.run([sys.executable, "-c", FALLBACK, str(folder)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True", "False", "True"]
+    assert done.stderr.count("shardline's block kernels are off (SHARDLINE_KERNELS=0)") == 1

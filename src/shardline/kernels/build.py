@@ -80,8 +80,9 @@ def build() -> Path:
 
 def build_check(out: Path, sanitize: bool = True) -> Path:
     """The kernel check program (check/kernel_check.cpp), under ASan and UBSan by default."""
-    _cmake(HERE, out, f"-DSHARDLINE_SANITIZE={'ON' if sanitize else 'OFF'}", "-DSHARDLINE_EXTENSION=OFF",
-           *(["-DCMAKE_BUILD_TYPE=Debug"] if sanitize else []))
+    # Optimized (Release, as shipped): the sanitizers check the code that runs, in a fraction of
+    # a debug build's time.
+    _cmake(HERE, out, f"-DSHARDLINE_SANITIZE={'ON' if sanitize else 'OFF'}", "-DSHARDLINE_EXTENSION=OFF")
     return out / "kernel_check"
 
 
