@@ -147,9 +147,9 @@ def breakdown(folder: Path) -> list[tuple[str, float]]:
     m, core = load_manifest(folder), ov.Core()
     stages: list[PagedRunner] = []
     for e in m.stages:
-        read, kept = read_stage(core, folder / e.xml, RunConfig())
+        read, weights_file = read_stage(core, folder / e.xml, RunConfig())
         model = joined(read)
-        with released_while(folder / e.bin):
+        with released_while(weights_file):
             stage = Cold(model, "CPU", precision_properties(model, RunConfig()), 1, core, m.arch.vocab, 8192)
             del model
             release_file_pages(folder / e.bin)  # each reading without the mapped shard's pages

@@ -89,13 +89,13 @@ def main() -> int:
             path = graph(kind, Path(tmp))
             op = core.compile_model(core.read_model(path), "CPU", props)
             model = core.read_model(path)
-            kept = plugin_form(model)
+            plugin_form(model)
             plugin = core.compile_model(model, "CPU", props)
             for m in rows:
                 a, b = rate(op, m, args.reps), rate(plugin, m, max(3, args.reps // 2 if m > 16 else args.reps))
                 out[f"{kind}@{m}"] = {"ratio": round(a / b, 3), "op": round(a, 2), "plugin": round(b, 2)}
                 print(f"{kind:6} {m:>4} {a:8.2f} {b:8.2f} {a / b:9.2f}x")
-            del op, plugin, model, kept
+            del op, plugin, model
     print(json.dumps({"ratios": {k: v["ratio"] for k, v in out.items()}, "rates": out, "cpu": cpu(),
                       "threads": args.threads}))
     return 0

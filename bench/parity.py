@@ -112,7 +112,7 @@ def genai_ir_folder(work: Path, shards: Path) -> Path:
     tmp.mkdir(parents=True)
     manifest = load_manifest(shards)
     (stage,) = manifest.stages
-    graph, kept = read_stage(ov.Core(), shards / stage.xml, RunConfig())  # genai runs the plugin's form
+    graph, _ = read_stage(ov.Core(), shards / stage.xml, RunConfig())  # genai runs the plugin's form
     save_model(last_position_logits(graph), tmp / "openvino_model.xml", compress_to_fp16=False)
     cfg = json.loads((shards / "tokenizer_config.json").read_text())
     hf = PreTrainedTokenizerFast(

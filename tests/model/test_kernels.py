@@ -5,6 +5,7 @@ AddressSanitizer (kernel_check: every kernel's rows at the very end of their all
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from shardline.kernels.build import build_check
 from shardline.kernels.load import attach, why_not
 from shardline.kernels.ops import BLOCKS, block_gather, block_matmul
 from shardline.model.manifest import load_manifest
-from shardline.stage.block_ops import runs_ops
+from shardline.stage.block_ops import DERIVED, read_stage, runs_ops
 from shardline.stage.runner import StageRunner
 from tests.ggufs import decode, raw_blocks
 
@@ -164,3 +165,23 @@ def test_without_the_kernels_a_fast_stage_takes_the_plugins_form_and_says_why_on
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False", "True", "False", "True"]
     assert done.stderr.count("shardline's block kernels are off (SHARDLINE_KERNELS=0)") == 1
+
+
+def test_the_plugins_form_is_made_once_beside_the_shard_and_read_mapped(shards: Callable[..., Path],
+                                                                         tmp_path: Path) -> None:
+    folder = tmp_path / "s"
+    shutil.copytree(shards("gguf", stages=1), folder)
+    exact = RunConfig(precision="exact")
+    model, weights = read_stage(ov.Core(), folder / "stage0.xml", exact)
+    assert weights.parent.parent == folder / DERIVED and weights.is_file()
+    assert not any(n.get_type_name().startswith("Gguf") for n in model.get_ops())
+    made = weights.stat().st_mtime_ns
+    again, weights2 = read_stage(ov.Core(), folder / "stage0.xml", exact)
+    assert weights2 == weights and weights.stat().st_mtime_ns == made  # read, not made again
+    assert read_stage(ov.Core(), folder / "stage0.xml", RunConfig(precision="fast"))[1] == folder / "stage0.bin"
+    # A folder it cannot write to: the form is made in memory, the stage still loads.
+    shutil.rmtree(folder / DERIVED)
+    (folder / DERIVED).write_text("not a folder")
+    model, weights = read_stage(ov.Core(), folder / "stage0.xml", exact)
+    assert weights == folder / "stage0.bin"
+    assert not any(n.get_type_name().startswith("Gguf") for n in model.get_ops())

@@ -71,7 +71,7 @@ def test_the_plugin_runs_the_experts_as_gather_matmuls(folders: dict[int, Path])
     folder = folders[1]
     (stage,) = load_manifest(folder).stages
     core = ov.Core()
-    model, kept = read_stage(core, folder / stage.xml, RunConfig())  # block ops in the plugin form
+    model, _ = read_stage(core, folder / stage.xml, RunConfig())  # block ops in the plugin form
     compiled = core.compile_model(model, "CPU")
     kinds = [op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ops()]
     assert kinds.count("GatherMatmul") == 3 * CASE.spec.layers

@@ -11,6 +11,7 @@ sides; the rest is summation order over 24 and 28 layers. The margin is for othe
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -184,3 +185,33 @@ def test_a_required_call_is_valid_on_the_real_model(real: Callable[..., Path]) -
     for call in calls[0] + calls[1]:  # auto: this model answers in a fenced JSON block, which is its choice
         assert call.name == "get_weather"
         jsonschema.validate(json.loads(call.arguments), tools[0]["parameters"])
+
+
+FAST_GOLDEN = Path(__file__).parents[1] / "golden" / "fast.json"
+NEAR_TIE = 0.1  # a runner-up within this many nats of the top: two int8 roundings may part there
+FAST_LOGPROB = 0.06  # nats: the chosen token's log-probability, against llama.cpp's
+
+
+@pytest.mark.slow
+def test_fast_follows_llama_cpp_on_the_quantized_file(real: Callable[..., Path]) -> None:
+    """`--precision fast` runs the file's blocks with int8 activations, as llama.cpp's CPU kernels
+    do: its greedy tokens are llama.cpp's (tests/golden/fast.json, llama-server on the very file)
+    up to the first near-tie, and each agreed token's log-probability is llama.cpp's within
+    FAST_LOGPROB. The two quantize activations alike but for the f16 rounding of llama.cpp's
+    per-block scales for Q8_0 (and sums of exp in another order), so they differ by ~1e-2."""
+    golden = json.loads(FAST_GOLDEN.read_text())
+    assert golden["sha256"] == named(NAME).sha256, "the golden was made on another file: regenerate it"
+    agreed = 0
+    with LocalPipeline(real(1), RunConfig(precision="fast", threads=2)) as pipe:
+        for case in golden["cases"]:
+            tokens, logits = greedy_ours(pipe, case["ids"], len(case["tokens"]), chunk=64)
+            logprobs = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) \
+                - logits.max(1, keepdims=True)
+            for step, (ours, theirs) in enumerate(zip(tokens, case["tokens"], strict=True)):
+                if ours != theirs:
+                    assert case["margins"][step] < NEAR_TIE, f"parted at step {step} with a margin of " \
+                                                             f"{case['margins'][step]:.3f}"
+                    break
+                agreed += 1
+                assert abs(float(logprobs[step, ours]) - case["logprobs"][step]) < FAST_LOGPROB, (step, ours)
+    assert agreed >= 0.75 * sum(len(c["tokens"]) for c in golden["cases"])

@@ -34,23 +34,26 @@ def _i64(*values: int) -> ov.Node:
     return ops.constant(np.array(values, dtype=np.int64))
 
 
-def shared_constant(a: np.ndarray, shape: list[int], kind: ov.Type, keep: list[np.ndarray], name: str) -> ov.Node:
+def shared_constant(a: np.ndarray, shape: list[int], kind: ov.Type, keep: list[np.ndarray] | None,
+                    name: str) -> ov.Node:
     """A constant over the array's own memory (no copy): `keep` holds the array until the
-    graph is saved (the constant does not keep it alive)."""
+    graph is saved (the constant does not keep it alive). keep=None: a copy the constant owns
+    (a graph compiled at load, which outlives the arrays it was made from)."""
     a = np.ascontiguousarray(a)
-    keep.append(a)
-    c = ov.op.Constant(ov.Tensor(a, ov.Shape(shape), kind), shared_memory=True)
+    if keep is not None:
+        keep.append(a)
+    c = ov.op.Constant(ov.Tensor(a, ov.Shape(shape), kind), shared_memory=keep is not None)
     c.set_friendly_name(name)
     return c
 
 
-def half_constant(h: HalfFloat, name: str, keep: list[np.ndarray]) -> ov.Output:
+def half_constant(h: HalfFloat, name: str, keep: list[np.ndarray] | None) -> ov.Output:
     """F16 / BF16 as a 16-bit constant converted to f32 (the plugin keeps or widens it)."""
     kind = ov.Type.f16 if h.kind == "F16" else ov.Type.bf16
     return ops.convert(shared_constant(h.bits, list(h.bits.shape), kind, keep, name), ov.Type.f32).output(0)
 
 
-def group_constant(q: GroupQuant, name: str, keep: list[np.ndarray], gather: bool = False) -> ov.Output:
+def group_constant(q: GroupQuant, name: str, keep: list[np.ndarray] | None, gather: bool = False) -> ov.Output:
     """The [rows, cols] f32-valued weight of a group-quantized matrix (see the module doc).
     Its codes and factors become constants over q's own arrays (which `keep` holds)."""
     flat = _flat_groups(q)
@@ -65,7 +68,7 @@ def group_constant(q: GroupQuant, name: str, keep: list[np.ndarray], gather: boo
     return ops.reshape(deq, _i64(q.rows, q.cols), False).output(0)
 
 
-def experts_constant(q: GroupQuant, experts: int, name: str, keep: list[np.ndarray]) -> ov.Output:
+def experts_constant(q: GroupQuant, experts: int, name: str, keep: list[np.ndarray] | None) -> ov.Output:
     """A mixture's stacked experts [experts, rows, cols] from their group-quantized matrix (every
     expert's rows in turn): codes [experts, rows, groups, G] (u2 widened to u4), s and z plain
     f32 constants [experts, rows, groups, 1], Reshape to [experts, rows, cols]: the form the CPU
@@ -124,7 +127,7 @@ def _folded_arrays(q: GroupQuant, flat: np.ndarray | None) -> tuple[np.ndarray, 
     return scale, (np.float32(q.zero) - offset / scale).astype(np.float32)
 
 
-def _factored(q: GroupQuant, name: str, keep: list[np.ndarray]) -> tuple[ov.Output, ov.Output | None]:
+def _factored(q: GroupQuant, name: str, keep: list[np.ndarray] | None) -> tuple[ov.Output, ov.Output | None]:
     """s and z as subgraphs of the stored factors, [rows, groups, 1] (folded by the plugin)."""
     scale = _product(q, q.super_scale, q.group_scale, name + ".scale", keep)
     if q.group_min is None:
@@ -139,7 +142,7 @@ def _factored(q: GroupQuant, name: str, keep: list[np.ndarray]) -> tuple[ov.Outp
 
 
 def _product(q: GroupQuant, coarse: np.ndarray | None, fine: np.ndarray, name: str,
-             keep: list[np.ndarray]) -> ov.Output:
+             keep: list[np.ndarray] | None) -> ov.Output:
     """coarse[r, g // sub] * fine[r, g] as f32 [rows, groups, 1]."""
     f = ops.convert(_small_constant(fine, name, keep), ov.Type.f32)
     if coarse is None:
@@ -154,7 +157,7 @@ _NUMPY_TYPES = {np.dtype(np.float16): ov.Type.f16, np.dtype(np.uint8): ov.Type.u
                 np.dtype(np.float32): ov.Type.f32}  # f32: MXFP4's e8m0 scales (2^-127..2^127, past f16)
 
 
-def _small_constant(a: np.ndarray, name: str, keep: list[np.ndarray]) -> ov.Node:
+def _small_constant(a: np.ndarray, name: str, keep: list[np.ndarray] | None) -> ov.Node:
     """f16 as f16; integer sub-block factors in as few bits as they take (u4 for 4-bit ones)."""
     if a.dtype == np.uint8 and a.shape[-1] % 2 == 0 and int(a.max(initial=0)) < 16:
         return shared_constant(pack_codes(a, 4), list(a.shape), ov.Type.u4, keep, name)

@@ -54,7 +54,6 @@ class Pool:
 class PagedRunner:
     def __init__(self, model: ov.Model, device: str, properties: dict[str, str], blocks: int,
                  core: ov.Core | None = None, vocab: int | None = None, context: int | None = None) -> None:
-        self.replaced: list[np.ndarray] = []  # block_ops.py: the plugin form's arrays, kept by load
         self.compiled = (core or ov.Core()).compile_model(model, device, properties)
         names = {i.get_any_name() for i in self.compiled.inputs}
         self._input = "input_ids" if "input_ids" in names else "hidden_states"
@@ -126,11 +125,10 @@ class PagedRunner:
             raise ShardlineError(f"{entry.name} of {folder} is a {entry.runner!r} stage, not a paged one")
         core = core or ov.Core()
         try:
-            read, replaced = read_stage(core, folder / entry.xml, run)
+            read, weights_file = read_stage(core, folder / entry.xml, run)
             model = joined(read)
-            with released_while(folder / entry.bin):  # resident.py: why
+            with released_while(weights_file):  # resident.py: why
                 runner = PagedRunner(model, run.device, precision_properties(model, run), blocks, core, vocab, context)
-            runner.replaced = replaced
         except (RuntimeError, ValueError, KeyError) as e:
             lines = [x for x in str(e).strip().splitlines() if not x.startswith("Exception from")]
             why = lines[0] if lines else type(e).__name__

@@ -59,7 +59,7 @@ class StageRunner(Keyed[_Held]):
         self.context = context
         core = core or ov.Core()
         try:
-            model, self._replaced = read_stage(core, folder / entry.xml, run)
+            model, self._weights_file = read_stage(core, folder / entry.xml, run)
             self.compiled = core.compile_model(model, run.device, precision_properties(model, run))
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -75,7 +75,7 @@ class StageRunner(Keyed[_Held]):
         self.vocab = vocab
         self._out = self.compiled.output(0)
         self._layout: dict[str, tuple[np.dtype, int, int]] | None = None
-        with released_while(folder / entry.bin):  # resident.py: why
+        with released_while(self._weights_file):  # resident.py: why
             self._warm_up()
 
     def limits(self) -> StageLimits:

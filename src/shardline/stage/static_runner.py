@@ -68,7 +68,6 @@ class StaticRunner(Keyed[_Ring]):
         self.context = bound if context is None else min(context, bound or context)
         self.vocab, self.kv_precision = vocab, "f32"  # the ring is kept on the host, in f32
         core = core or ov.Core()
-        self._replaced: list[np.ndarray] = []  # block_ops.py: the plugin form's arrays, kept
         self.compiled = self._compile(core, folder, entry.xml, run)
         self.prefill = self._compile(core, folder, entry.prefill_xml, run) if entry.prefill_xml else None
         self._requests = [self.compiled.create_infer_request()]
@@ -85,8 +84,7 @@ class StaticRunner(Keyed[_Ring]):
 
     def _compile(self, core: ov.Core, folder: Path, xml: str, run: RunConfig) -> ov.CompiledModel:
         try:
-            model, replaced = read_stage(core, folder / xml, run)
-            self._replaced.extend(replaced)
+            model, _ = read_stage(core, folder / xml, run)
         except RuntimeError as e:
             raise ShardlineError(f"cannot read {xml} of {folder}: {_first(e)}") from None
         if left := dynamic(model):

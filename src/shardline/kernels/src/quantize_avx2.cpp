@@ -8,9 +8,10 @@ namespace shardline {
 
 namespace {
 
-const __m256 kAbs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-
+// (No vector constants at namespace scope: their static initializers would run AVX code at load
+// on a CPU that has none.)
 inline float block_amax(const float* x, int n) {
+    const __m256 kAbs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     __m256 m = _mm256_setzero_ps();
     for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + i), kAbs));
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
