@@ -189,19 +189,22 @@ def test_a_required_call_is_valid_on_the_real_model(real: Callable[..., Path]) -
 
 FAST_GOLDEN = Path(__file__).parents[1] / "golden" / "fast.json"
 NEAR_TIE = 0.1  # a runner-up within this many nats of the top: two int8 roundings may part there
-FAST_LOGPROB = 0.06  # nats: the chosen token's log-probability, against llama.cpp's
+# nats: the chosen token's log-probability against llama.cpp's, at the median and at worst.
+# Measured 2026-12-07: fast 0.0015 and 0.173, exact 0.0018 and 0.176 (exact parts from llama.cpp
+# as much as fast does: the worst steps are llama.cpp's own f16 cache and summation order).
+FAST_LOGPROB_MEDIAN, FAST_LOGPROB_MAX = 0.005, 0.25
 
 
 @pytest.mark.slow
 def test_fast_follows_llama_cpp_on_the_quantized_file(real: Callable[..., Path]) -> None:
     """`--precision fast` runs the file's blocks with int8 activations, as llama.cpp's CPU kernels
     do: its greedy tokens are llama.cpp's (tests/golden/fast.json, llama-server on the very file)
-    up to the first near-tie, and each agreed token's log-probability is llama.cpp's within
-    FAST_LOGPROB. The two quantize activations alike but for the f16 rounding of llama.cpp's
-    per-block scales for Q8_0 (and sums of exp in another order), so they differ by ~1e-2."""
+    up to the first near-tie, and the agreed tokens' log-probabilities are llama.cpp's (median
+    and worst bounds). The two quantize activations alike but for the f16 rounding of llama.cpp's
+    per-block scales for Q8_0."""
     golden = json.loads(FAST_GOLDEN.read_text())
     assert golden["sha256"] == named(NAME).sha256, "the golden was made on another file: regenerate it"
-    agreed = 0
+    agreed, diffs = 0, []
     with LocalPipeline(real(1), RunConfig(precision="fast", threads=2)) as pipe:
         for case in golden["cases"]:
             tokens, logits = greedy_ours(pipe, case["ids"], len(case["tokens"]), chunk=64)
@@ -213,5 +216,6 @@ def test_fast_follows_llama_cpp_on_the_quantized_file(real: Callable[..., Path])
                                                              f"{case['margins'][step]:.3f}"
                     break
                 agreed += 1
-                assert abs(float(logprobs[step, ours]) - case["logprobs"][step]) < FAST_LOGPROB, (step, ours)
+                diffs.append(abs(float(logprobs[step, ours]) - case["logprobs"][step]))
     assert agreed >= 0.75 * sum(len(c["tokens"]) for c in golden["cases"])
+    assert float(np.median(diffs)) < FAST_LOGPROB_MEDIAN and max(diffs) < FAST_LOGPROB_MAX
