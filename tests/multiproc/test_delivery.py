@@ -19,6 +19,7 @@ from shardline.model.manifest import MANIFEST, load_manifest, verify
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
 from shardline.pipeline.remote import RemotePipeline
+from shardline.stage.block_ops import DERIVED
 from tests.helpers import engine_tokens
 from tests.multiproc.procs import Proc, worker
 
@@ -62,7 +63,11 @@ def test_an_empty_worker_gets_its_shard_and_its_next_start_uses_the_cache(
         assert remote.delivered == [(second.addr, n, (export / n).stat().st_size) for n in wanted]
         assert _tokens(remote, export) == reference
         remote.shutdown()
-        assert _files(cache) == sorted(wanted)  # nothing else, no temporary file
+        # nothing else, no temporary file; beside them, the plugin's form the exact stage was
+        # loaded from (stage/block_ops.py), made once and whole
+        assert _files(cache) == sorted([*wanted, DERIVED])
+        assert [p.name for p in (cache / DERIVED).glob("*/*")] in (["stage2.xml", "stage2.bin"],
+                                                                   ["stage2.bin", "stage2.xml"])
         verify(cache, load_manifest(cache), only=wanted[1:])
         log = second.wait_for_stderr("stages 2-2 loaded")
         size = (export / "stage2.bin").stat().st_size
