@@ -57,6 +57,18 @@ def _post(port: int, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(r.read())  # type: ignore[no-any-return]
 
 
+def wait_healthy(port: int, tries: int = 1200) -> None:
+    """Until llama-server on `port` answers /health (bounded: 0.1 s a try)."""
+    for _ in range(tries):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError("llama-server did not come up")
+
+
 def golden(case: Case, folder: Path, binary: Path = LLAMA_SERVER) -> dict[str, Any]:
     quantized, f32 = case.write(folder), case.write(folder, dequantized=True)
     vocab, port = case.spec.vocab.size, _free_port()
@@ -64,13 +76,7 @@ def golden(case: Case, folder: Path, binary: Path = LLAMA_SERVER) -> dict[str, A
            str(case.prompt_len + STEPS + 8), "-ctk", "f32", "-ctv", "f32", "--no-warmup", "-np", "1", "-fa", "off"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.1)
+        wait_healthy(port)
         tokens, rows = [], {}
         for step in range(STEPS):  # one token a call: each step's whole distribution, unmerged
             # Only the steps kept ask for probabilities. llama-server leaves them out of a step

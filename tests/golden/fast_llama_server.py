@@ -23,26 +23,12 @@ from typing import Any
 
 from shardline.export.pull import pull
 from shardline.model.catalog import named
-from tests.golden.families_llama_server import LLAMA_SERVER, _free_port, _post
+from tests.golden.families_llama_server import LLAMA_SERVER, _free_port, _post, wait_healthy
 from tests.real_models import goldens
 
 GOLDEN = Path(__file__).with_name("fast.json")
 NAME = "qwen2.5-coder-0.5b"
 FAST_STEPS = 32
-
-
-def _wait(port: int) -> None:
-    import time
-    import urllib.request
-
-    for _ in range(1200):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("llama-server did not come up")
 
 
 def case(port: int, ids: list[int]) -> dict[str, Any]:
@@ -67,7 +53,7 @@ def main() -> int:
            "1024", "--no-warmup", "-np", "1", "-fa", "off"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait(port)
+        wait_healthy(port)
         cases = [case(port, c["ids"]) for c in goldens()[NAME]["cases"]]
     finally:
         server.kill()
