@@ -4,7 +4,9 @@ then 8 experts of 128 rows (down in MXFP4), 2 chosen per token by a biased route
 are softmaxed, each with biases and a clamped SwiGLU. Exported as stored (MXFP4 kept as int8
 codes times its e8m0 scale), its greedy tokens and log-probabilities at LOGIT_STEPS equal
 llama.cpp's (tests/golden/families.json, llama-server on the f32 copy) at 1 and 3 stages; decode
-groups and speculation give the plain tokens."""
+groups and speculation give the plain tokens. Built paged (issue 56: the sinks as PagedAttention's
+own input, the windows as its sliding window), it gives llama.cpp's tokens too, with two streams
+fused in each step and prompt-lookup drafts verified in them."""
 
 from __future__ import annotations
 
@@ -21,9 +23,12 @@ from shardline.export.exporter import export
 from shardline.model.gguf_source import GGUFSource
 from shardline.model.manifest import load_manifest
 from shardline.pipeline.local import LocalPipeline
+from shardline.pipeline.paged_local import PagedPipeline
 from shardline.serving.admission import Limits
 from shardline.serving.drafters import LookupDrafter
 from shardline.serving.engine import Engine
+from shardline.serving.kv_blocks import BlockPool
+from shardline.serving.paged_scheduler import PagedScheduler
 from shardline.serving.scheduler import SchedulerConfig
 from shardline.serving.speculation import Drafts
 from shardline.stage.block_ops import read_stage
@@ -108,6 +113,27 @@ def test_decode_groups_and_speculation_give_the_plain_tokens(folders: dict[int, 
         for prompt, tokens in zip((CASE.prompt(), other), plain, strict=True):
             assert engine_tokens(pipe, prompt, SamplingConfig(max_tokens=STEPS), drafts=drafts, groups=0,
                                  compact_at=8) == tokens
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_paged_it_gives_llama_cpps_tokens_with_streams_fused(stages: int, gptoss: Path,
+                                                             folders: dict[int, Path]) -> None:
+    golden = json.loads(GOLDEN.read_text())["files"][CASE.name]
+    other = [(7 + 13 * i) % 500 + 3 for i in range(29)]
+    with LocalPipeline(folders[3], EXACT) as pipe:
+        plain_other = greedy_ours(pipe, other, STEPS)[0]
+    folder = export(ExportConfig(out=gptoss.parent / f"paged-{stages}", model=gptoss, stages=stages, paged=True,
+                                 isolate=False, progress=False))
+    pipe = PagedPipeline(folder, EXACT, 64 << 20)
+    pool = BlockPool(pipe.blocks, pipe.block_size)
+    drafts = Drafts(LookupDrafter, None, 4) if stages == 3 else None
+    engine = Engine(pipe, Limits(4, 4), pipe.context, drafts=drafts,
+                    scheduler=PagedScheduler(SchedulerConfig(chunk=9), pool))
+    try:
+        assert staggered(engine, [CASE.prompt(), other], [STEPS, STEPS]) == [golden["tokens"], plain_other]
+        assert pool.held == 0
+    finally:
+        engine.shutdown()
 
 
 def test_without_its_sinks_or_statically_it_is_refused(gptoss: Path, tmp_path: Path) -> None:

@@ -285,21 +285,25 @@ class _Builder:
     def paged_layer(self, q: ov.Output, k: ov.Output, v: ov.Output, i: int) -> ov.Output:
         """Layer i's attention over its block pool (export/paged.py): [1, T, heads * D]."""
         a = self.a
-        if a.spec.sinks:
-            raise ShardlineError(f"a paged stage of a {a.family} model: its attention sinks are not built paged")
         q, k, v = self.positioned(q, k, v, i)
         caches = (self.param(f"key_cache.{i}", ov.Type.dynamic, [-1, -1, -1, -1]).output(0),
                   self.param(f"value_cache.{i}", ov.Type.dynamic, [-1, -1, -1, -1]).output(0))
+        sinks = self.sinks(i) if a.spec.sinks else None
         out = paged_attention(q, k, v, caches, self.paged_plan, (a.n_heads, a.n_kv_heads, a.head_dim),
-                              self.query_scale, a.window(i))
+                              self.query_scale, a.window(i), sinks)
         return ops.unsqueeze(out, _i64(0)).output(0)
+
+    def sinks(self, i: int) -> ov.Output:
+        """Layer i's learned sink logits, one per query head: [1, heads, 1, 1]."""
+        return ops.reshape(self.w.vector(f"model.layers.{i}.self_attn.sinks.weight"), _i64(1, -1, 1, 1),
+                           False).output(0)
 
     def sink_attention(self, q: ov.Output, k: ov.Output, v: ov.Output, mask: ov.Output, i: int) -> ov.Output:
         """Attention whose softmax has one more logit per head, the layer's learned sink, which
         takes probability but gives no value (gpt-oss; llama.cpp's soft_max with sinks)."""
         k, v = self.expand_kv(k), self.expand_kv(v)  # [B, heads, S, D]
         scores = ops.add(ops.multiply(ops.matmul(q, k, False, True), np.float32(self.query_scale)), mask)
-        sinks = ops.reshape(self.w.vector(f"model.layers.{i}.self_attn.sinks.weight"), _i64(1, -1, 1, 1), False)
+        sinks = self.sinks(i)
         column = ops.broadcast(sinks, ops.concat([ops.slice(ops.shape_of(scores), _i64(0), _i64(3), _i64(1)),
                                                   _i64(1)], 0))
         weights = ops.softmax(ops.concat([column, scores], 3), 3)

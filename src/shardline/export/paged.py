@@ -16,7 +16,10 @@ it compiles, then the first call fails on a key of [T, T * kv]), and a graph we 
 it means.
 
 Inputs 13-27 of the op in OpenVINO 2026.4 (score aggregation, cache rotation, XAttention, sinks,
-adaptive R-KV, q-q bias) are given empty, as the transformation gives them.
+adaptive R-KV, q-q bias) are given empty, as the transformation gives them, but for the sinks
+of a model that has them (gpt-oss): input 20, one logit per query head as [1, heads, 1, 1], which
+the op's softmax takes beside the scores and gives no value, as the stateful graph's
+`sink_attention` does.
 """
 
 from __future__ import annotations
@@ -37,12 +40,13 @@ def _scalar(value: float | int, dtype: type) -> ov.Output:
     return ops.constant(np.array(value, dtype)).output(0)
 
 
-def _unused() -> list[ov.Output]:
-    """The op's inputs 13-27, each as the pass that makes the op leaves it: empty or zero."""
+def _unused(sinks: ov.Output | None) -> list[ov.Output]:
+    """The op's inputs 13-27, each as the pass that makes the op leaves it (empty or zero), but
+    the sinks (input 20) where the layer has them."""
     i32, f32 = np.int32, np.float32
     return [_empty(i32), _empty(i32), _empty(i32), _empty(f32), _empty(f32), _scalar(0, i32), _scalar(0, i32),
-            _empty(f32, (0, 0, 0, 0)), _scalar(0, i32), _empty(i32), _empty(i32), _empty(i32), _empty(i32),
-            _empty(np.uint8), _empty(i32)]
+            _empty(f32, (0, 0, 0, 0)) if sinks is None else sinks, _scalar(0, i32), _empty(i32), _empty(i32),
+            _empty(i32), _empty(i32), _empty(np.uint8), _empty(i32)]
 
 
 def flat(x: ov.Output, heads: int, head_dim: int) -> ov.Output:
@@ -53,13 +57,14 @@ def flat(x: ov.Output, heads: int, head_dim: int) -> ov.Output:
 
 def paged_attention(q: ov.Output, k: ov.Output, v: ov.Output, caches: tuple[ov.Output, ov.Output],
                     plan: dict[str, ov.Output], heads: tuple[int, int, int], scale: float,
-                    window: int | None) -> ov.Output:
+                    window: int | None, sinks: ov.Output | None = None) -> ov.Output:
     """Attention of the batch's new tokens ([1, heads, T, D] each, rotary applied) over their
-    sequences' blocks and themselves: [T, heads * D]. `heads`: (query heads, KV heads, D)."""
+    sequences' blocks and themselves: [T, heads * D]. `heads`: (query heads, KV heads, D);
+    `sinks`: the layer's sink logits, [1, heads, 1, 1] f32 (None: none)."""
     n_heads, n_kv, d = heads
     args = [flat(q, n_heads, d), flat(k, n_kv, d), flat(v, n_kv, d), *caches,
             *(plan[n] for n in PAGED_INPUTS), _scalar(scale, np.float32), _scalar(window or 0, np.int32),
-            _empty(np.float32), plan["max_context_len"], *_unused()]
+            _empty(np.float32), plan["max_context_len"], *_unused(sinks)]
     op = _PagedAttentionExtension(args)
     rt = op.get_rt_info()  # what the CPU plugin sizes the blocks by (the pass sets the same)
     rt["num_k_heads"], rt["k_head_size"], rt["num_v_heads"], rt["v_head_size"] = n_kv, d, n_kv, d
