@@ -487,10 +487,11 @@ def _serve(args: argparse.Namespace) -> int:
 def default_model(cfg: ServeConfig) -> Path:
     """The embedded default model's export when no --shards is given: paged stages (issue 41:
     as fast or faster at every load measured, 3.5x the streams in the same KV memory, no stall
-    when a prompt joins; BENCHMARKS.md), except under --disaggregate, which stays on stateful
-    stages: its bundled length predictor reads stage 0's prompt summaries, and role flips and
-    chunk-level KV transfer move KV by lease (a paged export serves --disaggregate when given)."""
-    return default_shards(paged=cfg.disaggregate is None)
+    when a prompt joins; BENCHMARKS.md), --disaggregate too (its bundled length predictor reads
+    a paged stage 0's summaries as a stateful one's), except with --flip or --kv-transfer chunk:
+    role flips and chunk-level KV transfer move KV by lease, on stateful stages for now."""
+    keyed = cfg.disaggregate is not None and (cfg.flip or cfg.kv_transfer == "chunk")
+    return default_shards(paged=not keyed)
 
 
 def _generate(args: argparse.Namespace) -> int:

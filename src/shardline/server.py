@@ -184,8 +184,9 @@ def paged_scheduling(cfg: ServeConfig, manifest: Manifest, pipe: PagedPipeline |
 
 def paged_pipeline(folder: Path, run: RunConfig, cfg: ServeConfig, kv_bytes: int, streams: int | None,
                    workers: list[str] | None, activations: str | None, topology: str,
-                   credentials: Credentials | None) -> PagedPipeline | RemotePipeline:
-    """A paged export's pipeline: every stage here, or stage 0 here and the rest on `workers`."""
+                   credentials: Credentials | None, summarize: bool = False) -> PagedPipeline | RemotePipeline:
+    """A paged export's pipeline: every stage here, or stage 0 here and the rest on `workers`;
+    `summarize`: prompt chunks summarized at stage 0 (a prefill instance's, for a length predictor)."""
     if workers:
         from shardline.pipeline.deadline import Deadlines
         from shardline.pipeline.remote import RemotePipeline
@@ -194,10 +195,10 @@ def paged_pipeline(folder: Path, run: RunConfig, cfg: ServeConfig, kv_bytes: int
         return RemotePipeline(folder, workers, run, activations or default_activations(run.precision), topology,
                               credentials, deadlines=Deadlines(rec.step_floor_s, rec.step_multiple),
                               reconnect_s=rec.reconnect_s, heartbeat_s=rec.heartbeat_s, kv_bytes=kv_bytes,
-                              streams=streams)
+                              streams=streams, summarize=summarize)
     from shardline.pipeline.paged_local import PagedPipeline
 
-    return PagedPipeline(folder, run, kv_bytes, streams)
+    return PagedPipeline(folder, run, kv_bytes, streams, summarize=summarize)
 
 
 def paged_pool(cfg: ServeConfig, instances: int = 1) -> tuple[int, int | None]:
@@ -303,9 +304,9 @@ def open_paged_disaggregated(folder: Path, manifest: Manifest, run: RunConfig, c
     its own pool (the KV budget shared out), or stage 0 here and the rest on a chain of workers
     of its own (as open_disaggregated splits them; each worker allocates the instance's pool for
     its session); a stream's blocks moved from a prefill instance's pool into blocks a decode
-    instance takes (over the workers' links: KvPull / KvPush of blocks). Decode lengths by
-    max_tokens (the trained predictor reads stage 0's prompt summaries, which paged stages do
-    not make)."""
+    instance takes (over the workers' links: KvPull / KvPush of blocks). Decode lengths are
+    predicted as `cfg.length_predictor` says (a trained predictor from stage 0's summary of each
+    prompt chunk of a ragged step, pipeline/hidden.py)."""
     from shardline.disagg.decode import decode_instance
     from shardline.disagg.front import Disaggregated, FrontConfig
     from shardline.disagg.instance import Admission
@@ -317,19 +318,17 @@ def open_paged_disaggregated(folder: Path, manifest: Manifest, run: RunConfig, c
     if cfg.flip or cfg.kv_transfer == "chunk":
         raise ShardlineError("a paged export's disaggregated serving moves a stream's blocks whole, once: "
                              "no --flip, no --kv-transfer chunk")
-    if cfg.length_predictor not in ("auto", "max-tokens"):
-        raise ShardlineError("--length-predictor: a paged export predicts decode lengths by max_tokens (a trained "
-                             "predictor reads stage 0's prompt summaries, which paged stages do not make)")
     n_prefill, n_decode = cfg.disaggregate
     instances = n_prefill + n_decode
     run = replace(run, threads=run.threads or max(1, (os.cpu_count() or 1) // instances), pinned=False)
     kv_bytes, streams = paged_pool(cfg, instances)
-    pipes = [paged_pipeline(folder, run, cfg, kv_bytes, streams, chain, activations, "chain", credentials)
-             for chain in instance_workers(workers, instances)]
+    predict, summarize = length_prediction(cfg.length_predictor, manifest)
+    chains = instance_workers(workers, instances)
+    pipes = [paged_pipeline(folder, run, cfg, kv_bytes, streams, chain, activations, "chain", credentials,
+                            summarize=summarize and i < n_prefill) for i, chain in enumerate(chains)]
     limits = Limits(cfg.max_streams or STREAM_CAP, cfg.max_queue)
     replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
     front = Disaggregated(FrontConfig(heavy_from=HEAVY_DECODE_FROM, flip=None))
-    predict, _ = length_prediction("max-tokens", manifest)
     sched = paged_scheduling(cfg, manifest, pipes[0])  # every instance's pool alike
 
     def blocks(pipe: PagedPipeline | RemotePipeline, cfg: SchedulerConfig, prefix: bool) -> PagedScheduler:

@@ -157,7 +157,7 @@ def test_speculation_on_paged_gives_the_plain_tokens(paged: Path, shards: Callab
 def test_a_paged_export_refuses_what_it_does_not_run(paged: Path, shards: Callable[..., Path]) -> None:
     for cfg, why in [(ServeConfig(disaggregate=(1, 1), flip=True), "no --flip, no --kv-transfer chunk"),
                      (ServeConfig(disaggregate=(1, 1), kv_transfer="chunk"), "no --flip, no --kv-transfer chunk"),
-                     (ServeConfig(disaggregate=(1, 1), length_predictor="model.json"), "predicts decode lengths by")]:
+                     (ServeConfig(disaggregate=(1, 1), length_predictor="model.json"), "--length-predictor: ")]:
         with pytest.raises(ShardlineError, match=why):
             open_disaggregated(paged, RunConfig(), cfg)
     with pytest.raises(ShardlineError, match="blocks of 32 tokens; one stream at the context of 8192 needs 256"):

@@ -275,6 +275,45 @@ def test_disaggregated_over_workers_moves_blocks_and_gives_the_in_process_tokens
     assert all(w.proc.poll() is None for w in workers)
 
 
+def test_stage_0s_prompt_summaries_come_back_over_workers(three: Path, workers: list[Proc],
+                                                          prompts: list[list[int]]) -> None:
+    """Issue 56: a summarizing paged pipeline over workers (a prefill instance's, for the length
+    predictor) hands each prompt's stage-0 summary to the prediction, as in one process: every
+    prompt chunk of the fused steps summarized, by stream."""
+    from shardline.disagg.prefill import Moving, prefill_instance
+    from shardline.disagg.state import LengthRange, bucket
+    from shardline.serving.stream import Stream
+
+    def vectors(pipe: PagedPipeline | RemotePipeline) -> dict[tuple[int, ...], np.ndarray]:
+        seen: dict[tuple[int, ...], np.ndarray] = {}
+
+        def predict(s: Stream) -> LengthRange:
+            assert s.handover.hidden is not None and s.handover.hidden.positions == len(s.prompt)
+            seen[tuple(s.prompt)] = s.handover.hidden.vector()
+            return bucket(s.max_tokens, 16, 8)
+
+        moved: list[Moving] = []
+        arrived = threading.Semaphore(0)
+        scheduler = PagedScheduler(SchedulerConfig(chunk=7, max_prefills=4, pacing=None),
+                                   BlockPool(pipe.blocks, pipe.block_size), in_flight=pipe.n_stages)
+        engine = prefill_instance(pipe, Limits(4, 8), pipe.context, 7, lambda m: (moved.append(m), arrived.release()),
+                                  predict, paged=scheduler).engine
+        try:
+            for p in prompts:
+                engine.submit(Request(p, SamplingConfig(max_tokens=20), frozenset()), lambda ev: None)
+            assert all(arrived.acquire(timeout=120) for _ in prompts)
+        finally:
+            engine.shutdown()
+            pipe.shutdown()
+        return seen
+
+    here = vectors(PagedPipeline(three, RunConfig(), KV, summarize=True))
+    there = vectors(RemotePipeline(three, [w.addr for w in workers], RunConfig(), "f32", kv_bytes=KV, summarize=True))
+    assert sorted(here) == sorted(there) == sorted(tuple(p) for p in prompts)
+    for p, v in here.items():
+        np.testing.assert_allclose(there[p], v, rtol=1e-4, atol=1e-4)
+
+
 LIMIT_MB = 1024  # the audit's pool (issue 54): 2184 blocks of the last stage's 10 layers
 
 

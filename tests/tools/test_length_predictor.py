@@ -24,7 +24,7 @@ from shardline.disagg.predictor import LengthPredictor, NoisyOracle, Oracle
 from shardline.disagg.prefill import trained_predict
 from shardline.disagg.state import LengthRange, bucket
 from shardline.errors import ShardlineError
-from shardline.pipeline.hidden import HiddenChunk, PromptHidden
+from shardline.pipeline.hidden import HiddenChunk, PromptHidden, ragged_chunks
 from shardline.serving.stream import Handover, Stream
 
 
@@ -208,6 +208,21 @@ def test_a_hidden_summary_over_chunks_is_the_mean_the_last_and_the_length() -> N
     assert w[8:16].tolist() == v[8:16].tolist() and w[16] == v[16]  # its last position and its length
     with pytest.raises(ShardlineError, match="a prompt of 3 positions of which 4 were summarized"):
         rest.vector(3)
+
+
+def test_a_ragged_steps_prompt_chunks_are_summarized_each_from_its_slice() -> None:
+    """Issue 56: a paged stage 0's output holds every sequence's tokens end to end; each prompt
+    chunk is summarized from its own rows, a decode token not at all."""
+    out = np.random.default_rng(1).normal(size=(9, 4)).astype(np.float32)
+    begins = np.array([0, 5, 6, 9], np.int32)  # a prompt chunk of 5, a decode token, a prompt chunk of 3
+    got = ragged_chunks((11, 12, 13), (True, False, True), begins, out)
+    assert sorted(got) == [11, 13]
+    for stream, (a, b) in ((11, (0, 5)), (13, (6, 9))):
+        assert got[stream].positions == b - a and got[stream].last.tolist() == out[b - 1].tolist()
+        np.testing.assert_allclose(got[stream].total, out[a:b].sum(axis=0, dtype=np.float64))
+    for bad_out, bad_begins in ((out[:8], begins), (out[None], begins), (out, begins[:3])):
+        with pytest.raises(ShardlineError, match="stage 0's output of shape"):
+            ragged_chunks((11, 12, 13), (True, False, True), bad_begins, bad_out)
 
 
 def test_features_survive_the_dataset_encoding_exactly() -> None:

@@ -27,7 +27,6 @@ import numpy as np
 import openvino as ov
 import openvino.opset15 as ops
 
-from shardline.errors import ShardlineError
 from shardline.export.experts import oai_experts, routed_experts
 from shardline.export.paged import PAGED_INPUTS, paged_attention
 from shardline.export.plan import StagePlan

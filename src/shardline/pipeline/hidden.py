@@ -1,9 +1,10 @@
 """What stage 0 saw of a prompt, summarized where it ran (the length predictor's input).
 
 A prefill instance runs stage 0 over every prompt anyway; a pipeline asked to summarize
-(`LocalPipeline(summarize=True)`) reduces stage 0's output of each prefill chunk to a
-`HiddenChunk` on stage 0's thread, and the chunk's Outcome carries it back to the engine,
-which adds the chunks of a stream into its `PromptHidden`. Nothing of size [T, H] is kept.
+(`LocalPipeline(summarize=True)`, `PagedPipeline(summarize=True)`) reduces stage 0's output of
+each prefill chunk to a `HiddenChunk` on stage 0's thread (a ragged step's: each prompt chunk
+in it, `ragged_chunks`), and the chunk's Outcome carries it back to the engine, which adds the
+chunks of a stream into its `PromptHidden`. Nothing of size [T, H] is kept.
 
 Invariant: a chunk's summary is made before its output buffer is reused (the runner's output is
 a view valid until the key's next step on that stage), so it is copied, never referenced.
@@ -30,6 +31,17 @@ class HiddenChunk:
         if out.ndim != 3 or out.shape[0] != 1 or out.shape[1] < 1 or out.shape[2] < 1:
             raise ShardlineError(f"stage 0's output of shape {out.shape}; expected [1, T, H]")
         return cls(out[0].sum(axis=0, dtype=np.float64), np.array(out[0, -1], np.float32), int(out.shape[1]))
+
+
+def ragged_chunks(streams: tuple[int, ...], prompts: tuple[bool, ...], begins: np.ndarray,
+                  out: np.ndarray) -> dict[int, HiddenChunk]:
+    """Each prompt chunk's summary of a ragged step's stage-0 output `out` [T, H] (the sequences
+    end to end, sequence q's tokens at begins[q]:begins[q + 1]), by stream; decode tokens are not
+    summarized."""
+    if out.ndim != 2 or len(begins) != len(streams) + 1 or int(begins[-1]) != out.shape[0]:
+        raise ShardlineError(f"stage 0's output of shape {out.shape} for a batch of {len(streams)} sequences")
+    return {s: HiddenChunk.of(out[None, int(begins[q]):int(begins[q + 1])])
+            for q, (s, prompt) in enumerate(zip(streams, prompts, strict=True)) if prompt}
 
 
 class PromptHidden:

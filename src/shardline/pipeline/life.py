@@ -50,7 +50,7 @@ class Sent:
     # What the workers should take on it: stage 0's graph time here x the stages after it
     # (they are slices of the same model); its deadline is at least a multiple of this.
     expected_s: float = 0.0
-    hidden: HiddenChunk | None = None  # stage 0's output of a prefill chunk, summarized
+    hidden: dict[int, HiddenChunk] = field(default_factory=dict)  # stage 0's output of each prompt chunk, summarized
 
 
 class ChainLife:

@@ -31,6 +31,7 @@ from shardline.errors import ShardlineError, StepRefused
 from shardline.model.context import run_context
 from shardline.model.manifest import Manifest, load_manifest, verify
 from shardline.pipeline import metrics
+from shardline.pipeline.hidden import HiddenChunk, ragged_chunks
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import StageKv, StageLayout, export_identity, frozen, snapshot
 from shardline.pipeline.plan import AnyStep, KvExport, KvImport, KvMove, Moved, Outcome, Placed, unfit
@@ -48,7 +49,7 @@ class _Move:
     parts: list[StageKv] = field(default_factory=list)
 
 
-_Item = tuple[RaggedStep, "np.ndarray", dict[int, float], float] | _Move | None  # None stops the thread
+_Item = tuple[RaggedStep, "np.ndarray", dict[int, float], float, dict[int, HiddenChunk]] | _Move | None  # None: stop
 
 
 def is_paged(manifest: Manifest) -> bool:
@@ -74,13 +75,18 @@ def pool_blocks(per_block: int, block_size: int, context: int, kv_bytes: int, st
 
 class PagedPipeline:
     def __init__(self, folder: Path, run: RunConfig | None, kv_bytes: int, streams: int | None = None,
-                 check: bool = True) -> None:
+                 check: bool = True, summarize: bool = False) -> None:
         """Pools of as many blocks as `kv_bytes` holds over every stage (at most what `streams`
-        streams at the full context need)."""
+        streams at the full context need). `summarize`: each prompt chunk's outcome carries
+        stage 0's output of it summarized (hidden.py: a length predictor's input)."""
         run = run or RunConfig()
         self.manifest = load_manifest(folder)
         if not is_paged(self.manifest):
             raise ShardlineError(f"{folder} is not a paged export (shardline export --paged)")
+        if summarize and len(self.manifest.stages) < 2:
+            raise ShardlineError(f"{folder}: one stage outputs logits, not hidden states: summarizing prompts "
+                                 "needs two stages or more")
+        self.summarize = summarize
         if check:
             verify(folder, self.manifest)
         core, n = ov.Core(), len(self.manifest.stages)
@@ -109,7 +115,7 @@ class PagedPipeline:
         if not isinstance(step, RaggedStep):
             raise ShardlineError("a paged pipeline runs ragged steps only")
         self._start_threads()
-        self._inboxes[0].put((step, step.ids, {}, time.perf_counter()))
+        self._inboxes[0].put((step, step.ids, {}, time.perf_counter(), {}))
 
     def release(self, key: int) -> None:
         """Nothing: the stages hold no state per lease (the blocks are the scheduler's)."""
@@ -160,29 +166,33 @@ class PagedPipeline:
             return
         for k, stage in enumerate(self.stages):
             nxt = self._inboxes[k + 1] if k + 1 < len(self.stages) else None
-            t = threading.Thread(target=_stage_loop, args=(k, stage, self._inboxes[k], nxt, self.outbox),
+            tap = self.summarize and k == 0
+            t = threading.Thread(target=_stage_loop, args=(k, stage, self._inboxes[k], nxt, self.outbox, tap),
                                  daemon=True, name=f"paged-stage-{k}")
             t.start()
             self._threads.append(t)
 
 
 def _stage_loop(k: int, stage: PagedRunner, inbox: queue.Queue[_Item], nxt: queue.Queue[_Item] | None,
-                outbox: Outbox) -> None:
+                outbox: Outbox, tap: bool = False) -> None:
     """Stage k's thread: run each step on what the stage before gave; the last one samples. A
-    step that fails fails its streams alone; the stage goes on with the next."""
+    step that fails fails its streams alone; the stage goes on with the next. `tap`: summarize
+    each prompt chunk of stage k's output (before the output is reused)."""
     while (item := inbox.get()) is not None:
         if isinstance(item, _Move):
             _move(k, stage, item, nxt)
             continue
-        step, x, graph_s, start = item
+        step, x, graph_s, start, hidden = item
         try:
             began = time.perf_counter()
             out = stage.run(step.batch, x)
             graph_s[k] = time.perf_counter() - began
+            if tap:
+                hidden = ragged_chunks(step.streams, step.prompts, step.batch.begins, out)
             if nxt is not None:
-                nxt.put((step, out.copy(), graph_s, start))  # the output is the request's: reused next call
+                nxt.put((step, out.copy(), graph_s, start, hidden))  # the output is the request's: reused next call
             else:
-                _finish(outbox, step, sample(step, out), graph_s, start)
+                _finish(outbox, step, sample(step, out), graph_s, start, hidden)
         except Exception as e:  # noqa: BLE001 - the streams fail (with the reason); the stage goes on
             why = str(e) if isinstance(e, StepRefused | ShardlineError) else f"{type(e).__name__}: {e}"
             for s in step.streams:
@@ -216,10 +226,12 @@ def _move(k: int, stage: PagedRunner, move: _Move, nxt: queue.Queue[_Item] | Non
         item.done.set_result(None)
 
 
-def _finish(outbox: Outbox, step: RaggedStep, choices: list[Choice], graph_s: dict[int, float], start: float) -> None:
+def _finish(outbox: Outbox, step: RaggedStep, choices: list[Choice], graph_s: dict[int, float], start: float,
+            hidden: dict[int, HiddenChunk]) -> None:
     total = time.perf_counter() - start
     timing = Timing(step.phase.value, total, dict(graph_s), 0.0, 0.0, 0.0, total - sum(graph_s.values()), 0.0)
     metrics.observe(timing, len(step.streams))
     rows = step.sample_at[:, 0].tolist()
     for q, stream in enumerate(step.streams):
-        outbox.put(Outcome(stream, tuple(c for c, r in zip(choices, rows, strict=True) if r == q), timing=timing))
+        mine = tuple(c for c, r in zip(choices, rows, strict=True) if r == q)
+        outbox.put(Outcome(stream, mine, timing=timing, hidden=hidden.get(stream)))

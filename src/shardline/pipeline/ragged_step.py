@@ -52,6 +52,7 @@ class RaggedStep:
     want_logits: bool = False
     masks: TokenMasks | LateMasks | None = None  # per sampled entry (constrained streams only)
     drafted: Drafted | None = None  # drafts drawn from distributions, per sampled entry
+    prompts: tuple[bool, ...] = ()  # per sequence: a prompt chunk (what a summarizing stage 0 summarizes)
     made: float = field(default_factory=time.perf_counter, compare=False)
     kind: ClassVar[str] = "ragged"
 
@@ -69,7 +70,7 @@ class RaggedStep:
         if drafted is not None and drafted.tokens.shape[0] != at.shape[0]:
             raise ShardlineError(f"{drafted.tokens.shape[0]} drafted entries for {at.shape[0]} sampled ones")
         return RaggedStep(tuple(s.stream for s in seqs), tuple(s.sampling for s in seqs), ids, batch, at, prompt,
-                          want_logits, masks, drafted)
+                          want_logits, masks, drafted, tuple(s.prompt for s in seqs))
 
     @property
     def phase(self) -> Phase:

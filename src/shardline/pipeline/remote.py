@@ -51,7 +51,7 @@ from shardline.pipeline.deadline import Deadlines, StepClock
 from shardline.pipeline.frames import choice, forward, ragged, unknown_tokens
 from shardline.pipeline.heartbeat import beat, quiet_for, settle_for
 from shardline.pipeline.held import needs, reads, writes
-from shardline.pipeline.hidden import HiddenChunk
+from shardline.pipeline.hidden import HiddenChunk, ragged_chunks
 from shardline.pipeline.inflight import Outbox
 from shardline.pipeline.kv import StageLayout
 from shardline.pipeline.life import ChainLife, Down, Lost, Sent
@@ -340,7 +340,7 @@ class RemotePipeline:
         graph_s = took[0]
         sent.expected_s = graph_s * (self.n_stages - 1)
         if self.summarize and isinstance(step, PrefillStep):
-            sent.hidden = HiddenChunk.of(hidden)
+            sent.hidden = {step.streams[0]: HiddenChunk.of(hidden)}
         self._out(sent, forward(step, next(self._seq), hidden.astype(self.dtype, copy=False), graph_s, sent.started))
 
     def _send_ragged(self, step: RaggedStep) -> None:
@@ -358,6 +358,8 @@ class RemotePipeline:
         sent = Sent(step)
         began = time.perf_counter()
         hidden = self.paged0.run(step.batch, step.ids)
+        if self.summarize:
+            sent.hidden = ragged_chunks(step.streams, step.prompts, step.batch.begins, hidden)
         graph_s = time.perf_counter() - began
         sent.expected_s = graph_s * (self.n_stages - 1)
         self._out(sent, ragged(step, next(self._seq), hidden.astype(self.dtype), graph_s, sent.started))
@@ -474,5 +476,5 @@ class RemotePipeline:
         rows = step.sample_at[:, 0].tolist()
         for r, stream in enumerate(step.streams):
             mine = tuple(choice(msg, e, step.sampling[r].top_logprobs) for e, row in enumerate(rows) if row == r)
-            self.outbox.put(Outcome(stream, mine, timing=timing, hidden=sent.hidden))
+            self.outbox.put(Outcome(stream, mine, timing=timing, hidden=sent.hidden.get(stream)))
         metrics.observe(timing, len(step.streams))  # after the puts: the consumer need not wait for it
