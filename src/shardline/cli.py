@@ -488,9 +488,9 @@ def default_model(cfg: ServeConfig) -> Path:
     """The embedded default model's export when no --shards is given: paged stages (issue 41:
     as fast or faster at every load measured, 3.5x the streams in the same KV memory, no stall
     when a prompt joins; BENCHMARKS.md), --disaggregate too (its bundled length predictor reads
-    a paged stage 0's summaries as a stateful one's), except with --flip or --kv-transfer chunk:
-    role flips and chunk-level KV transfer move KV by lease, on stateful stages for now."""
-    keyed = cfg.disaggregate is not None and (cfg.flip or cfg.kv_transfer == "chunk")
+    a paged stage 0's summaries as a stateful one's; roles flip over a paged pipeline), except
+    with --kv-transfer chunk: chunk-level KV transfer moves KV by lease, on stateful stages for now."""
+    keyed = cfg.disaggregate is not None and cfg.kv_transfer == "chunk"
     return default_shards(paged=not keyed)
 
 

@@ -9,7 +9,7 @@ import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from shardline.config import COMPACT_AT, RecoveryConfig, RunConfig, ServeConfig, SpeculationConfig, default_activations
 from shardline.errors import ShardlineError
@@ -32,8 +32,9 @@ from shardline.stage.draft_model import DraftModel
 from shardline.wire.tls import Credentials
 
 if TYPE_CHECKING:
-    from shardline.disagg.front import Disaggregated
-    from shardline.disagg.prefill import Predict
+    from shardline.disagg.decode import DecodeRole
+    from shardline.disagg.front import Disaggregated, FrontConfig
+    from shardline.disagg.prefill import Predict, PrefillRole
     from shardline.pipeline.paged_local import PagedPipeline
     from shardline.pipeline.remote import RemotePipeline
 
@@ -236,25 +237,27 @@ def process_slot_bytes(layout: list[StageLayout], placed: list[Placed]) -> int:
 
 
 def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: list[str] | None = None,
-                       credentials: Credentials | None = None,
-                       activations: str | None = None) -> tuple[Disaggregated, Manifest]:
+                       credentials: Credentials | None = None, activations: str | None = None,
+                       front_cfg: FrontConfig | None = None) -> tuple[Disaggregated, Manifest]:
     """`cfg.disaggregate` (P, D): P prefill and D decode instances behind one front end. Each
     instance is a pipeline of every stage: all in this process (threads: as given, else this
     machine's cores shared out), or stage 0 here and the others on a chain of workers of its
     own (the workers given, split evenly in order: instance 0's chain first); KV then moves
     between instances over the workers' links. Decode lengths are predicted as
-    `cfg.length_predictor` says (length_prediction)."""
-    from shardline.disagg.decode import DecodeRole, decode_instance
+    `cfg.length_predictor` says (length_prediction). `front_cfg`: the front's own (its monitor
+    period, flip thresholds), else the defaults with flips as `cfg.flip` says."""
+    from shardline.disagg.decode import decode_instance
     from shardline.disagg.front import Disaggregated, FrontConfig
     from shardline.disagg.instance import Admission, FlipConfig
     from shardline.disagg.policies import PrefillPolicy
-    from shardline.disagg.prefill import PrefillRole, prefill_instance
+    from shardline.disagg.prefill import prefill_instance
     from shardline.disagg.state import HEAVY_DECODE_FROM, Role
 
     assert cfg.disaggregate is not None
     manifest = load_manifest(folder)
     if is_paged(manifest):
-        return open_paged_disaggregated(folder, manifest, run, cfg, workers, credentials, activations), manifest
+        front = open_paged_disaggregated(folder, manifest, run, cfg, workers, credentials, activations, front_cfg)
+        return front, manifest
     n_prefill, n_decode = cfg.disaggregate
     chains = instance_workers(workers, n_prefill + n_decode)
     cores = os.cpu_count() or 1
@@ -264,8 +267,8 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
     context = run_context(manifest.arch, run.context)
     limits = stream_limits(manifest, share, local_layers, context, run.kv)
     replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
-    front = Disaggregated(FrontConfig(heavy_from=HEAVY_DECODE_FROM,
-                                      flip=FlipConfig() if cfg.flip else None))
+    front = Disaggregated(front_cfg or FrontConfig(heavy_from=HEAVY_DECODE_FROM,
+                                                   flip=FlipConfig() if cfg.flip else None))
     predict, summarize = length_prediction(cfg.length_predictor, manifest)
 
     # A prefill instance's chunks fit the stages' limits as a decode instance's do (a static
@@ -299,56 +302,62 @@ def open_disaggregated(folder: Path, run: RunConfig, cfg: ServeConfig, workers: 
 
 def open_paged_disaggregated(folder: Path, manifest: Manifest, run: RunConfig, cfg: ServeConfig,
                              workers: list[str] | None, credentials: Credentials | None = None,
-                             activations: str | None = None) -> Disaggregated:
+                             activations: str | None = None, front_cfg: FrontConfig | None = None) -> Disaggregated:
     """`cfg.disaggregate` on a paged export: each instance a PagedPipeline in this process with
     its own pool (the KV budget shared out), or stage 0 here and the rest on a chain of workers
     of its own (as open_disaggregated splits them; each worker allocates the instance's pool for
     its session); a stream's blocks moved from a prefill instance's pool into blocks a decode
     instance takes (over the workers' links: KvPull / KvPush of blocks). Decode lengths are
     predicted as `cfg.length_predictor` says (a trained predictor from stage 0's summary of each
-    prompt chunk of a ragged step, pipeline/hidden.py)."""
+    prompt chunk of a ragged step, pipeline/hidden.py). With `cfg.flip`, an idle instance takes
+    the other role over its pipeline: the new role's scheduler starts from an empty pool (the
+    old engine is empty: no block is held; its cached prefixes are forgotten)."""
     from shardline.disagg.decode import decode_instance
     from shardline.disagg.front import Disaggregated, FrontConfig
-    from shardline.disagg.instance import Admission
+    from shardline.disagg.instance import Admission, FlipConfig
     from shardline.disagg.policies import PrefillPolicy
     from shardline.disagg.prefill import prefill_instance
-    from shardline.disagg.state import HEAVY_DECODE_FROM
+    from shardline.disagg.state import HEAVY_DECODE_FROM, Role
 
     assert cfg.disaggregate is not None
-    if cfg.flip or cfg.kv_transfer == "chunk":
+    if cfg.kv_transfer == "chunk":
         raise ShardlineError("a paged export's disaggregated serving moves a stream's blocks whole, once: "
-                             "no --flip, no --kv-transfer chunk")
+                             "no --kv-transfer chunk")
     n_prefill, n_decode = cfg.disaggregate
     instances = n_prefill + n_decode
     run = replace(run, threads=run.threads or max(1, (os.cpu_count() or 1) // instances), pinned=False)
     kv_bytes, streams = paged_pool(cfg, instances)
     predict, summarize = length_prediction(cfg.length_predictor, manifest)
-    chains = instance_workers(workers, instances)
+    # Every instance's pipeline summarizes when a trained predictor needs it and roles flip (a
+    # decode instance may become a prefill one); else the prefill instances' alone.
     pipes = [paged_pipeline(folder, run, cfg, kv_bytes, streams, chain, activations, "chain", credentials,
-                            summarize=summarize and i < n_prefill) for i, chain in enumerate(chains)]
+                            summarize=summarize and (cfg.flip or i < n_prefill))
+             for i, chain in enumerate(instance_workers(workers, instances))]
     limits = Limits(cfg.max_streams or STREAM_CAP, cfg.max_queue)
     replays = Replays(cfg.recovery.max_replays, cfg.recovery.replay_within_s)
-    front = Disaggregated(FrontConfig(heavy_from=HEAVY_DECODE_FROM, flip=None))
+    front = Disaggregated(front_cfg or FrontConfig(heavy_from=HEAVY_DECODE_FROM,
+                                                   flip=FlipConfig() if cfg.flip else None))
     sched = paged_scheduling(cfg, manifest, pipes[0])  # every instance's pool alike
+    prefill_cfg = SchedulerConfig(chunk=sched.chunk, groups=0, max_prefills=1, pacing=None)
 
     def blocks(pipe: PagedPipeline | RemotePipeline, cfg: SchedulerConfig, prefix: bool) -> PagedScheduler:
         # over workers, one step in flight per stage, as a coupled engine's (open_paged_engine)
         return PagedScheduler(cfg, BlockPool(pipe.blocks, pipe.block_size), prefix=prefix, block_bytes=pipe.block_bytes,
                               in_flight=len(manifest.stages) if workers else 1)
 
-    prefill_cfg = SchedulerConfig(chunk=sched.chunk, groups=0, max_prefills=1, pacing=None)
-    prefills = {f"instance-{i}": prefill_instance(
-        pipes[i], limits, pipes[i].context, sched.chunk, front.dispatch, predict, PrefillPolicy(cfg.prefill_policy),
-        replays=replays, paged=blocks(pipes[i], prefill_cfg, cfg.prefix_cache_mb != 0)) for i in range(n_prefill)}
-    decodes = {f"instance-{i}": decode_instance(
-        pipes[i], limits, pipes[i].context, sched, Admission(cfg.admission), limits.max_streams * pipes[i].context,
-        HEAVY_DECODE_FROM, replays=replays, paged=blocks(pipes[i], sched, False)) for i in range(n_prefill, instances)}
-    front.start(prefills, decodes, lambda role, pipe: _no_flip())
+    def make(role: Role, pipe: PagedPipeline | RemotePipeline) -> PrefillRole | DecodeRole:
+        if role is Role.PREFILL:
+            return prefill_instance(pipe, limits, pipe.context, sched.chunk, front.dispatch, predict,
+                                    PrefillPolicy(cfg.prefill_policy), replays=replays,
+                                    paged=blocks(pipe, prefill_cfg, cfg.prefix_cache_mb != 0))
+        return decode_instance(pipe, limits, pipe.context, sched, Admission(cfg.admission),
+                               limits.max_streams * pipe.context, HEAVY_DECODE_FROM, replays=replays,
+                               paged=blocks(pipe, sched, False))
+
+    prefills = {f"instance-{i}": make(Role.PREFILL, pipes[i]) for i in range(n_prefill)}
+    decodes = {f"instance-{i}": make(Role.DECODE, pipes[i]) for i in range(n_prefill, instances)}
+    front.start(prefills, decodes, make)  # type: ignore[arg-type]  # a paged instance's pipe is paged
     return front
-
-
-def _no_flip() -> NoReturn:
-    raise ShardlineError("a paged export's instances do not flip roles")
 
 
 def instance_workers(workers: list[str] | None, instances: int) -> list[list[str] | None]:

@@ -155,8 +155,7 @@ def test_speculation_on_paged_gives_the_plain_tokens(paged: Path, shards: Callab
 
 
 def test_a_paged_export_refuses_what_it_does_not_run(paged: Path, shards: Callable[..., Path]) -> None:
-    for cfg, why in [(ServeConfig(disaggregate=(1, 1), flip=True), "no --flip, no --kv-transfer chunk"),
-                     (ServeConfig(disaggregate=(1, 1), kv_transfer="chunk"), "no --flip, no --kv-transfer chunk"),
+    for cfg, why in [(ServeConfig(disaggregate=(1, 1), kv_transfer="chunk"), "no --kv-transfer chunk"),
                      (ServeConfig(disaggregate=(1, 1), length_predictor="model.json"), "--length-predictor: ")]:
         with pytest.raises(ShardlineError, match=why):
             open_disaggregated(paged, RunConfig(), cfg)
@@ -212,3 +211,44 @@ def test_disaggregated_serving_moves_blocks_and_gives_the_stateful_tokens(paged:
             assert isinstance(sched, PagedScheduler) and sched.pool.held == 0
     finally:
         front.shutdown()
+
+
+def test_an_idle_decode_instance_flips_to_prefill_and_no_request_is_lost(paged: Path,
+                                                                         prompts: list[list[int]]) -> None:
+    """Issue 56: `--flip` on a paged export. 1 prefill + 2 decode instances; a burst of long
+    prompts queues on the prefill instance while both decode instances idle, so one of them
+    takes the prefill role over its own pipeline and pool. Every request gets the tokens of a
+    coupled paged engine, and every block goes back on every instance."""
+    from shardline.disagg.front import FrontConfig
+    from shardline.disagg.instance import FlipConfig
+    from shardline.disagg.state import Role
+
+    burst = [prompts[i % 5] * 3 for i in range(8)]
+    with _engine(paged, 512) as engine:
+        alone = [_tokens(engine, p, 6)[0] for p in burst]
+    cfg = ServeConfig(disaggregate=(1, 2), flip=True, kv_cache_mb=1536, prefix_cache_mb=0)
+    front_cfg = FrontConfig(heavy_from=64, period_s=0.02, flip=FlipConfig(idle_s=0.05, pressure=1.0))
+    front, _ = open_disaggregated(paged, RunConfig(context=2048), cfg, front_cfg=front_cfg)
+    try:
+        assert _burst(front, burst, 6) == alone  # type: ignore[arg-type]
+        assert [(f.old, f.new) for f in front.flips][:1] == [(Role.DECODE, Role.PREFILL)]
+        assert len(front.prefills) + len(front.decodes) == 3 and front.decodes and front.failed is None
+        for role in (*front.prefills.values(), *front.decodes.values()):
+            sched = role.engine.scheduler
+            assert isinstance(sched, PagedScheduler) and sched.pool.held == 0
+    finally:
+        front.shutdown()
+
+
+def _burst(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Every prompt at once, `n` tokens each: their tokens."""
+    got: list[list[int]] = [[] for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+
+    def on(i: int) -> Callable[[Event], None]:
+        return lambda ev: got[i].append(ev.token) if ev.token is not None else done[i].set()
+
+    for i, p in enumerate(prompts):
+        engine.submit(Request(p, SamplingConfig(max_tokens=n), frozenset()), on(i))
+    assert all(d.wait(300) for d in done)
+    return got
