@@ -487,11 +487,10 @@ def _serve(args: argparse.Namespace) -> int:
 def default_model(cfg: ServeConfig) -> Path:
     """The embedded default model's export when no --shards is given: paged stages (issue 41:
     as fast or faster at every load measured, 3.5x the streams in the same KV memory, no stall
-    when a prompt joins; BENCHMARKS.md), --disaggregate too (its bundled length predictor reads
-    a paged stage 0's summaries as a stateful one's; roles flip over a paged pipeline), except
-    with --kv-transfer chunk: chunk-level KV transfer moves KV by lease, on stateful stages for now."""
-    keyed = cfg.disaggregate is not None and cfg.kv_transfer == "chunk"
-    return default_shards(paged=not keyed)
+    when a prompt joins; BENCHMARKS.md), whatever is served: --disaggregate too (issue 56: the
+    bundled length predictor reads a paged stage 0's summaries, roles flip over a paged
+    pipeline, chunk-level transfer reads full blocks as they are written)."""
+    return default_shards(paged=True)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -309,7 +309,8 @@ def open_paged_disaggregated(folder: Path, manifest: Manifest, run: RunConfig, c
     its session); a stream's blocks moved from a prefill instance's pool into blocks a decode
     instance takes (over the workers' links: KvPull / KvPush of blocks). Decode lengths are
     predicted as `cfg.length_predictor` says (a trained predictor from stage 0's summary of each
-    prompt chunk of a ragged step, pipeline/hidden.py). With `cfg.flip`, an idle instance takes
+    prompt chunk of a ragged step, pipeline/hidden.py). `--kv-transfer chunk` reads a prompt's
+    full blocks out as its chunks write them (serving/paged_scheduler.py). With `cfg.flip`, an idle instance takes
     the other role over its pipeline: the new role's scheduler starts from an empty pool (the
     old engine is empty: no block is held; its cached prefixes are forgotten)."""
     from shardline.disagg.decode import decode_instance
@@ -320,9 +321,6 @@ def open_paged_disaggregated(folder: Path, manifest: Manifest, run: RunConfig, c
     from shardline.disagg.state import HEAVY_DECODE_FROM, Role
 
     assert cfg.disaggregate is not None
-    if cfg.kv_transfer == "chunk":
-        raise ShardlineError("a paged export's disaggregated serving moves a stream's blocks whole, once: "
-                             "no --kv-transfer chunk")
     n_prefill, n_decode = cfg.disaggregate
     instances = n_prefill + n_decode
     run = replace(run, threads=run.threads or max(1, (os.cpu_count() or 1) // instances), pinned=False)
@@ -349,6 +347,7 @@ def open_paged_disaggregated(folder: Path, manifest: Manifest, run: RunConfig, c
         if role is Role.PREFILL:
             return prefill_instance(pipe, limits, pipe.context, sched.chunk, front.dispatch, predict,
                                     PrefillPolicy(cfg.prefill_policy), replays=replays,
+                                    chunked_kv=cfg.kv_transfer == "chunk",
                                     paged=blocks(pipe, prefill_cfg, cfg.prefix_cache_mb != 0))
         return decode_instance(pipe, limits, pipe.context, sched, Admission(cfg.admission),
                                limits.max_streams * pipe.context, HEAVY_DECODE_FROM, replays=replays,

@@ -197,13 +197,16 @@ def _tokens(engine: Engine, prompt: list[int], n: int,
     return got, stats[0]
 
 
-def test_disaggregated_serving_moves_blocks_and_gives_the_stateful_tokens(paged: Path, prompts: list[list[int]],
-                                                                          alone: list[list[int]]) -> None:
+@pytest.mark.parametrize("transfer", ["request", "chunk"])
+def test_disaggregated_serving_moves_blocks_and_gives_the_stateful_tokens(
+        paged: Path, prompts: list[list[int]], alone: list[list[int]], transfer: str) -> None:
     """1 prefill + 1 decode instance, each a paged pipeline with its own pool: a prefilled
     stream's blocks are read out of the prefill instance's pool and written into blocks the
     decode instance takes (whatever their ids there); every stream gets its tokens alone on the
-    stateful stages, and every block goes back on both."""
-    front, _ = open_disaggregated(paged, RunConfig(), ServeConfig(disaggregate=(1, 1), kv_cache_mb=1024))
+    stateful stages, and every block goes back on both. `chunk` (issue 56): prompts in chunks
+    of 16, each chunk's full blocks read out as it has run, the slices joined on arrival."""
+    cfg = ServeConfig(disaggregate=(1, 1), kv_cache_mb=1024, kv_transfer=transfer, prefill_chunk=16)
+    front, _ = open_disaggregated(paged, RunConfig(), cfg)
     try:
         assert staggered(front, prompts, LENGTHS) == alone  # type: ignore[arg-type]
         for role in (*front.prefills.values(), *front.decodes.values()):

@@ -252,17 +252,20 @@ def test_speculation_over_workers_gives_the_plain_tokens(three: Path, workers: l
         engine.shutdown()
 
 
+@pytest.mark.parametrize("transfer", ["request", "chunk"])
 def test_disaggregated_over_workers_moves_blocks_and_gives_the_in_process_tokens(
-        three: Path, workers: list[Proc], prompts: list[list[int]], here: list[list[int]]) -> None:
+        three: Path, workers: list[Proc], prompts: list[list[int]], here: list[list[int]], transfer: str) -> None:
     """`serve --disaggregate 1,1` on a paged export over workers: each instance has stage 0 here
     and a session of its own on the same two worker processes (a pool each); a prefilled
     stream's blocks are pulled out of the prefill instance's pools (stage 0's here, each
     worker's over its link) and pushed into blocks the decode instance's scheduler took. Every
-    answer is the in-process one, and every block goes back on both instances."""
+    answer is the in-process one, and every block goes back on both instances. `chunk` (issue
+    56): prompts in chunks of 16, each chunk's full blocks pulled as it has run (slices that
+    start at a block), joined on arrival."""
     from shardline.server import open_disaggregated
 
     chain = [w.addr for w in workers]
-    cfg = ServeConfig(disaggregate=(1, 1), kv_cache_mb=2 * KV // MiB)
+    cfg = ServeConfig(disaggregate=(1, 1), kv_cache_mb=2 * KV // MiB, kv_transfer=transfer, prefill_chunk=16)
     front, _ = open_disaggregated(three, RunConfig(), cfg, workers=chain * 2, activations="f32")
     try:
         assert staggered(front, prompts, LENGTHS) == here  # type: ignore[arg-type]

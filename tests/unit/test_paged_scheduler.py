@@ -275,6 +275,27 @@ def test_a_stream_that_leaves_has_its_blocks_read_out_and_one_that_arrives_takes
     assert "no free KV blocks for 9 tokens" in str(failed.exception())
 
 
+def test_chunk_level_transfer_reads_each_chunks_full_blocks_out_as_it_goes() -> None:
+    """Issue 56: `--kv-transfer chunk` on a paged pipeline. After each prompt chunk the full
+    blocks written since the last export go out (each slice starting at a block), and the
+    leaving stream's export is the rest alone: slices that join into its whole prompt."""
+    from shardline.disagg.prefill import PrefillOnly
+
+    here = _sched(chunk=6)
+    here.handoffs = PrefillOnly(chunked_kv=True)
+    s = _stream(list(range(10, 25)))  # 15 tokens: chunks of 6, 6, 3; blocks of 4
+    here.add(s)
+    slices = []
+    for _ in range(4):  # each round: the last chunk's blocks out, then the next chunk
+        plan = here.plan()
+        slices += [(e.start, e.blocks, e.tokens) for e in plan.exports]
+        for step in plan.steps:
+            assert isinstance(step, RaggedStep) and step.streams == (s.id,)
+            _complete(here, step)
+    assert slices == [(0, (0,), 4), (4, (1, 2), 8), (12, (3,), 3)]  # 6 tokens: 1 full block; 12: 3; then the rest
+    assert here.take_left() == [s] and len(s.handover.kv_sent) == 3 and here.pool.held == 0
+
+
 def test_a_hit_whose_blocks_were_lost_is_a_miss() -> None:
     """A prompt started from kept blocks, then the chain broke under it (a worker restarted:
     those blocks are gone): it prefills them again, so its hit saved nothing. Each stream

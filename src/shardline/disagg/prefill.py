@@ -92,7 +92,8 @@ class PrefillOnly:
     Handoffs): a stream leaves once its prompt is prefilled and its first token out (a stream
     that ends there, on a stop or at length 1, ends here); with `chunked_kv`, each prompt chunk's
     slots are exported once it has run, before the stream's next chunk, so a leaving stream's
-    export is its last chunk's slots alone."""
+    export is its last chunk's slots alone (on a paged pipeline: its full blocks written since,
+    so every slice starts at a block; the last one takes the rest)."""
 
     chunked_kv: bool = False
 
@@ -100,7 +101,7 @@ class PrefillOnly:
         return s.decoding and not s.done
 
     def exports(self, s: Stream) -> bool:
-        return self.chunked_kv and s.prefilling and s.book.slots > s.handover.kv_through
+        return self.chunked_kv and s.prefilling
 
 
 class PrefillRole:

@@ -219,7 +219,7 @@ def _move(k: int, stage: PagedRunner, move: _Move, nxt: queue.Queue[_Item] | Non
         return nxt.put(move)
     if isinstance(item, KvExport):
         try:
-            item.done.set_result(snapshot(move.identity, move.parts))
+            item.done.set_result(snapshot(move.identity, move.parts, item.start))
         except ShardlineError as err:
             item.done.set_exception(err)
     else:

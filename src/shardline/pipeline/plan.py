@@ -120,7 +120,8 @@ class KvExport:
     """A lease's KV out of every stage, from slot `start` on (the lease stays open), after every
     step submitted before it; what came out (or why not: ShardlineError) lands in `done`. On a
     paged pipeline (issue 41) a stream's `blocks` instead: the KV of their first `tokens`
-    tokens, as one row of that many slots (the snapshot does not depend on the block size)."""
+    tokens, as one row of that many slots (the snapshot does not depend on the block size),
+    the stream's slots from `start` on (the first block's first token: a chunk's slice)."""
 
     lease: int
     start: int = 0

@@ -173,19 +173,31 @@ class PagedScheduler:
         self.kv.free(stream.key)
 
     def _hand_off(self) -> None:
-        """Streams that leave now: their blocks read out (in order: before any later step may
-        take them), their prompts kept for reuse here, their blocks back."""
+        """Streams that leave now: the rest of their KV read out (in order: before any later step
+        may take their blocks), their prompts kept for reuse here, their blocks back. A stream
+        that stays but exports as it goes (chunk-level transfer) has its full blocks written
+        since its last export read out now, so every slice starts at a block."""
         if self.handoffs is None:
             return
-        for s in [s for s in self.streams.values() if not s.in_flight and self.handoffs.leaves(s)]:
-            assert s.blocks is not None
-            fed = _fed(s)  # the blocks holding them (a table may hold one more, grown for a planned token)
-            item = KvExport(s.key, blocks=tuple(s.blocks.blocks[: blocks_for(fed, self.pool.block_size)]),
-                            tokens=fed)
-            self._moves[0].append(item)
-            s.handover.kv_sent, s.handover.kv_through = [item.done], fed
-            self.remove(s, keep=self.prefix)
-            self._left.append(s)
+        size = self.pool.block_size
+        for s in [s for s in self.streams.values() if not s.in_flight]:
+            if self.handoffs.leaves(s):
+                self._export(s, _fed(s))
+                self.remove(s, keep=self.prefix)
+                self._left.append(s)
+            elif self.handoffs.exports(s) and (full := _fed(s) // size * size) > s.handover.kv_through:
+                self._export(s, full)
+
+    def _export(self, s: Stream, upto: int) -> None:
+        """`s`'s KV of tokens [kv_through, upto) out of its blocks (kv_through is a block's start:
+        0, or where a chunk's export of full blocks ended), as the snapshot's slots from there."""
+        assert s.blocks is not None
+        start, size = s.handover.kv_through, self.pool.block_size
+        blocks = tuple(s.blocks.blocks[start // size : blocks_for(upto, size)])  # a table may hold one more
+        item = KvExport(s.key, start=start, blocks=blocks, tokens=upto - start)
+        self._moves[0].append(item)
+        s.handover.kv_sent.append(item.done)
+        s.handover.kv_through = upto
 
     def plan(self, drafts: Mapping[int, Proposal] | None = None) -> Plan:
         """This round's plan: a ragged step for each step that may still go out (`in_flight`),

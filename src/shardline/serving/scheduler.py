@@ -71,7 +71,7 @@ class Handoffs(Protocol):
     """Which streams leave this instance for another (pure, over a stream with no step in flight)."""
 
     def leaves(self, s: Stream) -> bool: ...  # it leaves now, the rest of its KV exported first
-    def exports(self, s: Stream) -> bool: ...  # it stays, the slots of its KV not exported yet go out now
+    def exports(self, s: Stream) -> bool: ...  # it stays, its KV written since its last export goes out now
 
 
 class Scheduler:
@@ -173,7 +173,7 @@ class Scheduler:
             return
         for s in [s for s in self.streams.values() if not s.in_flight]:
             leaves = self.handoffs.leaves(s)
-            if leaves or self.handoffs.exports(s):
+            if leaves or (self.handoffs.exports(s) and s.book.slots > s.handover.kv_through):
                 # the slots the stages hold (nothing in flight): those the book has committed
                 s.handover.kv_sent.append(self.kv.export(s.key, s.handover.kv_through))
                 s.handover.kv_through = s.book.slots
