@@ -15,6 +15,7 @@ import pytest
 
 from shardline.config import ExportConfig, RunConfig, SamplingConfig, ServeConfig, SpeculationConfig
 from shardline.errors import ShardlineError
+from shardline.export.exporter import export
 from shardline.model.manifest import load_manifest
 from shardline.model.tokenizer import ChatTokenizer
 from shardline.pipeline.local import LocalPipeline
@@ -25,7 +26,7 @@ from shardline.serving.engine import Engine, Event, Request
 from shardline.serving.kv_blocks import BlockPool
 from shardline.serving.paged_scheduler import PagedScheduler
 from shardline.serving.scheduler import SchedulerConfig
-from shardline.serving.speculation import SpecStats
+from shardline.serving.speculation import Drafts, SpecStats
 from shardline.stage.paged_runner import PagedRunner
 from tests.conftest import CHAT_PROMPTS, DEFAULT_SPLIT
 from tests.helpers import greedy_ours, staggered
@@ -154,6 +155,60 @@ def test_speculation_on_paged_gives_the_plain_tokens(paged: Path, shards: Callab
     assert all(stats is not None and stats.accepted > 5 for _, stats in got.values())  # drafts did stand
 
 
+@pytest.fixture(scope="module")
+def first6(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Self-speculation's draft on blocks: the default model's first 6 layers, one paged stage."""
+    return export(ExportConfig(out=tmp_path_factory.mktemp("draft") / "first6", stages=1, weights="gguf", truncate=6,
+                               paged=True, isolate=False, progress=False))
+
+
+def test_a_paged_draft_model_beside_a_paged_target_gives_the_plain_tokens(
+        paged: Path, prompts: list[list[int]], first6: Path) -> None:
+    """Issue 56: self-speculation on blocks. The draft (the model's first 6 layers, exported
+    paged) holds each drafter's KV as a block table over its one pool; a rejected draft is
+    dropped by a shorter past, its blocks back. Two greedy streams at once give what the paged
+    target gives without drafts, and every draft block is back once they end. (Sampled drafts
+    keep the target's distribution, not its draws: tests/serving/test_speculative_drafts.py.)"""
+    sampling = SamplingConfig(max_tokens=40)
+    from shardline.stage.draft_model import DraftModel
+
+    with _engine(paged, 512) as engine:
+        plain = [_tokens(engine, p, 40, sampling)[0] for p in prompts[:2]]
+    draft = DraftModel(first6, load_manifest(paged))
+    assert draft.paged is not None and draft.runner is None
+    pipe = PagedPipeline(paged, RunConfig(), 512 * MiB)
+    scheduler = PagedScheduler(SchedulerConfig(chunk=512), BlockPool(pipe.blocks, pipe.block_size))
+    engine = Engine(pipe, Limits(8, 8), pipe.context, drafts=Drafts(draft.drafter, 3, 8), scheduler=scheduler)
+    try:
+        got = _burst(engine, prompts[:2], 40, sampling)
+        stats = engine.spec.ended
+    finally:
+        engine.shutdown()
+    assert got == plain
+    assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted  # some stood, some were dropped
+    assert len(draft.free) == draft.paged.blocks and scheduler.pool.held == 0
+
+
+def test_a_paged_drafts_blocks_run_out_with_a_clear_error_and_come_back(paged: Path, first6: Path) -> None:
+    """A paged draft's pool (here one stream at a context of 64: 2 blocks of 32) is shared by
+    every drafter: one that finds too few free blocks fails with nothing changed (its stream
+    loses its drafts only), and blocks given back by a shorter past serve it."""
+    from shardline.stage.draft_model import DraftModel
+
+    draft = DraftModel(first6, load_manifest(paged), RunConfig(context=64), streams=1)
+    assert draft.paged is not None and draft.paged.blocks == 2
+    a, b = draft.kv(1), draft.kv(2)
+    a.feed(list(range(10, 50)))
+    with pytest.raises(ShardlineError, match="the draft model's pool has 0 free blocks; 1 more are needed"):
+        b.feed([5])
+    assert b.position == 0 and a.position == 40
+    a.drop(20)  # 20 tokens left: 1 block
+    assert b.feed([5]).shape == (load_manifest(paged).arch.vocab,) and draft.free == []
+    a.close()
+    b.close()
+    assert sorted(draft.free) == [0, 1]
+
+
 def test_a_paged_export_refuses_what_it_does_not_run(paged: Path, shards: Callable[..., Path]) -> None:
     for cfg, why in [(ServeConfig(disaggregate=(1, 1), kv_transfer="chunk"), "no --kv-transfer chunk"),
                      (ServeConfig(disaggregate=(1, 1), length_predictor="model.json"), "--length-predictor: ")]:
@@ -243,8 +298,9 @@ def test_an_idle_decode_instance_flips_to_prefill_and_no_request_is_lost(paged: 
         front.shutdown()
 
 
-def _burst(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Every prompt at once, `n` tokens each: their tokens."""
+def _burst(engine: Engine, prompts: list[list[int]], n: int,
+           sampling: SamplingConfig | None = None) -> list[list[int]]:
+    """Every prompt at once, `n` tokens each (or as `sampling` says): their tokens."""
     got: list[list[int]] = [[] for _ in prompts]
     done = [threading.Event() for _ in prompts]
 
@@ -252,6 +308,6 @@ def _burst(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
         return lambda ev: got[i].append(ev.token) if ev.token is not None else done[i].set()
 
     for i, p in enumerate(prompts):
-        engine.submit(Request(p, SamplingConfig(max_tokens=n), frozenset()), on(i))
+        engine.submit(Request(p, sampling or SamplingConfig(max_tokens=n), frozenset()), on(i))
     assert all(d.wait(300) for d in done)
     return got

@@ -54,7 +54,8 @@ def self_draft_shards(layers: int, progress: bool = True) -> Path:
 
 def self_draft_for(target: Path, layers: int, progress: bool = True) -> Path:
     """A self-speculation draft for the export `target`: its source model's first `layers`
-    layers with the same weights, one stage, exported once and cached by source and weights."""
+    layers with the same weights, one stage of the target's kind (paged beside a paged target),
+    exported once and cached by source, weights and kind."""
     from shardline.errors import ShardlineError
 
     m = load_manifest(target)
@@ -64,10 +65,12 @@ def self_draft_for(target: Path, layers: int, progress: bool = True) -> Path:
     source = Path(m.source["path"])
     if not source.exists():
         raise ShardlineError(f"--draft layers:{layers}: the target's source model {source} is not on this machine")
-    folder = cache_dir() / f"self-{m.model_hash[:16]}-{m.weights}-first{layers}-{EXPORT_TAG}"
+    paged = any(e.runner == "paged" for e in m.stages)
+    kind = "-paged" if paged else ""
+    folder = cache_dir() / f"self-{m.model_hash[:16]}-{m.weights}-first{layers}{kind}-{EXPORT_TAG}"
     return _cached(folder, f"a self-speculation draft (the first {layers} layers of {source.name})", ExportConfig(
         out=folder, model=source, stages=1, weights=m.weights, group_size=m.group_size or 64, truncate=layers,
-        progress=progress))
+        progress=progress, paged=paged))
 
 
 def default_model_layers() -> int:

@@ -1,8 +1,12 @@
 """A draft model on the coordinator: a small model (its own export folder, one stage, the
-target's tokenizer), or the target's first L layers (self-speculation). Each stream has its own
-request (KV) on the shared `DraftModel`, which catches up on the tokens the target accepted and
-masks the drafts it rejected, like the target's stages (KVBook). While the stream's step is out
-on remote stages, it catches up or draws ahead (`follow`).
+target's tokenizer), or the target's first L layers (self-speculation). Each stream's drafter
+holds its own KV on the shared `DraftModel`, catches up on the tokens the target accepted and
+drops the drafts it rejected. While the stream's step is out on remote stages, it catches up or
+draws ahead (`follow`).
+
+The KV is the export's kind: a paged draft (issue 56) gives each drafter a block table over the
+model's one pool, and a rejected draft is dropped by a shorter past (the table trimmed, its
+blocks back); a stateful one gives each a request, and masks rejected drafts (KVBook).
 """
 
 from __future__ import annotations
@@ -18,11 +22,15 @@ import numpy as np
 from shardline.config import COMPACT_AT, RunConfig, SamplingParams
 from shardline.decoding.drafts import Draw, Proposal, draw, proposal
 from shardline.errors import ShardlineError
+from shardline.model.context import run_context
 from shardline.model.manifest import Manifest, load_manifest, verify
 from shardline.stage.cache import KVBook
-from shardline.stage.runners import open_stage
+from shardline.stage.paged_batch import PagedBatch
+from shardline.stage.paged_runner import PagedRunner
+from shardline.stage.runners import Stage, open_stage
 
 CATCH_UP_CHUNK = 256  # tokens per draft-model call when it catches up (a prompt)
+DRAFT_STREAMS = 16  # a paged draft's pool: this many streams at the full context (committed as written)
 
 
 def draft_run(run: RunConfig) -> RunConfig:
@@ -36,7 +44,10 @@ def draft_run(run: RunConfig) -> RunConfig:
 class DraftModel:
     """One draft export folder, compiled once, shared by every stream's drafter."""
 
-    def __init__(self, folder: Path, target: Manifest, run: RunConfig | None = None) -> None:
+    def __init__(self, folder: Path, target: Manifest, run: RunConfig | None = None,
+                 streams: int = DRAFT_STREAMS) -> None:
+        """`streams`: a paged draft's pool holds this many streams at the full context (its
+        pages committed only as blocks are written)."""
         try:
             self.manifest = load_manifest(folder)
         except ShardlineError as e:
@@ -48,9 +59,17 @@ class DraftModel:
                 self.manifest.files.get("tokenizer.json") != target.files.get("tokenizer.json"):
             raise ShardlineError(f"draft model {folder} does not share the target's tokenizer")
         run = draft_run(run or RunConfig())
-        # beside stage 0, on its device
-        self.runner = open_stage(folder, self.manifest.stages[0], replace(run, device=run.devices[0]),
-                                  vocab=self.manifest.arch.vocab)
+        run = replace(run, device=run.devices[0])  # beside stage 0, on its device
+        entry, vocab = self.manifest.stages[0], self.manifest.arch.vocab
+        self.paged: PagedRunner | None = None
+        self.runner: Stage | None = None
+        if entry.runner == "paged":
+            context = run_context(self.manifest.arch, run.context)
+            self.paged = PagedRunner.load(folder, entry, run, 1, vocab=vocab, context=context)
+            self.paged.allocate(-(-context // self.paged.block_size) * streams)
+            self.free = list(range(self.paged.blocks))  # blocks no drafter holds
+        else:
+            self.runner = open_stage(folder, entry, run, vocab=vocab)
         self.lock = threading.Lock()  # one call at a time (the engine thread; a bench may share it)
         self._keys = count(1)
         self.token_s = self._time_one_token()
@@ -59,21 +78,90 @@ class DraftModel:
         """Seconds one draft token costs, measured once now (a drafter starts from it, so auto K
         knows from its first step whether drafts can pay: a draft model as dear as the target
         never can on a fast link, and then is never even tried)."""
-        book, took = KVBook(), []
-        self.runner.open(0)
+        kv, took = self.kv(0), []
         try:
             for _ in range(calls):
-                inputs = book.plan([0])
                 start = time.perf_counter()
-                self.runner.run(0, inputs)
+                kv.feed([0])
                 took.append(time.perf_counter() - start)
-                book.commit(inputs)
         finally:
-            self.runner.close(0)
+            kv.close()
         return float(np.median(took[1:]))  # the first call warms the request up
+
+    def kv(self, key: int) -> PagedKv | KeyedKv:
+        """A drafter's own KV on this model, of the export's kind."""
+        return PagedKv(self) if self.paged is not None else KeyedKv(self, key)
 
     def drafter(self) -> ModelDrafter:
         return ModelDrafter(self, next(self._keys))
+
+
+class PagedKv:
+    """A drafter's KV as a block table over the paged draft's one pool: `past` tokens held."""
+
+    def __init__(self, model: DraftModel) -> None:
+        assert model.paged is not None
+        self.model, self.runner, self.table, self.past = model, model.paged, list[int](), 0
+
+    @property
+    def position(self) -> int:
+        return self.past
+
+    def feed(self, tokens: list[int]) -> np.ndarray:
+        """`tokens` after the past (in chunks): the logits after the last. Blocks are taken from
+        the pool first; ShardlineError, nothing changed, when it has too few."""
+        size = self.runner.block_size
+        for at in range(0, len(tokens), CATCH_UP_CHUNK):
+            chunk = tokens[at: at + CATCH_UP_CHUNK]
+            need = -(-(self.past + len(chunk)) // size) - len(self.table)
+            if need > len(self.model.free):
+                raise ShardlineError(f"the draft model's pool has {len(self.model.free)} free blocks; "
+                                     f"{need} more are needed")
+            self.table += [self.model.free.pop() for _ in range(need)]
+            batch = PagedBatch.of([(len(chunk), self.past, self.table)], logits_at=[len(chunk) - 1])
+            out = self.runner.run(batch, np.asarray(chunk, np.int64))
+            self.past += len(chunk)
+        return np.array(out[0], np.float32)
+
+    def drop(self, n: int) -> None:
+        """The last `n` tokens gone: a shorter past, the blocks past it back to the pool."""
+        self.past -= n
+        keep = -(-self.past // self.runner.block_size)
+        self.model.free += self.table[keep:]
+        del self.table[keep:]
+
+    def close(self) -> None:
+        self.drop(self.past)
+
+
+class KeyedKv:
+    """A drafter's KV as a request of a stateful draft: rejected drafts masked (KVBook), the
+    cache compacted once enough are."""
+
+    def __init__(self, model: DraftModel, key: int) -> None:
+        assert model.runner is not None
+        self.runner, self.key, self.book = model.runner, key, KVBook()
+        self.runner.open(key)
+
+    @property
+    def position(self) -> int:
+        return self.book.position
+
+    def feed(self, tokens: list[int]) -> np.ndarray:
+        for at in range(0, len(tokens), CATCH_UP_CHUNK):
+            inputs = self.book.plan(tokens[at: at + CATCH_UP_CHUNK])
+            out = self.runner.run(self.key, inputs)
+            self.book.commit(inputs)
+        return np.asarray(out[0, -1], np.float32)
+
+    def drop(self, n: int) -> None:
+        self.book.mask_last(n)
+        if self.book.masked >= COMPACT_AT:
+            slots = self.book.slots
+            self.runner.compact(self.key, self.book.compact(), slots)
+
+    def close(self) -> None:
+        self.runner.close(self.key)
 
 
 class ModelDrafter:
@@ -88,17 +176,15 @@ class ModelDrafter:
 
     def __init__(self, model: DraftModel, key: int) -> None:
         self.model, self.key = model, key
-        self.book = KVBook()
+        self.kv = model.kv(key)
         self.fed = 0  # tokens of the stream's context in the draft's KV (attended)
         self.drafts: list[Draw] = []
         self.pending = 0  # drafts[:pending] are in the KV, after the `fed` tokens
         self.cost_s = model.token_s
         self._logits: np.ndarray | None = None  # after the KV's last token, until drawn from
-        model.runner.open(key)
 
     def propose(self, context: list[int], k: int, params: SamplingParams) -> Proposal:
         with self.model.lock:
-            self._compact_if_needed()
             self._sync(context)
             while len(self.drafts) < k:
                 self._extend(params)
@@ -125,7 +211,7 @@ class ModelDrafter:
 
     def close(self) -> None:
         with self.model.lock:
-            self.model.runner.close(self.key)
+            self.kv.close()
 
     def _follows(self, new: list[int]) -> bool:
         """Whether the accepted tokens `new` (past `fed`) are all drafts already in the KV."""
@@ -133,7 +219,7 @@ class ModelDrafter:
 
     def _sync(self, context: list[int]) -> None:
         """Make the KV hold `context` (which extends the accepted text) and the drafts that still
-        follow it: pending drafts the target accepted stay, the rest are masked out."""
+        follow it: pending drafts the target accepted stay, the rest are dropped."""
         new = context[self.fed:]
         if self._follows(new):
             self.fed, self.pending, self.drafts = len(context), self.pending - len(new), self.drafts[len(new):]
@@ -141,7 +227,7 @@ class ModelDrafter:
         same = 0
         while same < min(len(new), self.pending) and self.drafts[same].token == new[same]:
             same += 1
-        self.book.mask_last(self.pending - same)
+        self.kv.drop(self.pending - same)
         self.drafts, self.pending = [], 0
         self._logits = self._feed(new[same:])
         self.fed = len(context)
@@ -155,24 +241,16 @@ class ModelDrafter:
             logits, self._logits = self._logits, None
         else:
             raise ShardlineError("the draft model has nothing to draw from")
-        self.drafts.append(draw(logits, params, self.book.position))
+        self.drafts.append(draw(logits, params, self.kv.position))
 
     def _feed(self, tokens: list[int]) -> np.ndarray:
-        """Run `tokens` through the draft model (in chunks); the logits after the last. A call
-        of one token is what each draft costs (`cost_s`); catching up on a prompt is not."""
+        """Run `tokens` through the draft model; the logits after the last. A call of one token
+        is what each draft costs (`cost_s`); catching up on a prompt is not."""
         if not tokens:
             raise ShardlineError("nothing to feed the draft model")
         start = time.perf_counter()
-        for at in range(0, len(tokens), CATCH_UP_CHUNK):
-            inputs = self.book.plan(tokens[at: at + CATCH_UP_CHUNK])
-            out = self.model.runner.run(self.key, inputs)
-            self.book.commit(inputs)
+        logits = self.kv.feed(tokens)
         if len(tokens) == 1:
             took = time.perf_counter() - start
             self.cost_s = took if not self.cost_s else 0.8 * self.cost_s + 0.2 * took
-        return np.asarray(out[0, -1], np.float32)
-
-    def _compact_if_needed(self, at: int = COMPACT_AT) -> None:
-        if self.book.masked >= at:
-            slots = self.book.slots
-            self.model.runner.compact(self.key, self.book.compact(), slots)
+        return logits
