@@ -81,8 +81,8 @@ def _parser() -> argparse.ArgumentParser:
                         "so a stream goes on past --context (without: it ends there)")
     e.add_argument("--paged", action="store_true",
                    help="paged stages: attention as OpenVINO's PagedAttention over KV blocks, every stream's tokens "
-                        "in one batch a step (prompt chunks beside decode tokens), prefixes shared by block; in one "
-                        "process, without speculation or --disaggregate for now")
+                        "in one batch a step (prompt chunks beside decode tokens), prefixes shared by block; with "
+                        "--static, the stages listed there static beside the paged ones")
     e.add_argument("--out", type=Path, required=True)
 
     i = sub.add_parser("inspect", help="print a shard folder's manifest and verify every checksum")

@@ -90,8 +90,9 @@ class ExportConfig:
         if self.static and self.prefill_chunk is not None and not 2 <= self.prefill_chunk <= self.ring:
             raise ShardlineError(f"--prefill-chunk must be in 2-{self.ring} (the ring) tokens, "
                                  f"got {self.prefill_chunk}")
-        if self.paged and self.static:
-            raise ShardlineError("--paged and --static are two runner kinds: a stage is one or the other")
+        if self.paged and self.static == frozenset(range(n)):
+            raise ShardlineError("--paged with --static: the static stages run beside paged ones, so at least one "
+                                 "stage must be paged (a static stage's ring does not slide there: no --sinks)")
         if self.reblock is not None:
             if self.weights != "gguf":
                 raise ShardlineError(f"--reblock re-quantizes a GGUF's own blocks: it needs --weights gguf, "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,12 +47,14 @@ GREEDY_24 = SamplingConfig(max_tokens=24)
 def static(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """static(kind) -> an export of the default model: "1" and "2" stages all static with a
     prefill graph, "mixed": 2 stages, stage 1 static without one, "sinks": 1 static stage that
-    slides past a small ring."""
+    slides past a small ring, "paged": 3 stages, stage 1 static (with a prefill graph) between
+    paged ones."""
     root, made = tmp_path_factory.mktemp("static"), dict[str, Path]()
     how = {"1": dict(stages=1, static=frozenset({0}), prefill_chunk=WIDTH),
            "2": dict(stages=2, static=frozenset({0, 1}), prefill_chunk=WIDTH),
            "mixed": dict(stages=2, static=frozenset({1})),
-           "sinks": dict(stages=1, static=frozenset({0}), prefill_chunk=WIDTH, sinks=SINKS)}
+           "sinks": dict(stages=1, static=frozenset({0}), prefill_chunk=WIDTH, sinks=SINKS),
+           "paged": dict(stages=3, static=frozenset({1}), prefill_chunk=WIDTH, paged=True)}
 
     def get(kind: str) -> Path:
         if kind not in made:
@@ -113,6 +116,53 @@ def test_static_stages_give_the_stateful_tokens(static: Callable[[str], Path], s
                                                 prompts: list[list[int]], kind: str, stages: int) -> None:
     stateful = _tokens(shards("gguf", stages=stages), prompts)
     assert _tokens(static(kind), prompts) == stateful
+
+
+def test_a_static_stage_between_paged_ones_gives_the_stateful_tokens(static: Callable[[str], Path],
+                                                                      shards: Callable[..., Path],
+                                                                      prompts: list[list[int]]) -> None:
+    """Issue 56: an NPU's static stage behind the paged runner's interface (stage/static_blocks.py),
+    between two paged stages in one paged pipeline: its KV on host blocks of the paged stages'
+    size, each sequence of a fused step run on a ring gathered from its blocks. Two streams at
+    once, prompts in chunks no wider than its prefill graph (the scheduler keeps to its limits),
+    then prompt-lookup drafts verified through it: the stateful tokens, every block back."""
+    from shardline.pipeline.paged_local import PagedPipeline
+    from shardline.server import paged_scheduling
+    from shardline.serving.kv_blocks import BlockPool
+    from shardline.serving.paged_scheduler import PagedScheduler
+    from shardline.stage.paged_runner import PagedRunner
+    from shardline.stage.static_blocks import StaticBlocks
+
+    folder = static("paged")
+    m = load_manifest(folder)
+    assert [e.runner for e in m.stages] == ["paged", "static", "paged"] and m.arch.max_context == RING
+    repeat = prompts[0] + prompts[0][-12:]
+    stateful = _tokens(shards("gguf", stages=2), [*prompts, repeat])
+    for drafts in (None, Drafts(LookupDrafter, 4, 8, LOOKUP_PRIOR)):
+        pipe = PagedPipeline(folder, EXACT, 64 << 20)
+        assert [type(s) for s in pipe.stages] == [PagedRunner, StaticBlocks, PagedRunner]
+        sched = PagedScheduler(paged_scheduling(ServeConfig(), m, pipe), BlockPool(pipe.blocks, pipe.block_size))
+        assert sched.cfg.chunk == WIDTH
+        engine = Engine(pipe, Limits(4, 4), pipe.context, drafts=drafts, scheduler=sched)
+        try:
+            got = _at_once(engine, [*prompts, repeat] if drafts is None else [repeat])
+        finally:
+            engine.shutdown()
+        assert got == (stateful if drafts is None else stateful[2:])
+        assert sched.pool.held == 0
+    with pytest.raises(ShardlineError, match="at least one stage must be paged"):
+        ExportConfig(out=Path("x"), stages=2, static=frozenset({0, 1}), paged=True)
+
+
+def _at_once(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Every prompt at once, GREEDY_24 each (stop tokens not honoured): their tokens."""
+    got: list[list[int]] = [[] for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+    for i, p in enumerate(prompts):
+        engine.submit(Request(p, GREEDY_24, frozenset()),
+                      lambda ev, i=i: got[i].append(ev.token) if ev.token is not None else done[i].set())
+    assert all(d.wait(300) for d in done)
+    return got
 
 
 def test_speculation_through_static_stages_gives_the_plain_tokens(static: Callable[[str], Path],

@@ -205,7 +205,8 @@ def _export_stages(cfg: ExportConfig, model: Path, arch: Arch, plans: list[Stage
     from tqdm import tqdm
 
     jobs = [(model, arch, plan, cfg.precision, cfg.group_size, cfg.reblock, tmp,
-             (cfg.ring, cfg.prefill_chunk, cfg.sinks) if plan.index in cfg.static else None, cfg.paged)
+             (cfg.ring, cfg.prefill_chunk, cfg.sinks) if plan.index in cfg.static else None,
+             cfg.paged and plan.index not in cfg.static)  # a static stage beside paged ones (issue 56)
             for plan in plans]
     entries = []
     with tqdm(total=len(plans), desc="export", unit="stage", disable=not cfg.progress, file=sys.stderr) as bar:

@@ -38,6 +38,7 @@ from shardline.pipeline.plan import AnyStep, KvExport, KvImport, KvMove, Moved, 
 from shardline.pipeline.ragged_step import RaggedStep, sample
 from shardline.pipeline.timing import Timing
 from shardline.stage.paged_runner import PagedRunner
+from shardline.stage.static_blocks import StaticBlocks
 
 
 @dataclass(eq=False)
@@ -53,12 +54,13 @@ _Item = tuple[RaggedStep, "np.ndarray", dict[int, float], float, dict[int, Hidde
 
 
 def is_paged(manifest: Manifest) -> bool:
-    """Whether `manifest`'s stages are paged; a mix with other kinds is refused (one pipeline
+    """Whether `manifest`'s stages run paged: paged ones, and static ones beside them (an NPU's,
+    on host blocks: stage/static_blocks.py); a mix with stateful ones is refused (one pipeline
     is planned one way)."""
     kinds = {e.runner for e in manifest.stages}
-    if "paged" in kinds and len(kinds) > 1:
-        raise ShardlineError(f"an export mixes paged stages with {', '.join(sorted(kinds - {'paged'}))} ones")
-    return kinds == {"paged"}
+    if "paged" in kinds and "stateful" in kinds:
+        raise ShardlineError("an export mixes paged stages with stateful ones")
+    return "paged" in kinds
 
 
 def pool_blocks(per_block: int, block_size: int, context: int, kv_bytes: int, streams: int | None) -> int:
@@ -71,6 +73,18 @@ def pool_blocks(per_block: int, block_size: int, context: int, kv_bytes: int, st
                              f"{block_size} tokens; one stream at the context of {context} needs {least} (a larger "
                              "--kv-cache-mb, or a smaller --context)")
     return int(blocks)
+
+
+def _stages(folder: Path, manifest: Manifest, run: RunConfig, core: ov.Core,
+            context: int) -> list[PagedRunner | StaticBlocks]:
+    """Every stage of a paged export, each on its device: the paged ones first (their device
+    chooses the block size), then the static ones on host blocks of that size."""
+    n, vocab = len(manifest.stages), manifest.arch.vocab
+    paged = {k: PagedRunner.load(folder, e, run.for_stage(k, n), 1, core, vocab, context)
+             for k, e in enumerate(manifest.stages) if e.runner == "paged"}
+    size = next(iter(paged.values())).block_size
+    return [paged[k] if k in paged else StaticBlocks(folder, e, run.for_stage(k, n), size, 1, core, vocab, context)
+            for k, e in enumerate(manifest.stages)]
 
 
 class PagedPipeline:
@@ -92,8 +106,7 @@ class PagedPipeline:
         core, n = ov.Core(), len(self.manifest.stages)
         self.context = run_context(self.manifest.arch, run.context)
         self.devices = [run.for_stage(k, n).device for k in range(n)]
-        self.stages = [PagedRunner.load(folder, e, run.for_stage(k, n), 1, core, self.manifest.arch.vocab, self.context)
-                       for k, e in enumerate(self.manifest.stages)]
+        self.stages = _stages(folder, self.manifest, run, core, self.context)
         self.block_size = self.stages[0].block_size
         if any(s.block_size != self.block_size for s in self.stages):
             raise ShardlineError("the stages' devices chose different KV block sizes: one block table cannot "
@@ -173,7 +186,7 @@ class PagedPipeline:
             self._threads.append(t)
 
 
-def _stage_loop(k: int, stage: PagedRunner, inbox: queue.Queue[_Item], nxt: queue.Queue[_Item] | None,
+def _stage_loop(k: int, stage: PagedRunner | StaticBlocks, inbox: queue.Queue[_Item], nxt: queue.Queue[_Item] | None,
                 outbox: Outbox, tap: bool = False) -> None:
     """Stage k's thread: run each step on what the stage before gave; the last one samples. A
     step that fails fails its streams alone; the stage goes on with the next. `tap`: summarize
@@ -201,7 +214,7 @@ def _stage_loop(k: int, stage: PagedRunner, inbox: queue.Queue[_Item], nxt: queu
         nxt.put(None)
 
 
-def _move(k: int, stage: PagedRunner, move: _Move, nxt: queue.Queue[_Item] | None) -> None:
+def _move(k: int, stage: PagedRunner | StaticBlocks, move: _Move, nxt: queue.Queue[_Item] | None) -> None:
     """Stage k's part of a move; the last stage completes it. A stage that fails ends it there
     (an import's blocks written on the stages before hold nothing anyone reads: the importer
     frees them)."""
