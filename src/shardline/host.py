@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import ipaddress
 import threading
 import time
 
@@ -26,6 +27,34 @@ def parse_hostport(spec: str, what: str = "address") -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ShardlineError(f"{what} must be HOST:PORT with a port in 0-65535, got {spec!r}")
     return host, int(port)
+
+
+def machines(peers: list[str], local: set[str]) -> int:
+    """How many machines run this process and the `peers` (HOST:PORT): a loopback host, or
+    one of `local` (this machine's own addresses), is this machine; other hosts count once each.
+    Pure: the scheduler keeps one step in flight per machine (issue 56), since stages that share
+    a machine share its cores, and a second step out there only contends with the first."""
+    others = set()
+    for peer in peers:
+        host = parse_hostport(peer, "a worker's address")[0].lower()
+        if host != "localhost" and host not in local and not _loopback(host):
+            others.add(host)
+    return 1 + len(others)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, not an address
+        return False
+
+
+def local_addresses() -> set[str]:
+    """This machine's own addresses (every interface's), lower-case, and its host names."""
+    import socket
+
+    addresses = {a.address.split("%")[0].lower() for addrs in psutil.net_if_addrs().values() for a in addrs}
+    return addresses | {socket.gethostname().lower(), socket.getfqdn().lower()}
 
 
 TRIM_EVERY_S = 30.0

@@ -27,3 +27,26 @@ def test_the_heap_trimmer_runs_once_per_process() -> None:
     trim_memory_every(0.05)
     trimmers = [t for t in threading.enumerate() if t.name == "trim-memory"]
     assert len(trimmers) == 1 and trimmers[0].daemon and trimmers[0].is_alive()
+
+
+def test_machines_count_this_one_and_each_other_host_once() -> None:
+    """Issue 56: a paged engine keeps one step in flight per machine its stages run on."""
+    from shardline.host import machines
+
+    local = {"10.0.0.5", "fe80::1", "box"}
+    assert machines([], local) == 1
+    assert machines(["127.0.0.1:7001", "localhost:7002", "[::1]:7003", "127.0.0.2:7004"], local) == 1
+    assert machines(["10.0.0.5:7001", "BOX:7002"], local) == 1  # this machine's own address and name
+    assert machines(["10.0.0.6:7001", "10.0.0.7:7001", "10.0.0.6:7002"], local) == 3
+    assert machines(["pc-a:7001", "127.0.0.1:7002"], local) == 2
+    with pytest.raises(ShardlineError, match="a worker's address must be HOST:PORT"):
+        machines(["nowhere"], local)
+
+
+def test_this_machines_addresses_include_loopback_and_its_name() -> None:
+    import socket
+
+    from shardline.host import local_addresses
+
+    mine = local_addresses()
+    assert "127.0.0.1" in mine and socket.gethostname().lower() in mine
