@@ -19,6 +19,12 @@ is one JSON object, ratios first.
     python bench/serving_load.py                                  # this tree vs llama-server, 3 rounds
     python bench/serving_load.py --tree base=/work/wt-6a5d720     # and an older commit (git worktree)
     python bench/serving_load.py --quick                          # smoke: c=1,2, 4 requests, 1 round
+    python bench/serving_load.py --workers 2 --workloads short    # over workers (issue 56, point 7)
+
+With `--workers N` each shardline system serves a paged export of N+1 balanced stages (made by
+that tree's own code), stage 0 in the server and stages 1..N on `shardline worker`s on loopback,
+and llama-server holds every layer on N ggml-rpc-servers (`--rpc`, split by layer), as a new
+user would run each over the same machines.
 
 llama-server comes from bench/llama_cpp_tools.sh (built from the llama-cpp-python sdist's
 vendored llama.cpp); GuideLLM from `pip install -c constraints.txt guidellm==0.8.1` (the bench
@@ -100,21 +106,76 @@ def server(name: str, cmd: list[str], work: Path, env: dict[str, str] | None = N
         proc.wait(timeout=30)
 
 
-def shardline(name: str, tree: Path, work: Path, extra: list[str]) -> Any:
-    """`shardline serve` of `tree` at its defaults (its own export of the default model)."""
+SHARDLINE_MAIN = ["-c", "import sys; from shardline.cli import main; sys.exit(main())"]
+
+
+@contextmanager
+def shardline(name: str, tree: Path, work: Path, extra: list[str], workers: int = 0) -> Iterator[System]:
+    """`shardline serve` of `tree` at its defaults (its own export of the default model); with
+    `workers`, over that many `shardline worker`s of an export of workers + 1 paged stages."""
     env = dict(os.environ, PYTHONPATH=str(tree / "src"), SHARDLINE_CACHE=str(work / f"cache-{name}"))
-    cmd = [sys.executable, "-c", "import sys; from shardline.cli import main; sys.exit(main())", "serve",
-           "--host", "127.0.0.1", "--port", str(free_port()), "--model-id", MODEL, *extra]
-    return server(name, cmd, work, env)
+    cmd = [sys.executable, *SHARDLINE_MAIN, "serve", "--host", "127.0.0.1", "--port", str(free_port()),
+           "--model-id", MODEL, *extra]
+    with ExitStack() as stack:
+        if workers:
+            shards = work / f"cache-{name}" / f"paged-{workers + 1}"
+            if not (shards / "manifest.json").exists():
+                subprocess.run([sys.executable, *SHARDLINE_MAIN, "export", "--stages", str(workers + 1), "--balance",
+                                "--weights", "gguf", "--paged", "--out", str(shards)], env=env, check=True)
+            addrs = [stack.enter_context(shardline_worker(f"{name} worker {k}", shards, k, work, env))
+                     for k in range(1, workers + 1)]
+            cmd += ["--shards", str(shards), "--workers", ",".join(addrs), "--insecure"]
+        yield stack.enter_context(server(name, cmd, work, env))
 
 
-def llama_server(binary: Path, gguf: Path, work: Path) -> Any:
+@contextmanager
+def shardline_worker(name: str, shards: Path, stage: int, work: Path, env: dict[str, str]) -> Iterator[str]:
+    port = free_port()
+    cmd = [sys.executable, *SHARDLINE_MAIN, "worker", "--shards", str(shards), "--stage", str(stage),
+           "--listen", f"127.0.0.1:{port}", "--insecure"]
+    with listening(name, cmd, port, work, env):
+        yield f"127.0.0.1:{port}"
+
+
+@contextmanager
+def listening(name: str, cmd: list[str], port: int, work: Path, env: dict[str, str] | None = None,
+              timeout_s: float = 600.0) -> Iterator[None]:
+    """A process that serves on `port` once it accepts a connection; killed when the block ends."""
+    log = work / f"{name.replace(' ', '_')}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: not listening on {port} ({proc.poll()}): see {log}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.3)
+        yield
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@contextmanager
+def llama_server(binary: Path, gguf: Path, work: Path, rpc: int = 0) -> Iterator[System]:
+    """llama-server on `gguf`; with `rpc`, every layer on that many ggml-rpc-servers (loopback)."""
     # --no-repack: llama.cpp's repacked (AMX) CPU buffers die with SIGILL/SIGSEGV on these VMs.
     # 8 slots of 4096 tokens: every level runs at once, a 2k prompt fits a slot.
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(free_port()), "-t", "2",
            "--parallel", str(max(LEVELS)), "-c", str(max(LEVELS) * 4096), "--no-webui", "--no-repack",
            "--alias", MODEL]
-    return server("llama-server", cmd, work)
+    with ExitStack() as stack:
+        if rpc:
+            ports = [free_port() for _ in range(rpc)]
+            for i, port in enumerate(ports):
+                stack.enter_context(listening(f"rpc-server {i}", [str(binary.parent / "ggml-rpc-server"), "-H",
+                                                                  "127.0.0.1", "-p", str(port), "-t", "2"], port, work))
+            cmd += ["--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-ngl", "999", "-sm", "layer"]
+        yield stack.enter_context(server(f"llama-server rpc x{rpc}" if rpc else "llama-server", cmd, work))
 
 
 def mixed_dataset(tokenizer_dir: Path, n: int, path: Path, tag: int) -> Path:
@@ -216,6 +277,8 @@ def main() -> int:
     p.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
     p.add_argument("--no-llama-server", action="store_true")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "shardline-serving-load")
+    p.add_argument("--workers", type=int, default=0,
+                   help="stages 1..N on shardline workers, and llama-server's layers on N ggml-rpc-servers")
     args = p.parse_args()
     levels = (1, 2) if args.quick else tuple(int(c) for c in args.levels.split(","))
     rounds, requests = (1, 4) if args.quick else (args.rounds, args.requests)
@@ -228,19 +291,21 @@ def main() -> int:
     from shardline.model.source import default_model_path
 
     with ExitStack() as stack:
-        systems = [stack.enter_context(shardline("shardline", HERE, args.work, args.serve_args.split()))]
+        w = args.workers
+        systems = [stack.enter_context(shardline("shardline", HERE, args.work, args.serve_args.split(), w))]
         for spec in args.variant:
             name, _, flags = spec.partition("=")
-            systems.append(stack.enter_context(shardline(f"shardline {name}", HERE, args.work, flags.split())))
+            systems.append(stack.enter_context(shardline(f"shardline {name}", HERE, args.work, flags.split(), w)))
         for spec in args.tree:
             name, _, tree = spec.partition("=")
-            systems.append(stack.enter_context(shardline(f"shardline {name}", Path(tree), args.work, [])))
+            systems.append(stack.enter_context(shardline(f"shardline {name}", Path(tree), args.work, [], w)))
         if not args.no_llama_server:
             if not args.llama_server.exists():
                 print(f"no llama-server at {args.llama_server} (bash bench/llama_cpp_tools.sh): left out",
                       file=sys.stderr)
             else:
-                systems.append(stack.enter_context(llama_server(args.llama_server, default_model_path(), args.work)))
+                systems.append(stack.enter_context(llama_server(args.llama_server, default_model_path(), args.work,
+                                                                args.workers)))
         tokenizer_dir = next((args.work / "cache-shardline").glob("*/tokenizer.json")).parent
 
         def data(workload: str, tag: int) -> str:
@@ -266,7 +331,8 @@ def main() -> int:
                         print(f"round {r} {w} c={c} {s.name}: {fig['out_tok_s']:.1f} tok/s, "
                               f"TTFT p50 {fig['ttft_p50_ms']:.0f} ms", file=sys.stderr, flush=True)
         result = report(systems, workloads, levels)
-    result.update(rounds=rounds, requests=requests, quiet_at_start=quiet, load_at_start=round(load, 2),
+    result.update(rounds=rounds, requests=requests, workers=args.workers, quiet_at_start=quiet,
+                  load_at_start=round(load, 2),
                   minutes=round((time.time() - started) / 60, 1),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(json.dumps(result))

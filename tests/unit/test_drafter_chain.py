@@ -13,7 +13,7 @@ import numpy as np
 
 from shardline.config import COMPACT_AT, SamplingParams
 from shardline.stage.cache import StepInputs
-from shardline.stage.draft_model import ModelDrafter
+from shardline.stage.draft_model import KeyedKv, ModelDrafter
 
 VOCAB = 23
 
@@ -57,6 +57,9 @@ class FakeModel:
     lock: threading.Lock = field(default_factory=threading.Lock)
     token_s: float = 0.001
 
+    def kv(self, key: int) -> KeyedKv:
+        return KeyedKv(self, key)  # type: ignore[arg-type]  # a fake of DraftModel's keyed side
+
 
 def greedy_continuation(context: list[int], k: int) -> list[int]:
     text = list(context)
@@ -80,7 +83,7 @@ def test_every_proposal_continues_the_accepted_text_and_drafts_ahead_cost_nothin
         proposal = drafter.propose(context, k, greedy).tokens if k else []
         compactions += len(model.runner.slots[1]) < slots
         assert proposal == greedy_continuation(context, k)
-        if k and ready >= k and drafter.book.masked < 128:
+        if k and ready >= k and drafter.kv.book.masked < 128:
             assert model.runner.calls == before  # every draft offered was drawn ahead
             free += 1
         for _ in range(int(rng.integers(0, 6)) if k else 0):  # the step is out: draw ahead
@@ -95,7 +98,7 @@ def test_every_proposal_continues_the_accepted_text_and_drafts_ahead_cost_nothin
         if guess is not None and kept == k > 0:
             assert guess == truth  # the guess is the draft model's own continuation
         context = context + proposal[:kept] + [target]
-        assert drafter.book.position == drafter.fed + drafter.pending
+        assert drafter.kv.book.position == drafter.fed + drafter.pending
         # what admission budgets the draft's KV (server.stream_limits, here with k_max = 5)
         assert len(model.runner.slots[1]) <= len(context) + COMPACT_AT + 2 * (2 * 5 + 1)
     assert free > 20 and compactions >= 1, (free, compactions)
@@ -116,7 +119,7 @@ def test_drafts_ahead_that_the_target_did_not_take_are_dropped() -> None:
     context = context + first + [other]
     assert drafter.propose(context, 3, greedy).tokens == greedy_continuation(context, 3)
     held = model.runner.slots[1]
-    assert len(held) - drafter.book.masked == len(context) + 2  # the text, then two drafts fed
+    assert len(held) - drafter.kv.book.masked == len(context) + 2  # the text, then two drafts fed
 
 
 def test_a_drafter_that_offered_nothing_catches_up_in_idle_time() -> None:

@@ -10,26 +10,26 @@ from shardline.disagg.prefill import PrefillOnly
 from shardline.pipeline.plan import KvExport, KvImport, KvMove, Plan, PrefillStep, Step, execute
 from shardline.serving.kv_table import KvTable
 from shardline.serving.prefix import PrefixCache
-from shardline.serving.scheduler import Scheduler, SchedulerConfig
+from shardline.serving.scheduler import KeyedScheduler, SchedulerConfig
 from shardline.serving.stream import Stream
 from shardline.stage.cache import KVBook
 
 
-def _prefill_scheduler(chunked: bool) -> tuple[Scheduler, Stream]:
-    sched = Scheduler(SchedulerConfig(chunk=4, groups=0, max_prefills=1, pacing=None), PrefillOnly(chunked))
+def _prefill_scheduler(chunked: bool) -> tuple[KeyedScheduler, Stream]:
+    sched = KeyedScheduler(SchedulerConfig(chunk=4, groups=0, max_prefills=1, pacing=None), PrefillOnly(chunked))
     s = Stream(5, list(range(100, 110)), SamplingParams(), 8, key=sched.kv.lease())
     sched.add(s)
     return sched, s
 
 
-def _complete(sched: Scheduler, step: Step) -> None:
+def _complete(sched: KeyedScheduler, step: Step) -> None:
     for r, sid in enumerate(step.streams):
         stream = sched.streams[sid]
         stream.in_flight = False
         stream.generated += [7] * step.entries(r)
 
 
-def _rounds(sched: Scheduler, n: int) -> list[Plan]:
+def _rounds(sched: KeyedScheduler, n: int) -> list[Plan]:
     plans = []
     for _ in range(n):
         plans.append(sched.plan())
@@ -64,7 +64,7 @@ def test_a_leaving_stream_s_prompt_is_kept_before_its_lease_is_released() -> Non
     """With a prefix cache, a prefill instance keeps each leaving prompt's KV (a copy within the
     stages, before the release); the next prompt sharing it starts from a copy of that entry
     and prefills only the rest, and leaves with its whole KV exported."""
-    sched = Scheduler(SchedulerConfig(chunk=8, groups=0, max_prefills=1, pacing=None), PrefillOnly(),
+    sched = KeyedScheduler(SchedulerConfig(chunk=8, groups=0, max_prefills=1, pacing=None), PrefillOnly(),
                       PrefixCache(1 << 20, 1, min_tokens=4))
     system = list(range(100, 110))
     first = Stream(1, system + [7, 8], SamplingParams(), 8, key=sched.kv.lease(), prefix_scope="")
@@ -90,7 +90,7 @@ def test_a_leaving_stream_s_prompt_is_kept_before_its_lease_is_released() -> Non
 
 
 def test_a_stream_ending_at_its_first_token_does_not_leave() -> None:
-    sched = Scheduler(SchedulerConfig(chunk=16, groups=0, max_prefills=1, pacing=None), PrefillOnly())
+    sched = KeyedScheduler(SchedulerConfig(chunk=16, groups=0, max_prefills=1, pacing=None), PrefillOnly())
     s = Stream(1, [3, 4, 5], SamplingParams(), 1, key=sched.kv.lease())
     sched.add(s)
     (plan, after) = _rounds(sched, 2)
@@ -99,7 +99,7 @@ def test_a_stream_ending_at_its_first_token_does_not_leave() -> None:
 
 
 def test_a_coupled_scheduler_moves_no_kv() -> None:
-    sched = Scheduler(SchedulerConfig(chunk=4, groups=0, pacing=None))
+    sched = KeyedScheduler(SchedulerConfig(chunk=4, groups=0, pacing=None))
     sched.add(Stream(1, list(range(10)), SamplingParams(), 3))
     plans = _rounds(sched, 6)
     assert all(not p.exports and not p.imports for p in plans) and sched.take_left() == []

@@ -184,6 +184,10 @@ def test_a_prefix_is_shared_by_block_once_written() -> None:
     assert a.blocks is not None and late.blocks is not None
     assert late.blocks.blocks[:3] == a.blocks.blocks[:3] and sched.stats.tokens_saved == 12
     assert other.blocks is not None and not set(other.blocks.blocks) & set(a.blocks.blocks)
+    before = sched.pool.counts()
+    # a front's reading (issue 56: the engine asks any scheduler): a's written blocks, nothing taken
+    assert sched.covers([*system, 7, 8], "k") == 12 and sched.covers([*system, 7, 8], "a third key") == 0
+    assert sched.pool.counts() == before and _sched(prefix=False).covers([*system, 7, 8], "k") == 0
 
 
 def test_drafts_ride_after_the_token_and_rejected_ones_give_their_blocks_back() -> None:

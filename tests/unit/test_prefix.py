@@ -11,7 +11,7 @@ from shardline.config import SamplingParams
 from shardline.errors import ShardlineError
 from shardline.pipeline.plan import KvCopy, Lease
 from shardline.serving.prefix import PrefixCache
-from shardline.serving.scheduler import Scheduler, SchedulerConfig
+from shardline.serving.scheduler import KeyedScheduler, SchedulerConfig
 from shardline.serving.stream import Stream, new_stream_id
 
 SLOT = 1000  # bytes per slot
@@ -84,11 +84,11 @@ def _stream(prompt: list[int], scope: str | None = "", prompt_kept: bool = True)
     return Stream(new_stream_id(), prompt, SamplingParams(), 8, prefix_scope=scope, prompt_kept=prompt_kept)
 
 
-def _scheduler(cache: PrefixCache) -> Scheduler:
-    return Scheduler(SchedulerConfig(chunk=64, groups=0, pacing=None), prefix=cache)
+def _scheduler(cache: PrefixCache) -> KeyedScheduler:
+    return KeyedScheduler(SchedulerConfig(chunk=64, groups=0, pacing=None), prefix=cache)
 
 
-def _ended(sched: Scheduler, prompt: list[int], generated: list[int], scope: str | None = "") -> Stream:
+def _ended(sched: KeyedScheduler, prompt: list[int], generated: list[int], scope: str | None = "") -> Stream:
     """A stream run to its end by hand: its prompt in one chunk, then a decode step per token."""
     s = _stream(prompt, scope)
     s.key = sched.kv.lease()
@@ -164,7 +164,7 @@ def test_a_copy_that_failed_is_a_cold_start_and_an_opted_out_stream_neither_reus
 @pytest.mark.parametrize("scope", ["", "alice"])
 def test_a_stream_in_a_decode_group_is_kept_from_its_row(scope: str) -> None:
     cache = _cache(1000)
-    sched = Scheduler(SchedulerConfig(chunk=64, groups=1, pacing=None), prefix=cache)
+    sched = KeyedScheduler(SchedulerConfig(chunk=64, groups=1, pacing=None), prefix=cache)
     a, b = _stream(list(range(10, 30)), scope), _stream(list(range(40, 70)), scope)
     for s in (a, b):
         s.key = sched.kv.lease()
@@ -212,7 +212,7 @@ def test_a_prompt_is_kept_once_in_so_that_one_arriving_meanwhile_starts_from_it(
     assert sched.plan().copies == ()  # the entry holds all of b's prompt but its last 2: not kept again
 
 
-def _added(sched: Scheduler, prompt: list[int], scope: str | None = "") -> Stream:
+def _added(sched: KeyedScheduler, prompt: list[int], scope: str | None = "") -> Stream:
     s = _stream(prompt, scope, prompt_kept=False)
     s.key = sched.kv.lease()
     s.book = sched.kv.book(s.key)
@@ -225,7 +225,7 @@ def test_prompts_arriving_together_with_one_system_prompt_wait_for_the_first_the
     to be kept, then copy it and prefill only their own tokens; a prompt sharing little (a chat
     template's header), one opted out, or one of another scope never waits."""
     cache = _cache(1000)
-    sched = Scheduler(SchedulerConfig(chunk=64, groups=0, pacing=None, max_prefills=6), prefix=cache)
+    sched = KeyedScheduler(SchedulerConfig(chunk=64, groups=0, pacing=None, max_prefills=6), prefix=cache)
     system = list(range(100, 200))
     a = _added(sched, [*system, 1, 2, 3])
     b, c = _added(sched, [*system, 4, 5, 6]), _added(sched, [*system, 7])
@@ -254,7 +254,7 @@ def test_prompts_arriving_together_with_one_system_prompt_wait_for_the_first_the
 
 def test_a_stream_waiting_for_an_earlier_prompt_starts_cold_when_that_one_ends_first() -> None:
     cache = _cache(1000)
-    sched = Scheduler(SchedulerConfig(chunk=64, groups=0, pacing=None), prefix=cache)
+    sched = KeyedScheduler(SchedulerConfig(chunk=64, groups=0, pacing=None), prefix=cache)
     system = list(range(100, 200))
     a, b = _added(sched, [*system, 1]), _added(sched, [*system, 2])
     assert [s.streams for s in sched.plan().steps] == [(a.id,)]
@@ -265,7 +265,7 @@ def test_a_stream_waiting_for_an_earlier_prompt_starts_cold_when_that_one_ends_f
     assert (cache.stats.hits, cache.stats.misses) == (0, 2)
 
 
-def _land(sched: Scheduler, copy: KvCopy, error: Exception | None = None) -> None:
+def _land(sched: KeyedScheduler, copy: KvCopy, error: Exception | None = None) -> None:
     """What the engine does when a copy's Moved comes out of the pipeline: it takes it in."""
     if error is None:
         copy.done.set_result(None)

@@ -11,7 +11,7 @@ from shardline.errors import ShardlineError
 from shardline.pipeline.plan import PrefillStep
 from shardline.serving.drafters import LookupDrafter
 from shardline.serving.replay import Replays, refusal
-from shardline.serving.scheduler import Scheduler, SchedulerConfig
+from shardline.serving.scheduler import KeyedScheduler, SchedulerConfig
 from shardline.serving.speculation import Speculation
 from shardline.serving.stream import Stream
 
@@ -56,7 +56,7 @@ def test_a_restart_forgets_the_kv_and_drafts_and_keeps_every_token() -> None:
 
 
 def test_replayed_group_members_prefill_again_on_new_leases_in_their_places() -> None:
-    sched = Scheduler(SchedulerConfig(chunk=6, groups=1))
+    sched = KeyedScheduler(SchedulerConfig(chunk=6, groups=1))
     for s in (_decoding(1, [7, 8]), _decoding(2, [9])):
         sched.add(s)
     (launch,) = sched.plan().steps  # a group forms: both streams are its rows

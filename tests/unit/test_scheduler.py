@@ -8,7 +8,7 @@ from shardline.config import SamplingParams
 from shardline.errors import ShardlineError
 from shardline.pipeline.plan import DecodeStep, PrefillStep, Step, execute
 from shardline.serving.kv_table import KvTable, group_lease
-from shardline.serving.scheduler import Scheduler, SchedulerConfig
+from shardline.serving.scheduler import KeyedScheduler, SchedulerConfig
 from shardline.serving.stream import Stream
 
 
@@ -16,7 +16,7 @@ def _stream(i: int, prompt: int, max_tokens: int = 50) -> Stream:
     return Stream(i, list(range(100, 100 + prompt)), SamplingParams(), max_tokens)
 
 
-def _complete(sched: Scheduler, step: Step, token: int = 7) -> None:
+def _complete(sched: KeyedScheduler, step: Step, token: int = 7) -> None:
     """What the engine does with a step's outcomes: each asked position gives a token."""
     for r, s in enumerate(step.streams):
         stream = sched.streams[s]
@@ -25,7 +25,7 @@ def _complete(sched: Scheduler, step: Step, token: int = 7) -> None:
 
 
 def test_a_long_prompt_goes_in_chunks_one_at_a_time() -> None:
-    sched = Scheduler(SchedulerConfig(chunk=4, groups=0))
+    sched = KeyedScheduler(SchedulerConfig(chunk=4, groups=0))
     sched.add(_stream(1, 10))
     seen = []
     while True:
@@ -45,7 +45,7 @@ def test_a_long_prompt_goes_in_chunks_one_at_a_time() -> None:
 
 
 def test_prefill_chunks_interleave_with_a_running_group() -> None:
-    sched = Scheduler(SchedulerConfig(chunk=8, groups=1))
+    sched = KeyedScheduler(SchedulerConfig(chunk=8, groups=1))
     sched.add(_stream(1, 3))
     (p,) = sched.plan().steps
     _complete(sched, p)
@@ -62,14 +62,14 @@ def test_prefill_chunks_interleave_with_a_running_group() -> None:
 
 
 def test_at_most_max_prefills_prompts_at_once_oldest_first() -> None:
-    sched = Scheduler(SchedulerConfig(chunk=2, groups=1, max_prefills=2))
+    sched = KeyedScheduler(SchedulerConfig(chunk=2, groups=1, max_prefills=2))
     for i in (1, 2, 3):
         sched.add(_stream(i, 6))
     assert [s.streams for s in sched.plan().steps] == [(1,), (2,)]
 
 
 def test_without_groups_every_stream_decodes_on_its_own_key() -> None:
-    sched = Scheduler(SchedulerConfig(groups=0))
+    sched = KeyedScheduler(SchedulerConfig(groups=0))
     for i in (1, 2):
         sched.add(_stream(i, 3))
     for s in sched.plan().steps:
@@ -80,7 +80,7 @@ def test_without_groups_every_stream_decodes_on_its_own_key() -> None:
 
 
 def test_a_new_stream_joins_the_group_at_its_next_step() -> None:
-    sched = Scheduler(SchedulerConfig(groups=1))
+    sched = KeyedScheduler(SchedulerConfig(groups=1))
     sched.add(_stream(1, 3))
     for s in sched.plan().steps:
         _complete(sched, s)
@@ -96,7 +96,7 @@ def test_a_new_stream_joins_the_group_at_its_next_step() -> None:
 
 
 def test_ending_streams_release_their_keys_and_an_emptied_group() -> None:
-    sched = Scheduler(SchedulerConfig(groups=1))
+    sched = KeyedScheduler(SchedulerConfig(groups=1))
     a, b, c = _stream(1, 3), _stream(2, 3), _stream(3, 3)
     sched.add(a)
     sched.add(b)
@@ -134,7 +134,7 @@ class _Recorder:
 
 
 def test_a_plan_releases_the_keys_of_ended_streams_before_its_steps() -> None:
-    sched = Scheduler(SchedulerConfig(chunk=8, groups=0))
+    sched = KeyedScheduler(SchedulerConfig(chunk=8, groups=0))
     a, b, c = _stream(1, 3), _stream(2, 3), _stream(3, 3)
     for s in (a, b):
         sched.add(s)
@@ -164,7 +164,7 @@ def test_a_kv_table_issues_fresh_leases_and_hands_freed_ones_over_once() -> None
 
 
 def test_a_replayed_stream_keeps_its_id_and_frees_its_old_lease() -> None:
-    sched = Scheduler(SchedulerConfig(chunk=8, groups=0))
+    sched = KeyedScheduler(SchedulerConfig(chunk=8, groups=0))
     s = _stream(7, 3)
     s.key = sched.kv.lease()
     sched.add(s)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from shardline.config import PacingConfig, SamplingParams
 from shardline.pipeline.plan import DecodeStep, PrefillStep, Step
 from shardline.pipeline.timing import Timing
-from shardline.serving.scheduler import Scheduler, SchedulerConfig
+from shardline.serving.scheduler import KeyedScheduler, SchedulerConfig
 from shardline.serving.stream import Stream
 
 
@@ -28,7 +28,7 @@ class Run:
     once per step (a group's rows share one, as in the engine)."""
 
     def __init__(self, cfg: SchedulerConfig | None = None) -> None:
-        self.sched = Scheduler(cfg or SchedulerConfig())
+        self.sched = KeyedScheduler(cfg or SchedulerConfig())
         self.round = 0
         self.first_chunk: dict[int, int] = {}
         self.first_token: dict[int, int] = {}
@@ -158,7 +158,7 @@ def test_a_short_prompt_never_waits_for_a_paced_one_sharing_its_start() -> None:
     waits for it to be kept) does not hold a short prompt behind a long, paced one."""
     from shardline.serving.prefix import PrefixCache
 
-    sched = Scheduler(SchedulerConfig(), prefix=PrefixCache(1 << 30, 1000))
+    sched = KeyedScheduler(SchedulerConfig(), prefix=PrefixCache(1 << 30, 1000))
     for i in (1, 2):  # two streams decode: the long prompt is paced
         sched.add(Stream(i, list(range(10, 42)), SamplingParams(), 10_000, prefix_scope=""))
     run = Run()

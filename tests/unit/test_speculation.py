@@ -17,7 +17,7 @@ from shardline.decoding.sampler import choose_at, probabilities
 from shardline.decoding.speculative import Drafted, accepted, verify_draw
 from shardline.pipeline.plan import DecodeStep
 from shardline.serving.drafters import LOOKUP_PRIOR
-from shardline.serving.scheduler import Scheduler, SchedulerConfig
+from shardline.serving.scheduler import KeyedScheduler, SchedulerConfig
 from shardline.serving.speculation import (
     PROBE_EVERY,
     Acceptance,
@@ -152,13 +152,13 @@ def _decoding(i: int, drafts: list[int], k: int) -> Stream:
     return s
 
 
-def _offered(sched: Scheduler) -> dict[int, Proposal]:
+def _offered(sched: KeyedScheduler) -> dict[int, Proposal]:
     """What the engine's speculation hands the scheduler: each stream's drafts, by stream."""
     return {s.id: s.spec.proposal for s in sched.streams.values() if s.spec and s.spec.planned}
 
 
 def test_a_group_verifies_rows_with_different_k_padded_to_the_longest() -> None:
-    sched = Scheduler(SchedulerConfig(groups=1))
+    sched = KeyedScheduler(SchedulerConfig(groups=1))
     a, b = _decoding(1, [4, 5, 6], 3), _decoding(2, [7], 1)
     sched.add(a)
     sched.add(b)
@@ -171,7 +171,7 @@ def test_a_group_verifies_rows_with_different_k_padded_to_the_longest() -> None:
 
 
 def test_a_verify_step_of_one_stream_compacts_once_enough_slots_are_masked() -> None:
-    sched = Scheduler(SchedulerConfig(groups=0, compact_at=3))
+    sched = KeyedScheduler(SchedulerConfig(groups=0, compact_at=3))
     s = _decoding(1, [4, 5, 6], 3)
     s.book.commit(s.book.plan([9, 4, 5, 6]))
     s.book.mask_last(3)  # three drafts rejected
@@ -197,7 +197,7 @@ def test_a_speculating_stream_never_holds_more_slots_than_admission_counts() -> 
     server.stream_limits budgets per stream."""
     rng = np.random.default_rng(1)
     for groups in (0, 1):
-        sched = Scheduler(SchedulerConfig(groups=groups, compact_at=16))
+        sched = KeyedScheduler(SchedulerConfig(groups=groups, compact_at=16))
         streams = [_decoding(i, list(range(50, 58)), 8) for i in (1, 2)]
         for s in streams:
             s.max_tokens = 10**6
@@ -289,7 +289,7 @@ def test_the_scheduler_places_only_the_drafts_it_is_given() -> None:
     """Speculation decides the drafts; the scheduler reads no stream's speculation, it places
     what the plan call hands it (here: none, then the stream's own)."""
     for groups in (0, 1):
-        plain, spec = Scheduler(SchedulerConfig(groups=groups)), Scheduler(SchedulerConfig(groups=groups))
+        plain, spec = KeyedScheduler(SchedulerConfig(groups=groups)), KeyedScheduler(SchedulerConfig(groups=groups))
         plain.add(_decoding(1, [4, 5, 6], 3))
         spec.add(_decoding(1, [4, 5, 6], 3))
         (a,) = plain.plan().steps

@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import count
 from typing import Protocol
 
@@ -41,11 +41,10 @@ from shardline.serving.admission import Limits, accepts, to_admit
 from shardline.serving.constrained import brief
 from shardline.serving.engine_spec import SpecDriver
 from shardline.serving.kv_blocks import BlockCounts
-from shardline.serving.paged_scheduler import PagedScheduler
 from shardline.serving.prefix import PrefixCache, PrefixStats
 from shardline.serving.replay import Replays, refusal
 from shardline.serving.roles import Coupled, Role
-from shardline.serving.scheduler import Scheduler, SchedulerConfig
+from shardline.serving.scheduler import KeyedScheduler, Scheduler, SchedulerConfig
 from shardline.serving.speculation import Drafts, SpecStats
 from shardline.serving.status import stall
 from shardline.serving.stops import Detokenizer, StopText
@@ -148,11 +147,12 @@ class Engine:
     def __init__(self, pipe: Pipeline, limits: Limits, max_context: int,
                  scheduling: SchedulerConfig | None = None, drafts: Drafts | None = None,
                  replays: Replays | None = None, role: Role | None = None, prefix: PrefixCache | None = None,
-                 scheduler: PagedScheduler | None = None) -> None:
+                 scheduler: Scheduler | None = None) -> None:
         """`role`: what this engine serves in disaggregated serving (disagg/: a prefill or a
         decode instance); None: coupled, every request prefills and decodes here. `prefix`:
         ended streams' KV kept and reused by later prompts (None: off). `scheduler`: a paged
-        pipeline's (serving/paged_scheduler.py: its blocks, its prefix reuse), else the keyed one."""
+        pipeline's (serving/paged_scheduler.py: its blocks, its prefix reuse), else a keyed one
+        of `scheduling` and `prefix`."""
         self.pipe = pipe
         self.role: Role = role or Coupled()
         self.replays = replays or Replays()  # how often and how long a lost stream is replayed
@@ -160,7 +160,7 @@ class Engine:
         self.max_context = max_context
         if scheduler is not None:  # the role says which streams leave, whichever the scheduler
             scheduler.handoffs = self.role.handoffs
-        self.scheduler = scheduler or Scheduler(scheduling, self.role.handoffs, prefix)
+        self.scheduler: Scheduler = scheduler or KeyedScheduler(scheduling, self.role.handoffs, prefix)
         self.spec = SpecDriver(drafts, self.scheduler, pipe)
         self._waiting: deque[Ticket] = deque()
         self._cancels: deque[Ticket] = deque()
@@ -231,32 +231,24 @@ class Engine:
 
     def prefix_stats(self) -> tuple[PrefixStats, int]:
         """Prefix reuse so far and the bytes its entries hold (any thread: a snapshot)."""
-        if isinstance(self.scheduler, PagedScheduler):  # shared blocks: the cached ones are what is kept
-            return self.scheduler.prefix_stats(), self.scheduler.pool.cached * self.scheduler.block_bytes
-        reuse = self.scheduler.reuse
-        return (replace(reuse.cache.stats), reuse.cache.held) if reuse is not None else (PrefixStats(), 0)
+        return self.scheduler.kept()
 
     def kv_blocks(self) -> BlockCounts | None:
         """A paged pool's blocks by state now (any thread); None on the keyed runner."""
-        return self.scheduler.pool.counts() if isinstance(self.scheduler, PagedScheduler) else None
+        return self.scheduler.block_counts()
 
     def prefix_covers(self, request: Request) -> int:
         """How many of `request`'s prompt tokens a kept prefix would save now (any thread: a
         reading that may be stale by the time the request starts; a front routes by it)."""
-        reuse = self.scheduler.reuse
-        if reuse is None or not request.cache_prompt:
-            return 0
-        n = reuse.cache.covers(request.prompt[:-1], request.scope)  # as `match` counts: the last token runs
-        return n if n >= reuse.cache.min_tokens else 0
+        return self.scheduler.covers(request.prompt, request.scope) if request.cache_prompt else 0
 
     def drop_prefixes(self) -> None:
         """After `stop`: every kept entry released on every stage, so that the pipeline, which
         goes on under another engine (an instance that changes role), holds none of them."""
         if self._thread.is_alive():
             raise ShardlineError("kept prefixes are dropped only once the engine has stopped")
-        if self.scheduler.reuse is not None:
-            self.scheduler.reuse.clear()
-            execute(self.pipe, Plan(tuple(self.scheduler.releases())), self._step_failed)
+        if released := self.scheduler.drop_kept():
+            execute(self.pipe, Plan(tuple(released)), self._step_failed)
 
     def queued(self) -> list[Ticket]:
         """The waiting tickets, oldest first (any thread: a snapshot)."""
@@ -312,8 +304,8 @@ class Engine:
         self.groups_live = sum(1 for g in self.scheduler.groups if g.members())
         self.kv_slots_live = self.scheduler.kv.slots()
         blocks = self.kv_blocks()
-        if blocks is not None and isinstance(self.scheduler, PagedScheduler):
-            self.kv_bytes_live = blocks.held * self.scheduler.block_bytes
+        if blocks is not None:
+            self.kv_bytes_live = self.scheduler.held_bytes()
         self.stalled = stall(plan, list(self.scheduler.streams.values()), blocks)
         for step in plan.steps:
             if isinstance(step, DecodeStep | RaggedStep):

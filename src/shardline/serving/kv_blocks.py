@@ -87,18 +87,27 @@ class BlockPool:
         """A new table holding the longest cached prefix of `tokens` in `scope` (full blocks, and
         never the last token: its logits must be computed). The blocks are referenced, not copied."""
         table = BlockTable()
-        previous = b""
+        for block, digest in self._cached_prefix(tokens, scope):
+            self._take(block)
+            table.blocks.append(block)
+            table.hashes.append(digest)
+            table.written += self.block_size
+        return table
+
+    def covers(self, tokens: Sequence[int], scope: Hashable) -> int:
+        """The tokens `match` would find cached now, nothing taken (any thread: a reading)."""
+        return len(self._cached_prefix(tokens, scope)) * self.block_size
+
+    def _cached_prefix(self, tokens: Sequence[int], scope: Hashable) -> list[tuple[int, bytes]]:
+        found, previous = [], b""
         for start in range(0, len(tokens) - 1 - self.block_size + 1, self.block_size):
             digest = chain(previous, scope, tokens[start : start + self.block_size])
             block = self._by_hash.get(digest)
             if block is None:
                 break
-            self._take(block)
-            table.blocks.append(block)
-            table.hashes.append(digest)
-            table.written += self.block_size
+            found.append((block, digest))
             previous = digest
-        return table
+        return found
 
     def grow(self, table: BlockTable, tokens: int) -> None:
         """Enough blocks in `table` for `tokens` tokens (ShardlineError, nothing taken, if the pool

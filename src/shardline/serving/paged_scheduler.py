@@ -44,7 +44,7 @@ from shardline.pipeline.ragged_step import Part, RaggedStep
 from shardline.pipeline.timing import Timing
 from shardline.serving.constrained import late_masks
 from shardline.serving.groups import Groups
-from shardline.serving.kv_blocks import BlockPool, BlockTable, blocks_for
+from shardline.serving.kv_blocks import BlockCounts, BlockPool, BlockTable, blocks_for
 from shardline.serving.kv_table import KvTable
 from shardline.serving.pacing import Pacing
 from shardline.serving.prefix import PrefixStats
@@ -79,8 +79,7 @@ class PagedScheduler:
         self.budget = Budget(max(self.cfg.chunk, self.cfg.short_chunk))  # prompt tokens a step may add
         self.streams: dict[int, Stream] = {}  # running, by id, in admission order
         self.kv = KvTable()  # leases (a stream's identity on the stages is its blocks: nothing to release)
-        self.groups = Groups(0, 1)  # none on this runner (the engine's speculation asks)
-        self.reuse = None
+        self.groups = Groups(0, 1)  # none on blocks: every stream's tokens ride in one ragged step
         self.preempted = 0
         self.stats = PrefixStats()  # prefix reuse by shared blocks (hits, and the prompt tokens they saved)
         self._sent: dict[int, _Sent] = {}
@@ -133,6 +132,25 @@ class PagedScheduler:
 
     def releases(self) -> list[int]:
         return list(self.kv.take_freed())
+
+    def kept(self) -> tuple[PrefixStats, int]:
+        """Shared blocks: the cached ones are what is kept."""
+        return self.prefix_stats(), self.pool.cached * self.block_bytes
+
+    def covers(self, prompt: list[int], scope: str) -> int:
+        """The prompt tokens cached full blocks hold now (a reading: nothing is taken)."""
+        return self.pool.covers(prompt, scope) if self.prefix else 0
+
+    def drop_kept(self) -> list[int]:
+        """Nothing to release: a cached block lives in the pool, which the next scheduler over
+        this pipeline starts afresh."""
+        return self.releases()
+
+    def block_counts(self) -> BlockCounts | None:
+        return self.pool.counts()
+
+    def held_bytes(self) -> int | None:
+        return self.pool.held * self.block_bytes
 
     def moved(self, item: KvMove) -> None:
         """Nothing: a moved stream's blocks are the role's to wait for (exports as it leaves,

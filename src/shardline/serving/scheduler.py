@@ -1,6 +1,8 @@
-"""The scheduler decides what runs together; pipelines execute its plans.
+"""The scheduler decides what runs together; pipelines execute its plans. `Scheduler` is what
+the engine asks of one (the Protocol it is typed against); `KeyedScheduler` here plans a keyed
+pipeline's steps (stateful or static stages), PagedScheduler (paged_scheduler.py) a paged one's.
 
-Each call of `plan()` looks at every running stream and returns the round's `Plan`: the keys
+Each call of `KeyedScheduler.plan()` looks at every running stream and returns the round's `Plan`: the keys
 to release, then the steps to submit now:
 - decode: each decode group whose members all have their next token launches one batched
   step (joiners merged in first); with no groups, each such stream steps on its own;
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from shardline.config import COMPACT_AT, DEFAULT_PREFILL_CHUNK, PacingConfig
@@ -40,9 +42,10 @@ from shardline.pipeline.plan import KvMove, Lease, Plan, Step, decode_step, pref
 from shardline.pipeline.timing import Timing
 from shardline.serving.constrained import late_masks
 from shardline.serving.groups import MAX_ROWS, Groups
+from shardline.serving.kv_blocks import BlockCounts
 from shardline.serving.kv_table import KvTable
 from shardline.serving.pacing import Pacing
-from shardline.serving.prefix import PrefixCache
+from shardline.serving.prefix import PrefixCache, PrefixStats
 from shardline.serving.reuse import Reuse
 from shardline.serving.stream import Stream
 
@@ -74,7 +77,34 @@ class Handoffs(Protocol):
     def exports(self, s: Stream) -> bool: ...  # it stays, its KV written since its last export goes out now
 
 
-class Scheduler:
+class Scheduler(Protocol):
+    """What the engine, its speculation and the disaggregation roles ask of a scheduler."""
+
+    streams: dict[int, Stream]  # running, by id, in admission order
+    handoffs: Handoffs | None  # which streams leave (set by the engine from its role)
+    kv: KvTable  # the streams' leases
+    groups: Groups  # decode groups (none on blocks): the speculation reads a step's rows from them
+
+    def add(self, stream: Stream) -> None: ...
+    def remove(self, stream: Stream, keep: bool = False) -> None: ...  # it ended (`keep`: well)
+    def replay(self, stream: Stream, key: Lease) -> None: ...  # it starts again on `key`
+    def releases(self) -> list[int]: ...
+    def moved(self, item: KvMove) -> None: ...  # a KV move landed
+    def plan(self, drafts: Mapping[int, Proposal] | None = None) -> Plan: ...
+    def observe(self, stream: Stream, timing: Timing) -> None: ...  # what its step cost
+    def handoff(self, stream: Stream, kv: KvSnapshot) -> Handoff: ...
+    def room(self, tokens: int) -> bool: ...
+    def arrive(self, stream: Stream, moving: Handoff) -> Future[None]: ...
+    def unarrive(self, stream: Stream) -> None: ...
+    def take_left(self) -> list[Stream]: ...
+    def kept(self) -> tuple[PrefixStats, int]: ...  # prefix reuse so far, the bytes kept now (any thread)
+    def covers(self, prompt: list[int], scope: str) -> int: ...  # prompt tokens a kept prefix saves
+    def drop_kept(self) -> list[int]: ...  # every kept prefix dropped: the leases to release
+    def block_counts(self) -> BlockCounts | None: ...  # a block pool's (None: no blocks)
+    def held_bytes(self) -> int | None: ...  # the bytes of the blocks streams hold (None: no blocks)
+
+
+class KeyedScheduler:
     def __init__(self, cfg: SchedulerConfig | None = None, handoffs: Handoffs | None = None,
                  prefix: PrefixCache | None = None) -> None:
         self.cfg = cfg or SchedulerConfig()
@@ -125,6 +155,28 @@ class Scheduler:
         """A KV move landed: a prefix copy is taken in (reuse.py); the rest are the role's."""
         if self.reuse is not None:
             self.reuse.moved(item)
+
+    def kept(self) -> tuple[PrefixStats, int]:
+        reuse = self.reuse
+        return (replace(reuse.cache.stats), reuse.cache.held) if reuse is not None else (PrefixStats(), 0)
+
+    def covers(self, prompt: list[int], scope: str) -> int:
+        """A reading that may be stale by the time the request starts (a front routes by it)."""
+        if self.reuse is None:
+            return 0
+        n = self.reuse.cache.covers(prompt[:-1], scope)  # as `match` counts: the last token runs
+        return n if n >= self.reuse.cache.min_tokens else 0
+
+    def drop_kept(self) -> list[int]:
+        if self.reuse is not None:
+            self.reuse.clear()
+        return self.releases()
+
+    def block_counts(self) -> BlockCounts | None:
+        return None
+
+    def held_bytes(self) -> int | None:
+        return None
 
     def plan(self, drafts: Mapping[int, Proposal] | None = None) -> Plan:
         """This round's plan; `drafts`: the drafts each stream about to decode offers, by stream

@@ -22,7 +22,7 @@ from typing import Protocol
 from shardline.config import SamplingParams
 from shardline.pipeline.plan import DecodeStep, PrefillStep, StreamId
 from shardline.pipeline.plan import Step as PlannedStep
-from shardline.serving.scheduler import Scheduler, SchedulerConfig
+from shardline.serving.scheduler import KeyedScheduler, SchedulerConfig
 from shardline.serving.stream import Stream
 from shardline_tools.sim.costs import Costs
 
@@ -59,7 +59,7 @@ class Hooks:
 class Planner:
     def __init__(self, costs: Costs, cfg: SchedulerConfig, hooks: Hooks) -> None:
         self.costs, self.hooks = costs, hooks
-        self.scheduler = Scheduler(cfg)
+        self.scheduler = KeyedScheduler(cfg)
         self._reqs: dict[int, Request] = {}
 
     def add(self, key: int, r: Request, max_tokens: int) -> None:

@@ -25,7 +25,7 @@ prompt fits the KV tokens it has (`Costs.kv_tokens`) beside what its admitted re
 prefilling one its prompt, a decoding one its context): the vanilla admission a decode instance
 uses, so both modes run on the same memory. As there, a stream outgrowing the capacity is never
 evicted, and how far past it went is reported (`kv_overflow_peak`). Each iteration runs the real
-`Scheduler.plan()` (planner.py: the instance's requests are real streams): one step of every
+`KeyedScheduler.plan()` (planner.py: the instance's requests are real streams): one step of every
 decode group, then one chunk of each of the `max_prefills` oldest prompts, with fixed chunks; its
 steps run in that order, and the next iteration is planned when the last ends. So a long
 prompt's chunks sit between a running stream's tokens: the interference disaggregation removes.
