@@ -120,6 +120,7 @@ def shardline(name: str, tree: Path, work: Path, extra: list[str], workers: int 
         if workers:
             shards = work / f"cache-{name}" / f"paged-{workers + 1}"
             if not (shards / "manifest.json").exists():
+                shards.parent.mkdir(parents=True, exist_ok=True)
                 subprocess.run([sys.executable, *SHARDLINE_MAIN, "export", "--stages", str(workers + 1), "--balance",
                                 "--weights", "gguf", "--paged", "--out", str(shards)], env=env, check=True)
             addrs = [stack.enter_context(shardline_worker(f"{name} worker {k}", shards, k, work, env))
