@@ -176,7 +176,7 @@ def steps_in_flight(workers: list[str] | None, stages: int) -> int:
     one per stage). Stages on one machine share its cores: there a second step only contends with
     the first (measured over 2 workers on 2 cores: 4 streams decoded 3.0x faster with one step
     out than with three, BENCHMARKS.md issue 56), and every stream's tokens ride fused in one."""
-    return min(stages, machines(workers or [], local_addresses()))
+    return min(stages, machines(workers, local_addresses())) if workers else 1
 
 
 def paged_scheduling(cfg: ServeConfig, manifest: Manifest, pipe: PagedPipeline | RemotePipeline) -> SchedulerConfig:
@@ -316,9 +316,9 @@ def open_paged_disaggregated(folder: Path, manifest: Manifest, run: RunConfig, c
     instance takes (over the workers' links: KvPull / KvPush of blocks). Decode lengths are
     predicted as `cfg.length_predictor` says (a trained predictor from stage 0's summary of each
     prompt chunk of a ragged step, pipeline/hidden.py). `--kv-transfer chunk` reads a prompt's
-    full blocks out as its chunks write them (serving/paged_scheduler.py). With `cfg.flip`, an idle instance takes
-    the other role over its pipeline: the new role's scheduler starts from an empty pool (the
-    old engine is empty: no block is held; its cached prefixes are forgotten)."""
+    full blocks out as its chunks write them (serving/paged_scheduler.py). With `cfg.flip`, an
+    idle instance takes the other role over its pipeline: the new role's scheduler starts from
+    an empty pool (the old engine is empty: no block is held; its cached prefixes are forgotten)."""
     from shardline.disagg.decode import decode_instance
     from shardline.disagg.front import Disaggregated, FrontConfig
     from shardline.disagg.instance import Admission, FlipConfig
@@ -343,10 +343,11 @@ def open_paged_disaggregated(folder: Path, manifest: Manifest, run: RunConfig, c
                                                    flip=FlipConfig() if cfg.flip else None))
     sched = paged_scheduling(cfg, manifest, pipes[0])  # every instance's pool alike
     prefill_cfg = SchedulerConfig(chunk=sched.chunk, groups=0, max_prefills=1, pacing=None)
+    in_flight = steps_in_flight(workers, len(manifest.stages))
 
     def blocks(pipe: PagedPipeline | RemotePipeline, cfg: SchedulerConfig, prefix: bool) -> PagedScheduler:
         return PagedScheduler(cfg, BlockPool(pipe.blocks, pipe.block_size), prefix=prefix, block_bytes=pipe.block_bytes,
-                              in_flight=steps_in_flight(workers, len(manifest.stages)))
+                              in_flight=in_flight)
 
     def make(role: Role, pipe: PagedPipeline | RemotePipeline) -> PrefillRole | DecodeRole:
         if role is Role.PREFILL:

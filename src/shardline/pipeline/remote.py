@@ -358,9 +358,9 @@ class RemotePipeline:
         sent = Sent(step)
         began = time.perf_counter()
         hidden = self.paged0.run(step.batch, step.ids)
+        graph_s = time.perf_counter() - began
         if self.summarize:
             sent.hidden = ragged_chunks(step.streams, step.prompts, step.batch.begins, hidden)
-        graph_s = time.perf_counter() - began
         sent.expected_s = graph_s * (self.n_stages - 1)
         self._out(sent, ragged(step, next(self._seq), hidden.astype(self.dtype), graph_s, sent.started))
 
